@@ -1,0 +1,119 @@
+// LLaMA-family decoder on libtorch: CPU (fp32) and CUDA (bf16/fp16/fp32).
+//
+// Per layer: RMSNorm -> fused QKV projection (+bias for Qwen2) -> RoPE (rotate-half,
+// optional llama3/linear/factor scaling) -> attention as merged states -> output
+// projection -> residual -> RMSNorm -> SwiGLU MLP -> residual. Final RMSNorm and LM head.
+//
+// Attention at layer l is computed per key segment and merged (asmem::merge_states):
+//   1. prefix:  the state over a shared prefix segment (KVCache::prefix_*), positions
+//               0..prefix_len-1, or whatever an AttentionHook returns in its place;
+//   2. own:     the state over the sequence's own cached tokens plus the current chunk,
+//               causal, positions base_pos.. .
+// So the prefix part can be captured (compiler) or served from a dictionary (runtime)
+// without ever building a score matrix over prefix and own tokens together.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "asmem/model/attention.h"
+#include "asmem/model/config.h"
+
+namespace asmem {
+
+class WeightSource;
+
+// Key/value cache of post-RoPE keys and values in the model's dtype.
+struct KVCache {
+  // The sequences' own tokens, per layer [B, Hkv, capacity, d]; `length` filled.
+  std::vector<at::Tensor> k, v;
+  int64_t batch = 0;
+  int64_t capacity = 0;
+  int64_t length = 0;    // tokens cached per sequence
+  int64_t base_pos = 0;  // RoPE position of own token 0
+  // Optional shared prefix segment, per layer [Hkv, prefix_len, d] at positions
+  // 0..prefix_len-1, read by every sequence of the batch. Empty vectors when none.
+  std::vector<at::Tensor> prefix_k, prefix_v;
+  int64_t prefix_len = 0;
+
+  // Position the next token will take.
+  int64_t next_pos() const { return base_pos + length; }
+};
+
+// Sees (and may replace) the prefix part of attention at every layer.
+class AttentionHook {
+ public:
+  virtual ~AttentionHook() = default;
+  // q_pre: [B, T, Hq, d] pre-RoPE queries; q: the same after RoPE (model dtype).
+  // positions: [T] int64 absolute positions of the chunk's tokens.
+  // exact_prefix: the exact state over the cache's shared prefix segment (undefined when
+  // the cache has none). Returns the state to merge as the prefix part (undefined: none).
+  virtual AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
+                                 const at::Tensor& positions, const AttnState& exact_prefix) = 0;
+};
+
+struct ForwardOptions {
+  AttentionHook* hook = nullptr;   // null: use the exact prefix state as is
+  bool logits = true;              // compute logits at all
+  bool last_logits_only = false;   // logits of the last position only ([B, 1, V])
+};
+
+class LlamaModel {
+ public:
+  // Loads every weight from `weights` onto `device` in `dtype` (fp32 on CPU).
+  // Throws asmem::UnsupportedError for an unavailable device.
+  LlamaModel(const WeightSource& weights, at::Device device, at::ScalarType dtype);
+  ~LlamaModel();
+
+  const ModelConfig& config() const { return cfg_; }
+  at::Device device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
+  // Bytes of weights held on the device.
+  int64_t weight_bytes() const;
+
+  // An empty cache for `batch` sequences of up to `capacity` own tokens each.
+  KVCache new_cache(int64_t batch, int64_t capacity, int64_t base_pos = 0) const;
+  // Moves sequence 0's cached tokens into a shared prefix segment of a new cache for
+  // `batch` sequences (base_pos = prefix length): run traces against a prefilled prefix.
+  KVCache share_as_prefix(const KVCache& prefilled, int64_t batch, int64_t capacity) const;
+
+  // Runs tokens [B, T] (int64, any device) at positions cache.next_pos().., appends
+  // their K/V to the cache and returns logits [B, T, V] fp32 (undefined if !opts.logits).
+  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const ForwardOptions& opts = {});
+
+  // forward() over chunks of at most `chunk` tokens; returns the last position's logits
+  // [B, V]. `progress(done, total)` is called after each chunk when set.
+  at::Tensor prefill(const at::Tensor& tokens, KVCache& cache, int64_t chunk,
+                     const ForwardOptions& opts = {},
+                     const std::function<void(int64_t, int64_t)>& progress = nullptr);
+
+  // RoPE cos/sin for positions [T] (int64): each [T, d/2] fp32 on the model's device.
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions) const;
+  // Applies RoPE (rotate-half) to x [B, T, H, d] at positions [T].
+  at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions) const;
+
+ private:
+  struct Layer;
+  ModelConfig cfg_;
+  at::Device device_;
+  at::ScalarType dtype_;
+  at::Tensor embed_;    // [V, hidden]
+  at::Tensor lm_head_;  // [V, hidden] (== embed_ when tied)
+  at::Tensor norm_;     // [hidden]
+  std::vector<std::unique_ptr<Layer>> layers_;
+  at::Tensor inv_freq_;  // [d/2] fp32
+};
+
+// Inverse RoPE frequencies [d/2] (fp64 math, fp32 result) with the config's scaling.
+std::vector<float> rope_inv_freq(const ModelConfig& cfg);
+
+// "cpu" | "cuda" | "cuda:N"; throws UnsupportedError when CUDA is not available.
+at::Device parse_device(const std::string& name);
+// "fp32" | "bf16" | "fp16"; "auto": fp32 on CPU, bf16 on CUDA.
+at::ScalarType parse_dtype(const std::string& name, const at::Device& device);
+
+}  // namespace asmem

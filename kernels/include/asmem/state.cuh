@@ -1,0 +1,74 @@
+// The attention state and its merge: the one primitive every path shares.
+//
+// For a query q and a token set S the state is (o, lse) with
+//   s_t = sm_scale * q.k_t,  lse = log sum_{t in S} exp(s_t),  o = sum_t softmax(s)_t v_t.
+// Natural log, fp32, o normalized. The empty set is (o = 0, lse = -inf).
+//
+// merge((o1,l1),(o2,l2)): l = logaddexp(l1,l2), o = exp(l1-l) o1 + exp(l2-l) o2.
+// Merging two empty states gives the empty state (never NaN). An lse of +inf (a state
+// of unbounded mass) absorbs the other side; two +inf sides are averaged.
+//
+// This header is the only implementation of the merge: split-KV combine, dictionary
+// merge, MAC reuse and chunked calibration all call it. It compiles as plain C++ too.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define ASMEM_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ASMEM_HOST_DEVICE inline
+#endif
+
+namespace asmem {
+
+// Weights of the two sides of a merge and the merged lse.
+struct MergeWeights {
+  float w1;   // factor applied to o1
+  float w2;   // factor applied to o2
+  float lse;  // merged lse
+};
+
+ASMEM_HOST_DEVICE MergeWeights merge_weights(float l1, float l2) {
+  const float kInf = INFINITY;
+  if (l1 == -kInf && l2 == -kInf) return {0.f, 0.f, -kInf};
+  if (l1 == kInf || l2 == kInf) {
+    const float a = (l1 == kInf) ? 1.f : 0.f;
+    const float b = (l2 == kInf) ? 1.f : 0.f;
+    return {a / (a + b), b / (a + b), kInf};
+  }
+  const float m = fmaxf(l1, l2);
+  const float e1 = expf(l1 - m);  // one of e1, e2 is exactly 1
+  const float e2 = expf(l2 - m);
+  const float s = e1 + e2;
+  return {e1 / s, e2 / s, m + logf(s)};
+}
+
+// Attention state of one query head with HEAD_DIM values held by the caller.
+template <int HEAD_DIM>
+struct State {
+  float o[HEAD_DIM];
+  float lse;
+
+  ASMEM_HOST_DEVICE void init() {
+    for (int i = 0; i < HEAD_DIM; ++i) o[i] = 0.f;
+    lse = -INFINITY;
+  }
+  ASMEM_HOST_DEVICE void merge(const float* o2, float l2) {
+    const MergeWeights w = merge_weights(lse, l2);
+    for (int i = 0; i < HEAD_DIM; ++i) o[i] = w.w1 * o[i] + w.w2 * o2[i];
+    lse = w.lse;
+  }
+  ASMEM_HOST_DEVICE void merge(const State& other) { merge(other.o, other.lse); }
+};
+
+// Merge (o2, l2) into (o1, l1) in place for one row of `dim` values; the run-time-dim
+// form used where the head dim is not a template parameter.
+ASMEM_HOST_DEVICE void merge_state_inplace(float* o1, float* l1, const float* o2, float l2,
+                                           int dim) {
+  const MergeWeights w = merge_weights(*l1, l2);
+  for (int i = 0; i < dim; ++i) o1[i] = w.w1 * o1[i] + w.w2 * o2[i];
+  *l1 = w.lse;
+}
+
+}  // namespace asmem

@@ -1,0 +1,41 @@
+// Helpers shared by the tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+
+
+namespace asmem::test {
+
+// Seed for randomized tests: $ASMEM_TEST_SEED or `def`. Print it on failure with
+// SCOPED_TRACE(seed_trace(seed)).
+inline uint64_t test_seed(uint64_t def) {
+  if (const char* s = std::getenv("ASMEM_TEST_SEED"); s && *s) return std::strtoull(s, nullptr, 10);
+  return def;
+}
+inline std::string seed_trace(uint64_t seed) {
+  return "seed=" + std::to_string(seed) + " (override with ASMEM_TEST_SEED)";
+}
+
+// Directory with committed test data (golden files).
+inline std::string data_dir() { return ASMEM_TEST_DATA_DIR; }
+
+// A fresh temporary directory for one test, removed by the caller if it likes.
+inline std::string temp_dir(const std::string& tag) {
+  std::string tmpl = std::string(::testing::TempDir()) + "asmem_" + tag + "_XXXXXX";
+  char* p = mkdtemp(tmpl.data());
+  if (!p) throw std::runtime_error("mkdtemp failed for " + tmpl);
+  return p;
+}
+
+}  // namespace asmem::test
+
+// Tests that can see the compiler's headers also get the bundled-model helpers.
+#if __has_include("asmem/model/paths.h")
+#include "model_test_util.h"
+#endif

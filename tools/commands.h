@@ -1,0 +1,11 @@
+// Subcommands of the `asmem` binary; each registers its options and callback.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace asmem::cli {
+
+void add_generate_command(CLI::App& app);
+void add_info_command(CLI::App& app);
+
+}  // namespace asmem::cli

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up everything missing (tools/setup.sh), builds the tests and runs them with ctest.
+# Tests labelled `gpu` report as skipped where no GPU is present.
+#
+#   tools/test.sh [extra ctest arguments...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
+"$ROOT/tools/setup.sh" asmem asmem_kernels_tests asmem_format_tests asmem_tokenizer_tests \
+  asmem_model_tests asmem_golden_tests
+printf '\n== tests\n'
+cd "$BUILD"
+ctest --output-on-failure -j "${ASMEM_JOBS:-$(nproc)}" "$@"
