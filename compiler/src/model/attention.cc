@@ -6,9 +6,9 @@
 #include "asmem/error.h"
 #include "asmem/merge.h"
 
-#if defined(ASMEM_WITH_CUDA) && __has_include(<ATen/cuda/CUDAContext.h>)
+// ASMEM_TORCH_CUDA: CMake found a CUDA build of torch and CUDA kernels are compiled.
+#ifdef ASMEM_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#define ASMEM_TORCH_CUDA 1
 #endif
 
 namespace asmem {
@@ -23,7 +23,8 @@ std::string shape_str(const at::Tensor& t) {
 }  // namespace
 
 AttnState attention_state(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          double sm_scale, int64_t causal_offset) {
+                          double sm_scale, int64_t causal_offset,
+                          const at::Tensor& key_start) {
   if (q.dim() != 4) throw InvalidArgument("attention_state: q must be [B, T, Hq, d], got " + shape_str(q));
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), d = q.size(3);
   at::Tensor kk = k.dim() == 3 ? k.unsqueeze(0) : k;
@@ -53,6 +54,12 @@ AttnState attention_state(const at::Tensor& q, const at::Tensor& k, const at::Te
     at::Tensor masked = s_idx > (t_idx + causal_offset);                     // [T, S]
     masked = masked.unsqueeze(0).expand({G, T, S}).reshape({G * T, S});
     scores.masked_fill_(masked, -std::numeric_limits<float>::infinity());
+  }
+  if (key_start.defined()) {
+    if (key_start.numel() != B) throw InvalidArgument("attention_state: key_start must have B entries");
+    at::Tensor s_idx = at::arange(S, q.options().dtype(at::kLong)).reshape({1, 1, 1, S});
+    at::Tensor start = key_start.to(q.device(), at::kLong).reshape({B, 1, 1, 1});
+    scores.masked_fill_(s_idx < start, -std::numeric_limits<float>::infinity());
   }
   at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);             // [B, Hkv, G*T, 1]
   at::Tensor p = at::exp(scores - lse);

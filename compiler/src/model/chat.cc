@@ -39,4 +39,20 @@ std::string apply_chat_format(ChatFormat format, const std::vector<ChatMessage>&
                         std::to_string(static_cast<int>(format)));
 }
 
+ChatSplit split_chat(ChatFormat format, const std::string& system,
+                     const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
+  std::vector<ChatMessage> all{{"system", system}};
+  all.insert(all.end(), messages.begin(), messages.end());
+  const std::string whole = apply_chat_format(format, all, add_generation_prompt);
+  const std::string prefix = apply_chat_format(format, {{"system", system}}, false);
+  if (whole.compare(0, prefix.size(), prefix) != 0) {
+    throw InvalidArgument("split_chat: the system message does not render as a prefix");
+  }
+  return {prefix, whole.substr(prefix.size())};
+}
+
+const char* end_of_turn_text(ChatFormat format) {
+  return format == ChatFormat::kLlama3 ? "<|eot_id|>" : "<|im_end|>";
+}
+
 }  // namespace asmem

@@ -178,19 +178,22 @@ KVCache LlamaModel::share_as_prefix(const KVCache& pre, int64_t batch, int64_t c
 
 std::pair<at::Tensor, at::Tensor> LlamaModel::rope_tables(const at::Tensor& positions) const {
   // Angles in fp64 on the host: positions up to 1e6 keep full fp32 precision.
-  at::Tensor pos = positions.to(at::kCPU, at::kDouble).unsqueeze(1);
-  at::Tensor ang = pos * inv_freq_.to(at::kDouble).unsqueeze(0);  // [T, d/2]
+  at::Tensor pos = positions.to(at::kCPU, at::kDouble).unsqueeze(-1);
+  at::Tensor ang = pos * inv_freq_.to(at::kDouble);  // [..., d/2]
   return {at::cos(ang).to(device_, at::kFloat), at::sin(ang).to(device_, at::kFloat)};
 }
 
 namespace {
 
 at::Tensor rope_with(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  // x [B, T, H, d]; cos/sin [T, d/2]. Rotate-half pairs (i, i + d/2).
+  // x [B, T, H, d]; cos/sin [T, d/2] or [B, T, d/2]. Rotate-half pairs (i, i + d/2).
   const int64_t half = x.size(3) / 2;
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor x1 = xf.narrow(3, 0, half), x2 = xf.narrow(3, half, half);
-  at::Tensor c = cos.unsqueeze(0).unsqueeze(2), s = sin.unsqueeze(0).unsqueeze(2);
+  at::Tensor c = cos.dim() == 2 ? cos.unsqueeze(0) : cos;
+  at::Tensor s = sin.dim() == 2 ? sin.unsqueeze(0) : sin;
+  c = c.unsqueeze(2);
+  s = s.unsqueeze(2);
   return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, 3).to(x.scalar_type());
 }
 
@@ -199,6 +202,17 @@ at::Tensor rope_with(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 at::Tensor LlamaModel::apply_rope(const at::Tensor& x, const at::Tensor& positions) const {
   auto [c, s] = rope_tables(positions);
   return rope_with(x, c, s);
+}
+
+at::Tensor LlamaModel::next_positions(const KVCache& cache, int64_t T) const {
+  at::Tensor own = at::arange(cache.length, cache.length + T, at::TensorOptions().dtype(at::kLong))
+                       .unsqueeze(0).expand({cache.batch, T});
+  if (cache.start.empty()) return (own + cache.base_pos).contiguous();
+  if (int64_t(cache.start.size()) != cache.batch) {
+    throw InvalidArgument("KVCache.start must have one entry per sequence");
+  }
+  at::Tensor start = at::tensor(cache.start, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
+  return (at::clamp_min(own - start, 0) + cache.base_pos).contiguous();
 }
 
 at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
@@ -223,9 +237,10 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
     }
   }
   at::Tensor tokens = tokens_in.to(device_, at::kLong);
-  at::Tensor positions = at::arange(cache.next_pos(), cache.next_pos() + T,
-                                    at::TensorOptions().dtype(at::kLong));
+  at::Tensor positions = next_positions(cache, T);  // [B, T]
   auto [cos, sin] = rope_tables(positions);
+  at::Tensor key_start;
+  if (!cache.start.empty()) key_start = at::tensor(cache.start, at::TensorOptions().dtype(at::kLong));
 
   at::Tensor x = embed_.index_select(0, tokens.reshape({-1})).reshape({B, T, cfg_.hidden});
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
@@ -242,7 +257,7 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
     cache.v[l].narrow(2, cache.length, T).copy_(v.permute({0, 2, 1, 3}));
     at::Tensor own_k = cache.k[l].narrow(2, 0, cache.length + T);
     at::Tensor own_v = cache.v[l].narrow(2, 0, cache.length + T);
-    AttnState own = attention_state(q, own_k, own_v, scale, /*causal_offset=*/cache.length);
+    AttnState own = attention_state(q, own_k, own_v, scale, /*causal_offset=*/cache.length, key_start);
 
     AttnState prefix;
     if (cache.prefix_len > 0) {
@@ -250,6 +265,7 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
     }
     if (opts.hook) prefix = opts.hook->prefix_state(l, q_pre, q, positions, prefix);
     AttnState st = merge_states(prefix, own);
+    if (opts.hook) opts.hook->on_attention(l, own, st);
 
     at::Tensor attn = st.o.to(dtype_).reshape({B, T, Hq * d});
     x = x + at::linear(attn, ly.wo);

@@ -220,7 +220,8 @@ TEST(LlamaForward, SharedPrefixSegmentEqualsOneSequence) {
   fo.hook = &hook;
   at::Tensor got = m.forward(traces, shared, fo);
   ASSERT_EQ(hook.seen.size(), 2u);
-  EXPECT_EQ(hook.pos[0].item<int64_t>(), P);
+  EXPECT_EQ(hook.pos[0][0].item<int64_t>(), P);
+  EXPECT_EQ(hook.pos[2][T - 1].item<int64_t>(), P + T - 1);
   ASSERT_TRUE(hook.seen[0].defined());
   EXPECT_EQ(hook.seen[0].o.sizes(), (std::vector<int64_t>{3, T, 4, 8}));
   EXPECT_EQ(hook.q_pres[0].sizes(), (std::vector<int64_t>{3, T, 4, 8}));
@@ -241,6 +242,28 @@ TEST(LlamaForward, SharedPrefixSegmentEqualsOneSequence) {
   at::Tensor ref = m.forward(traces, alone);
   EXPECT_LT(rel_err(no_prefix, ref), 1e-5);
   EXPECT_GT(rel_err(no_prefix, got), 1e-3);  // the prefix mattered
+}
+
+// Left-padded sequences of different lengths give the same logits as each alone.
+TEST(LlamaForward, LeftPaddedBatchEqualsSequencesAlone) {
+  TinyWeights w(tiny_config(), 4);
+  LlamaModel m(w, at::Device(at::kCPU), at::kFloat);
+  const int64_t T = 9;
+  at::Tensor toks = random_tokens(3, T, 50, 8);
+  const std::vector<int64_t> start = {0, 4, 7};
+  KVCache batch = m.new_cache(3, T + 3, /*base_pos=*/5);
+  batch.start = start;
+  at::Tensor got = m.forward(toks, batch);
+  at::Tensor step = random_tokens(3, 1, 50, 9);
+  at::Tensor got_next = m.forward(step, batch);
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t n = T - start[b];
+    KVCache one = m.new_cache(1, n + 1, 5);
+    at::Tensor ref = m.forward(toks.narrow(0, b, 1).narrow(1, start[b], n), one);
+    EXPECT_LT(rel_err(got[b].narrow(0, start[b], n), ref[0]), 1e-5) << "sequence " << b;
+    at::Tensor ref_next = m.forward(step.narrow(0, b, 1), one);
+    EXPECT_LT(rel_err(got_next[b], ref_next[0]), 1e-5) << "sequence " << b;
+  }
 }
 
 TEST(ParseDevice, RejectsUnknown) {

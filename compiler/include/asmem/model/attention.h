@@ -25,10 +25,13 @@ struct AttnState {
 //   Hq must be a multiple of Hkv (GQA: query head h reads KV head h / (Hq/Hkv)).
 //   causal_offset < 0: every query sees every key. Otherwise query t sees keys
 //   j <= t + causal_offset only.
+//   key_start: optional [B] int64; sequence b sees keys j >= key_start[b] only (left
+//   padding).
 // Scores, softmax and the weighted sum run in fp32. Queries that see no key get the empty
 // state (o = 0, lse = -inf). Throws asmem::InvalidArgument on shape mismatch.
 AttnState attention_state(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          double sm_scale, int64_t causal_offset = -1);
+                          double sm_scale, int64_t causal_offset = -1,
+                          const at::Tensor& key_start = at::Tensor());
 
 // Row-wise merge of two states of the same shape, through the one merge implementation
 // (MergeStatesCpu / MergeStatesCuda). An undefined side is the empty state.

@@ -34,7 +34,10 @@ struct KVCache {
   int64_t batch = 0;
   int64_t capacity = 0;
   int64_t length = 0;    // tokens cached per sequence
-  int64_t base_pos = 0;  // RoPE position of own token 0
+  int64_t base_pos = 0;  // RoPE position of own token 0 (of each sequence's first real token)
+  // Left padding: sequence b's first real token is own index start[b]; keys before it are
+  // masked and its positions count from there. Empty: no padding.
+  std::vector<int64_t> start;
   // Optional shared prefix segment, per layer [Hkv, prefix_len, d] at positions
   // 0..prefix_len-1, read by every sequence of the batch. Empty vectors when none.
   std::vector<at::Tensor> prefix_k, prefix_v;
@@ -49,11 +52,15 @@ class AttentionHook {
  public:
   virtual ~AttentionHook() = default;
   // q_pre: [B, T, Hq, d] pre-RoPE queries; q: the same after RoPE (model dtype).
-  // positions: [T] int64 absolute positions of the chunk's tokens.
+  // positions: [B, T] int64 absolute positions of the chunk's tokens (left-padding slots
+  // carry the position of their sequence's first real token).
   // exact_prefix: the exact state over the cache's shared prefix segment (undefined when
   // the cache has none). Returns the state to merge as the prefix part (undefined: none).
   virtual AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
                                  const at::Tensor& positions, const AttnState& exact_prefix) = 0;
+  // Called after the merge at every layer with the state over the sequences' own tokens
+  // and the merged state that feeds the output projection. Default: nothing.
+  virtual void on_attention(int64_t layer, const AttnState& own, const AttnState& merged) {}
 };
 
 struct ForwardOptions {
@@ -81,6 +88,9 @@ class LlamaModel {
   // `batch` sequences (base_pos = prefix length): run traces against a prefilled prefix.
   KVCache share_as_prefix(const KVCache& prefilled, int64_t batch, int64_t capacity) const;
 
+  // Positions [B, T] of the next T tokens of every sequence of `cache`.
+  at::Tensor next_positions(const KVCache& cache, int64_t T) const;
+
   // Runs tokens [B, T] (int64, any device) at positions cache.next_pos().., appends
   // their K/V to the cache and returns logits [B, T, V] fp32 (undefined if !opts.logits).
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const ForwardOptions& opts = {});
@@ -91,9 +101,9 @@ class LlamaModel {
                      const ForwardOptions& opts = {},
                      const std::function<void(int64_t, int64_t)>& progress = nullptr);
 
-  // RoPE cos/sin for positions [T] (int64): each [T, d/2] fp32 on the model's device.
+  // RoPE cos/sin for positions [T] or [B, T] (int64): each [..., d/2] fp32 on the device.
   std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions) const;
-  // Applies RoPE (rotate-half) to x [B, T, H, d] at positions [T].
+  // Applies RoPE (rotate-half) to x [B, T, H, d] at positions [T] or [B, T].
   at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions) const;
 
  private:

@@ -99,6 +99,20 @@ ChatFormat detect_chat_format(const Tokenizer& tok);
 std::string apply_chat_format(ChatFormat format, const std::vector<ChatMessage>& messages,
                               bool add_generation_prompt);
 
+// A conversation split at the end of its system message: `prefix` is the system message
+// as the format renders it (with the format's start-of-text marker), `turns` the rest, so
+// that prefix + turns == apply_chat_format({system} + messages, add_generation_prompt).
+// The split falls before a special token, so tokenizing the two parts separately gives
+// the same ids as tokenizing the whole.
+struct ChatSplit {
+  std::string prefix;
+  std::string turns;
+};
+ChatSplit split_chat(ChatFormat format, const std::string& system,
+                     const std::vector<ChatMessage>& messages, bool add_generation_prompt);
+// The token that ends an assistant turn in `format` (<|im_end|> or <|eot_id|>), as text.
+const char* end_of_turn_text(ChatFormat format);
+
 // Incremental decoder for streaming: feeds token bytes and returns the longest complete
 // UTF-8 prefix not yet returned (invalid bytes pass through once they cannot start a
 // valid sequence). flush() returns whatever is left.
