@@ -11,7 +11,10 @@ int main(int argc, char** argv) {
   CLI::App app{"asmem: compile fixed prompt prefixes into attention-state dictionaries and decode with them"};
   app.require_subcommand(1);
   asmem::cli::add_generate_command(app);
+  asmem::cli::add_compile_command(app);
   asmem::cli::add_info_command(app);
+  asmem::cli::add_inspect_command(app);
+  asmem::cli::add_verify_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

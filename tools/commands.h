@@ -7,5 +7,8 @@ namespace asmem::cli {
 
 void add_generate_command(CLI::App& app);
 void add_info_command(CLI::App& app);
+void add_inspect_command(CLI::App& app);
+void add_verify_command(CLI::App& app);
+void add_compile_command(CLI::App& app);
 
 }  // namespace asmem::cli

@@ -1,12 +1,38 @@
 #!/usr/bin/env bash
-# Sets up everything missing (tools/setup.sh) and runs the main job on the bundled model:
-# a chat turn with SmolLM2-135M-Instruct, streaming tokens and printing tokens/s.
+# Sets up everything missing (tools/setup.sh) and runs the main job on the bundled model
+# and example: compile the example rulebook (examples/rulebook) into a dictionary, show
+# the held-out fidelity report and the dictionary's contents, then answer a question with
+# the rulebook as the system prompt.
 #
 #   tools/demo.sh ["your question"]
+#
+# The dictionary is cached under $ASMEM_CACHE_DIR/dicts/, keyed by the inputs' hash; a
+# second run reuses it and prints the saved report. ASMEM_DEMO_ENTRIES sets K (1024).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
 "$ROOT/tools/setup.sh" asmem
-PROMPT="${1:-What are three good habits for writing maintainable code? Answer briefly.}"
-printf '\n== asmem generate\n> %s\n\n' "$PROMPT"
-"$BUILD/tools/asmem" generate --prompt "$PROMPT" --max-new-tokens 200
+ASMEM="$BUILD/tools/asmem"
+CACHE="${ASMEM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/asmem}"
+EX="$ROOT/examples/rulebook"
+K="${ASMEM_DEMO_ENTRIES:-1024}"
+
+KEY="$(cat "$EX/handbook.md" "$EX/traces.jsonl" <(echo "K=$K") "$ASMEM" | sha256sum | cut -c1-16)"
+DICT="$CACHE/dicts/rulebook-$KEY.asmd"
+mkdir -p "$CACHE/dicts"
+if [ -f "$DICT" ] && "$ASMEM" verify "$DICT" >/dev/null 2>&1; then
+  printf '\n== asmem compile: cached %s\n' "$DICT"
+  cat "$DICT.log"
+else
+  printf '\n== asmem compile (examples/rulebook, K=%s)\n' "$K"
+  "$ASMEM" compile --prefix "$EX/handbook.md" --traces "$EX/traces.jsonl" --entries "$K" \
+    --out "$DICT" --report-entries 256,4096 2>&1 | tee "$DICT.log.tmp"
+  mv -f "$DICT.log.tmp" "$DICT.log"
+fi
+
+printf '\n== asmem inspect\n'
+"$ASMEM" inspect "$DICT" | head -40
+
+PROMPT="${1:-My train was 75 minutes late. What compensation can I get, and how do I claim it?}"
+printf '\n== asmem generate (rulebook as system prompt)\n> %s\n\n' "$PROMPT"
+"$ASMEM" generate --system-file "$EX/handbook.md" --prompt "$PROMPT" --max-new-tokens 160

@@ -47,26 +47,46 @@ AttnState attention_state(const at::Tensor& q, const at::Tensor& k, const at::Te
                       .reshape({B, Hkv, G * T, d});
   at::Tensor kf = kk.to(at::kFloat);
   at::Tensor vf = vv.to(at::kFloat);
-  at::Tensor scores = at::matmul(qg, kf.transpose(-1, -2)).mul_(sm_scale);  // [B, Hkv, G*T, S]
-  if (causal_offset >= 0) {
+  // A segment shared by the whole batch (B > 1, one K/V): fold the batch into the query
+  // rows, [Hkv, B*G*T, d], so the shared keys are read in place instead of being
+  // broadcast (and copied) once per sequence.
+  const bool shared = kk.size(0) == 1 && B > 1;
+  if (shared) {
+    qg = qg.permute({1, 0, 2, 3}).reshape({1, Hkv, B * G * T, d});
+  }
+  at::Tensor scores = at::matmul(qg, kf.transpose(-1, -2)).mul_(sm_scale);  // [b, Hkv, rows, S]
+  if (shared) scores = scores.reshape({Hkv, B, G * T, S}).permute({1, 0, 2, 3});
+  // Masks only where some query misses some key: a causal offset that reaches the last
+  // key for the first query (single-token decode) needs none.
+  bool masked = false;
+  if (causal_offset >= 0 && causal_offset < S - 1) {
     at::Tensor t_idx = at::arange(T, q.options().dtype(at::kLong)).unsqueeze(1);
     at::Tensor s_idx = at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0);
-    at::Tensor masked = s_idx > (t_idx + causal_offset);                     // [T, S]
-    masked = masked.unsqueeze(0).expand({G, T, S}).reshape({G * T, S});
-    scores.masked_fill_(masked, -std::numeric_limits<float>::infinity());
+    at::Tensor m = s_idx > (t_idx + causal_offset);                          // [T, S]
+    m = m.unsqueeze(0).expand({G, T, S}).reshape({G * T, S});
+    scores.masked_fill_(m, -std::numeric_limits<float>::infinity());
+    masked = true;
   }
   if (key_start.defined()) {
     if (key_start.numel() != B) throw InvalidArgument("attention_state: key_start must have B entries");
     at::Tensor s_idx = at::arange(S, q.options().dtype(at::kLong)).reshape({1, 1, 1, S});
     at::Tensor start = key_start.to(q.device(), at::kLong).reshape({B, 1, 1, 1});
     scores.masked_fill_(s_idx < start, -std::numeric_limits<float>::infinity());
+    masked = true;
   }
   at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);             // [B, Hkv, G*T, 1]
-  at::Tensor p = at::exp(scores - lse);
-  // Rows with no visible key: lse = -inf and p = NaN; they are the empty state.
-  at::Tensor empty_rows = at::isinf(lse) & (lse < 0);
-  p.masked_fill_(empty_rows, 0.0);
-  at::Tensor o = at::matmul(p, vf);                                          // [B, Hkv, G*T, d]
+  at::Tensor p = scores.sub_(lse).exp_();                                   // softmax, in place
+  if (masked) {
+    // Rows with no visible key: lse = -inf and p = NaN; they are the empty state.
+    p.masked_fill_(at::isinf(lse) & (lse < 0), 0.0);
+  }
+  at::Tensor o;
+  if (shared) {
+    o = at::matmul(p.permute({1, 0, 2, 3}).reshape({1, Hkv, B * G * T, S}), vf)
+            .reshape({Hkv, B, G * T, d}).permute({1, 0, 2, 3});               // [B, Hkv, G*T, d]
+  } else {
+    o = at::matmul(p, vf);                                                    // [B, Hkv, G*T, d]
+  }
   o = o.reshape({B, Hkv, G, T, d}).permute({0, 3, 1, 2, 4}).reshape({B, T, Hq, d});
   lse = lse.reshape({B, Hkv, G, T}).permute({0, 3, 1, 2}).reshape({B, T, Hq});
   return {o.contiguous(), lse.contiguous()};

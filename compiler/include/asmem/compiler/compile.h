@@ -1,0 +1,48 @@
+// The dictionary compiler: load -> prefill -> (generate) -> collect -> cluster -> write,
+// plus the held-out report.
+//
+// Positions: the prefix occupies positions 0..P-1 and every trace token sits at P.., as
+// served tokens will. With the chat format (the default) the prefix is rendered as the
+// system message and each trace as the user turn, the assistant header, the response
+// and the end-of-turn token.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace asmem {
+
+struct CompileOptions {
+  std::string model_path;            // GGUF file or Hugging Face directory
+  std::string prefix_path;           // prefix text file (the system message)
+  std::string prefix_tokens_path;    // or: prefix token ids (used as is, no chat format)
+  std::string traces_path;           // JSONL traces
+  std::string out_path;              // the .asmd file to write
+  int64_t entries = 1024;            // K per (layer, KV group)
+  int64_t parents = 0;               // C1; 0: round(sqrt(K))
+  int64_t top_m = 16;                // parents probed by hierarchical lookup (stored default)
+  int64_t max_response_tokens = 128; // generated responses stop here
+  double holdout = 0.1;              // fraction of traces held out for the report
+  std::string value_dtype = "bf16";  // keys and values: bf16 | fp16 | fp32 (lse always fp32)
+  std::string device = "cpu";        // cpu | cuda | cuda:N
+  std::string model_dtype = "auto";  // forward dtype: auto (fp32 cpu, bf16 cuda) | fp32 | bf16
+  uint64_t seed = 1234;              // holdout split, k-means
+  int32_t kmeans_iters = 10;        // Lloyd iterations
+  std::string kmeans_backend = "auto";  // auto (cuda on a CUDA device, else cpu) | cpu | cuda
+  bool whitening = false;            // whiten keys with Sigma^-1/2 of the training keys
+  std::string update_path;           // OLD.asmd: reuse its generated responses
+  bool skip_malformed = false;       // skip malformed trace lines instead of failing
+  bool raw = false;                  // no chat format: prefix and traces as plain text
+  int64_t batch = 16;                // traces per forward batch
+  int64_t chunk = 512;               // prefill chunk size
+  std::vector<int64_t> report_entries;  // extra K values evaluated in the report (not written)
+  int threads = 0;                   // CPU threads (0: torch default)
+};
+
+// Runs the compiler. Writes out_path atomically, the generated responses beside it
+// (out_path + ".responses.jsonl") and the report (out_path + ".report.json"), and prints
+// progress and the report table to stderr. Errors are asmem::Error with one-line messages.
+void compile_dictionary(const CompileOptions& options);
+
+}  // namespace asmem

@@ -1,0 +1,35 @@
+// Calibration traces: what users will ask after the prefix, as JSONL lines
+//   {"prompt": "...", "response": "..."}      ("response" optional: the model writes it)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace asmem {
+
+struct Trace {
+  std::string prompt;
+  std::optional<std::string> response;  // absent: generated at compile time
+  int64_t line = 0;                     // 1-based line in the file
+};
+
+struct TraceFileStats {
+  int64_t lines = 0;      // non-empty lines read
+  int64_t skipped = 0;    // malformed lines skipped (only with skip_malformed)
+  std::string first_skip; // message of the first skipped line
+};
+
+// Reads a JSONL trace file. Blank lines are ignored. A malformed line (bad JSON, not an
+// object, missing or non-string "prompt", non-string "response", empty prompt) throws
+// asmem::FormatError "FILE:LINE: ..." unless `skip_malformed`, in which case it is counted
+// and skipped. A file with no usable trace throws FormatError. Missing file: IoError.
+std::vector<Trace> read_traces(const std::string& path, bool skip_malformed = false,
+                               TraceFileStats* stats = nullptr);
+
+// Reads prefix token ids: a JSON array of integers, or integers separated by whitespace.
+// Throws FormatError naming the file and the first bad entry.
+std::vector<int32_t> read_token_file(const std::string& path);
+
+}  // namespace asmem

@@ -1,0 +1,111 @@
+#include "asmem/compiler/traces.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "asmem/error.h"
+
+namespace asmem {
+namespace {
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Parses one line; returns an error message or "" on success.
+std::string parse_line(const std::string& text, Trace* t) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return "not valid JSON";
+  if (!j.is_object()) return "not a JSON object";
+  auto p = j.find("prompt");
+  if (p == j.end()) return "missing \"prompt\"";
+  if (!p->is_string()) return "\"prompt\" is not a string";
+  t->prompt = p->get<std::string>();
+  if (t->prompt.empty()) return "\"prompt\" is empty";
+  auto r = j.find("response");
+  if (r != j.end() && !r->is_null()) {
+    if (!r->is_string()) return "\"response\" is not a string";
+    t->response = r->get<std::string>();
+  }
+  return "";
+}
+
+}  // namespace
+
+std::vector<Trace> read_traces(const std::string& path, bool skip_malformed,
+                               TraceFileStats* stats) {
+  const std::string data = read_all(path);
+  std::vector<Trace> out;
+  TraceFileStats st;
+  int64_t line_no = 0;
+  size_t pos = 0;
+  while (pos <= data.size()) {
+    size_t end = data.find('\n', pos);
+    if (end == std::string::npos) end = data.size();
+    std::string line = data.substr(pos, end - pos);
+    pos = end + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) {
+      if (end == data.size()) break;
+      continue;
+    }
+    ++st.lines;
+    Trace t;
+    t.line = line_no;
+    const std::string err = parse_line(line, &t);
+    if (!err.empty()) {
+      const std::string msg = path + ":" + std::to_string(line_no) + ": " + err;
+      if (!skip_malformed) throw FormatError(msg + " (use --skip-malformed to skip such lines)");
+      if (st.skipped++ == 0) st.first_skip = msg;
+      continue;
+    }
+    out.push_back(std::move(t));
+    if (end == data.size()) break;
+  }
+  if (stats) *stats = st;
+  if (out.empty()) throw FormatError(path + ": no usable trace (" + std::to_string(st.lines) + " lines read)");
+  return out;
+}
+
+std::vector<int32_t> read_token_file(const std::string& path) {
+  const std::string data = read_all(path);
+  std::vector<int32_t> ids;
+  const size_t first = data.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && data[first] == '[') {
+    nlohmann::json j = nlohmann::json::parse(data, nullptr, false);
+    if (j.is_discarded() || !j.is_array()) throw FormatError(path + ": not a JSON array of token ids");
+    for (size_t i = 0; i < j.size(); ++i) {
+      if (!j[i].is_number_integer()) {
+        throw FormatError(path + ": entry " + std::to_string(i) + " is not an integer");
+      }
+      const int64_t v = j[i].get<int64_t>();
+      if (v < 0 || v > INT32_MAX) throw FormatError(path + ": token id " + std::to_string(v) + " out of range");
+      ids.push_back(int32_t(v));
+    }
+  } else {
+    std::istringstream ss(data);
+    std::string w;
+    while (ss >> w) {
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(w.c_str(), &end, 10);
+      if (errno || *end || v < 0 || v > INT32_MAX) {
+        throw FormatError(path + ": '" + w + "' (entry " + std::to_string(ids.size()) +
+                          ") is not a token id");
+      }
+      ids.push_back(int32_t(v));
+    }
+  }
+  if (ids.empty()) throw FormatError(path + ": no token ids");
+  return ids;
+}
+
+}  // namespace asmem

@@ -1,0 +1,83 @@
+// Trace and token-id files: parsing and one-line errors with line numbers.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "asmem/compiler/traces.h"
+#include "asmem/error.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+std::string write(const std::string& dir, const std::string& name, const std::string& text) {
+  const std::string p = dir + "/" + name;
+  std::ofstream(p, std::ios::binary) << text;
+  return p;
+}
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Traces, ReadsPromptsAndOptionalResponses) {
+  const std::string dir = test::temp_dir("traces");
+  const std::string p = write(dir, "t.jsonl",
+                              "{\"prompt\": \"a\"}\n\n{\"prompt\": \"b\", \"response\": \"c\"}\r\n"
+                              "{\"prompt\": \"d\", \"response\": null}");
+  auto t = read_traces(p);
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_EQ(t[0].prompt, "a");
+  EXPECT_FALSE(t[0].response);
+  EXPECT_EQ(*t[1].response, "c");
+  EXPECT_EQ(t[1].line, 3);
+  EXPECT_FALSE(t[2].response);
+  EXPECT_EQ(t[2].line, 4);
+}
+
+TEST(Traces, MalformedLineNamesFileAndLine) {
+  const std::string dir = test::temp_dir("traces");
+  struct Case { std::string line, want; };
+  for (const Case& c : {Case{"{\"prompt\": 1}", "\"prompt\" is not a string"},
+                        Case{"[1, 2]", "not a JSON object"},
+                        Case{"{\"prompt\": \"x\"", "not valid JSON"},
+                        Case{"{\"response\": \"x\"}", "missing \"prompt\""},
+                        Case{"{\"prompt\": \"\"}", "\"prompt\" is empty"},
+                        Case{"{\"prompt\": \"x\", \"response\": 3}", "\"response\" is not a string"}}) {
+    const std::string p = write(dir, "bad.jsonl", "{\"prompt\": \"ok\"}\n" + c.line + "\n");
+    const std::string e = error_of([&] { read_traces(p); });
+    EXPECT_NE(e.find(p + ":2: " + c.want), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << "one line: " << e;
+    TraceFileStats st;
+    auto t = read_traces(p, /*skip_malformed=*/true, &st);
+    EXPECT_EQ(t.size(), 1u);
+    EXPECT_EQ(st.skipped, 1);
+  }
+}
+
+TEST(Traces, MissingFileAndEmptyFile) {
+  EXPECT_THROW(read_traces("/nonexistent/t.jsonl"), IoError);
+  const std::string dir = test::temp_dir("traces");
+  EXPECT_THROW(read_traces(write(dir, "e.jsonl", "\n\n")), FormatError);
+  EXPECT_THROW(read_traces(write(dir, "s.jsonl", "{\"x\":1}\n"), true), FormatError);
+}
+
+TEST(TokenFile, JsonArrayAndWhitespace) {
+  const std::string dir = test::temp_dir("tokens");
+  EXPECT_EQ(read_token_file(write(dir, "a.json", " [1, 2, 3]")), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(read_token_file(write(dir, "b.txt", "4 5\n6\t7")), (std::vector<int32_t>{4, 5, 6, 7}));
+  EXPECT_NE(error_of([&] { read_token_file(write(dir, "c.txt", "4 x5 6")); }).find("'x5' (entry 1)"),
+            std::string::npos);
+  EXPECT_THROW(read_token_file(write(dir, "d.json", "[1, -2]")), FormatError);
+  EXPECT_THROW(read_token_file(write(dir, "e.json", "[1, \"a\"]")), FormatError);
+  EXPECT_THROW(read_token_file(write(dir, "f.txt", "  ")), FormatError);
+}
+
+}  // namespace
+}  // namespace asmem
