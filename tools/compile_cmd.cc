@@ -32,14 +32,21 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--kmeans-iters", o->kmeans_iters, "k-means iterations")->capture_default_str();
   cmd->add_option("--kmeans-backend", o->kmeans_backend, "auto | cpu | cuda")->capture_default_str();
   cmd->add_flag("--whitening", o->whitening, "Whiten lookup keys with the training keys' Sigma^-1/2");
+  cmd->add_option("--key-mode", o->key_mode, "Lookup keys: pre_rope | rope_unified")->capture_default_str();
+  cmd->add_option("--rope-position", o->rope_position,
+                  "Position of RoPE-unified keys (-1: the prefix length P)")->capture_default_str();
   cmd->add_flag("--skip-malformed", o->skip_malformed, "Skip malformed trace lines (counted) instead of failing");
   cmd->add_flag("--raw", o->raw, "No chat format: prefix and traces as plain text");
   cmd->add_option("--batch", o->batch, "Traces per forward batch")->capture_default_str();
   cmd->add_option("--chunk", o->chunk, "Prefill chunk size")->capture_default_str();
+  cmd->add_option("--calib-chunk", o->calib_chunk,
+                  "Chunked calibration: encode the prefix in independent chunks of N tokens "
+                  "(for prefixes longer than the context; traces then sit at positions N..)")
+      ->capture_default_str();
   cmd->add_option("--report-entries", o->report_entries,
                   "Extra K values to evaluate in the report (not written), e.g. 256,4096")
       ->delimiter(',');
-  cmd->add_option("--threads", o->threads, "CPU threads (0: torch default)")->capture_default_str();
+  cmd->add_option("--threads", o->threads, "CPU threads for torch (0: automatic, see configure_cpu_threads)")->capture_default_str();
   cmd->callback([o] { compile_dictionary(*o); });
 }
 

@@ -61,7 +61,7 @@ void run_generate(const GenerateArgs& a) {
     throw InvalidArgument("give at most one of --system and --system-file");
   }
   if (a.max_new_tokens < 0) throw InvalidArgument("--max-new-tokens must be >= 0");
-  if (a.threads > 0) at::set_num_threads(a.threads);
+  configure_cpu_threads(a.threads);
   const std::string prompt = a.prompt_file.empty() ? a.prompt : read_text_file(a.prompt_file, "prompt");
   std::string system = a.system_file.empty() ? a.system : read_text_file(a.system_file, "system");
 
@@ -157,7 +157,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--seed", args->seed, "Sampling seed")->capture_default_str();
   cmd->add_option("--device", args->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on CUDA)")->capture_default_str();
-  cmd->add_option("--threads", args->threads, "CPU threads (0 = torch default)")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "CPU threads for torch (0: automatic)")->capture_default_str();
   cmd->add_option("--chunk", args->chunk, "Prefill chunk size in tokens")->capture_default_str();
   cmd->add_flag("--raw", args->raw, "Continue the prompt as plain text (no chat format)");
   cmd->add_flag("--no-stats", args->quiet_stats, "Do not print speed statistics");

@@ -372,7 +372,19 @@ KMeansResult kmeans(const float* x, int64_t n, int64_t dim, const KMeansParams& 
   res.assign.resize(static_cast<size_t>(n));
 #ifdef ASMEM_WITH_FAISS
   if (backend == "cpu") {
-    KMeansFaiss(x, n, dim, k, params, &res);
+    // FAISS trains on the distinct rows weighted by multiplicity (see KMeansFaiss).
+    std::vector<float> ux, uw;
+    std::vector<int64_t> slot(static_cast<size_t>(n), -1);
+    ux.reserve(static_cast<size_t>(distinct * dim));
+    for (int64_t i = 0; i < n; ++i) {
+      if (rep[i] == i) {
+        slot[i] = int64_t(uw.size());
+        ux.insert(ux.end(), x + i * dim, x + (i + 1) * dim);
+        uw.push_back(0.f);
+      }
+      uw[slot[rep[i]]] += 1.f;
+    }
+    KMeansFaiss(x, n, dim, k, params, ux.data(), distinct, uw.data(), &res);
     res.inertia = KMeansInertiaReference(x, n, dim, res.centroids.data(), res.assign.data());
     return res;
   }

@@ -120,7 +120,7 @@ class CaptureHook : public AttentionHook {
 // forward, each response token (and the final end-of-turn) in the step after it was
 // chosen. So the same forwards also capture the collection data: a generated trace needs
 // no second pass.
-void generate_responses(LlamaModel& model, const KVCache& prefix, std::vector<TraceTokens*>& todo,
+void generate_responses(LlamaModel& model, const std::vector<KVCache>& prefix, std::vector<TraceTokens*>& todo,
                         int64_t max_new, const std::vector<int32_t>& stops, int32_t end_of_turn,
                         int64_t batch, Captured* cap, bool half_values, const char* label) {
   if (todo.empty()) return;
@@ -182,7 +182,7 @@ void generate_responses(LlamaModel& model, const KVCache& prefix, std::vector<Tr
 }
 
 // Runs the traces against the prefix and captures. Returns the number of tokens captured.
-int64_t collect(LlamaModel& model, const KVCache& prefix, std::vector<const TraceTokens*> traces,
+int64_t collect(LlamaModel& model, const std::vector<KVCache>& prefix, std::vector<const TraceTokens*> traces,
                 Captured* out, int64_t batch, int64_t max_batch_tokens, bool half_values,
                 const char* label) {
   std::sort(traces.begin(), traces.end(), [](const TraceTokens* a, const TraceTokens* b) {
@@ -228,6 +228,34 @@ int64_t collect(LlamaModel& model, const KVCache& prefix, std::vector<const Trac
   }
   bar.finish();
   return total;
+}
+
+// Chunked vs exact calibration on the same traces: next-token top-1 agreement and mean
+// KL(exact || chunked) over every trace token, each mode's forward run teacher-forced.
+struct ModeAgreement {
+  int64_t tokens = 0, agree = 0;
+  double kl_sum = 0.0;
+};
+ModeAgreement compare_prefix_modes(LlamaModel& model, const std::vector<KVCache>& exact,
+                                   const std::vector<KVCache>& chunked,
+                                   const std::vector<const TraceTokens*>& traces) {
+  ModeAgreement r;
+  Progress bar("chunked vs exact", int64_t(traces.size()), "traces");
+  for (size_t i = 0; i < traces.size(); ++i) {
+    std::vector<int64_t> ids(traces[i]->turn.begin(), traces[i]->turn.end());
+    ids.insert(ids.end(), traces[i]->response.begin(), traces[i]->response.end());
+    const int64_t T = int64_t(ids.size());
+    at::Tensor toks = at::tensor(ids, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+    KVCache a = model.share_as_prefix(exact, 1, T), b = model.share_as_prefix(chunked, 1, T);
+    at::Tensor la = at::log_softmax(model.forward(toks, a)[0], -1);
+    at::Tensor lb = at::log_softmax(model.forward(toks, b)[0], -1);
+    r.kl_sum += (la.exp() * (la - lb)).sum().item<double>();
+    r.agree += (la.argmax(-1) == lb.argmax(-1)).sum().item<int64_t>();
+    r.tokens += T;
+    bar.update(int64_t(i + 1));
+  }
+  bar.finish();
+  return r;
 }
 
 at::Tensor cat_layer(std::vector<at::Tensor>& chunks) {
@@ -388,7 +416,10 @@ void compile_dictionary(const CompileOptions& opt) {
   }
   if (opt.out_path.empty()) throw InvalidArgument("--out is required");
   const DType vdtype = parse_value_dtype(opt.value_dtype);
-  if (opt.threads > 0) at::set_num_threads(opt.threads);
+  if (opt.key_mode != "pre_rope" && opt.key_mode != "rope_unified") {
+    throw InvalidArgument("--key-mode must be pre_rope or rope_unified, got '" + opt.key_mode + "'");
+  }
+  configure_cpu_threads(opt.threads);
 
   // --- load ------------------------------------------------------------------------------
   auto t0 = Clock::now();
@@ -453,10 +484,15 @@ void compile_dictionary(const CompileOptions& opt) {
                                                  (traces[i].response ? int64_t(tt[i].response.size())
                                                                      : opt.max_response_tokens + 1));
   }
-  if (P + max_trace > cfg.max_context) {
-    throw InvalidArgument("prefix (" + std::to_string(P) + " tokens) plus the longest trace (" +
-                          std::to_string(max_trace) + ") exceed the model's context of " +
-                          std::to_string(cfg.max_context) + " tokens");
+  if (opt.calib_chunk < 0) throw InvalidArgument("--calib-chunk must be >= 0");
+  const bool chunked = opt.calib_chunk > 0 && opt.calib_chunk < P;
+  // Trace (and served) tokens start after the prefix, or after the longest chunk.
+  const int64_t base = chunked ? opt.calib_chunk : P;
+  if (base + max_trace > cfg.max_context) {
+    throw InvalidArgument("prefix (" + std::to_string(base) + (chunked ? " tokens per chunk" : " tokens") +
+                          ") plus the longest trace (" + std::to_string(max_trace) +
+                          ") exceed the model's context of " + std::to_string(cfg.max_context) +
+                          " tokens" + (chunked ? "" : "; --calib-chunk N encodes the prefix in chunks"));
   }
   // Deterministic holdout split.
   std::vector<size_t> idx(tt.size());
@@ -470,14 +506,23 @@ void compile_dictionary(const CompileOptions& opt) {
 
   // --- prefill ------------------------------------------------------------------------------
   t0 = Clock::now();
-  KVCache prefix = model.new_cache(1, P);
+  // Exact mode: one part, the whole prefix at 0..P-1. Chunked calibration: parts of
+  // calib_chunk tokens, each encoded on its own at positions 0..len-1.
+  std::vector<KVCache> prefix;
+  std::vector<uint64_t> chunk_hashes;
   {
     Progress bar("prefill", P, "tok");
-    at::Tensor ids = at::tensor(std::vector<int64_t>(prefix_ids.begin(), prefix_ids.end()),
-                                at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
-    ForwardOptions fo;
-    fo.logits = false;
-    model.prefill(ids, prefix, opt.chunk, fo, [&](int64_t d2, int64_t) { bar.update(d2); });
+    const int64_t step = chunked ? opt.calib_chunk : P;
+    for (int64_t s0 = 0; s0 < P; s0 += step) {
+      const int64_t n = std::min(step, P - s0);
+      prefix.push_back(model.new_cache(1, n));
+      at::Tensor ids = at::tensor(std::vector<int64_t>(prefix_ids.begin() + s0, prefix_ids.begin() + s0 + n),
+                                  at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+      ForwardOptions fo;
+      fo.logits = false;
+      model.prefill(ids, prefix.back(), opt.chunk, fo, [&](int64_t d2, int64_t) { bar.update(s0 + d2); });
+      if (chunked) chunk_hashes.push_back(hash_bytes(prefix_ids.data() + s0, size_t(n) * sizeof(int32_t)));
+    }
   }
   timings["prefill_s"] = since(t0);
 
@@ -549,12 +594,13 @@ void compile_dictionary(const CompileOptions& opt) {
 
   // --- collect (traces whose responses were given or reused) -------------------------------
   t0 = Clock::now();
-  std::vector<const TraceTokens*> train_rest, hold_rest;
+  std::vector<const TraceTokens*> train_rest, hold_rest, hold;
   int64_t n_train = 0, n_hold_tok = 0, n_train_traces = 0;
   for (const auto& t : tt) {
     const int64_t len = int64_t(t.turn.size() + t.response.size());
     (t.holdout ? n_hold_tok : n_train) += len;
     n_train_traces += !t.holdout;
+    if (t.holdout) hold.push_back(&t);
     if (!t.captured) (t.holdout ? hold_rest : train_rest).push_back(&t);
   }
   if (n_train_traces == 0) throw InvalidArgument("no training traces left after the holdout split");
@@ -562,6 +608,29 @@ void compile_dictionary(const CompileOptions& opt) {
   if (!train_rest.empty()) collect(model, prefix, train_rest, &cap, opt.batch, max_batch_tokens, true, "collect");
   if (!hold_rest.empty()) collect(model, prefix, hold_rest, &hcap, opt.batch, max_batch_tokens, false, "holdout");
   timings["collect_s"] = since(t0);
+
+  // Chunked calibration, measured against the exact mode where both apply.
+  nlohmann::json chunk_report;
+  if (chunked && !hold.empty() && P + max_trace <= cfg.max_context) {
+    t0 = Clock::now();
+    std::vector<KVCache> exact;
+    exact.push_back(model.new_cache(1, P));
+    at::Tensor ids = at::tensor(std::vector<int64_t>(prefix_ids.begin(), prefix_ids.end()),
+                                at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+    ForwardOptions fo;
+    fo.logits = false;
+    model.prefill(ids, exact.back(), opt.chunk, fo);
+    const ModeAgreement m = compare_prefix_modes(model, exact, prefix, hold);
+    chunk_report = {{"chunks", prefix.size()}, {"chunk_tokens", opt.calib_chunk},
+                    {"holdout_tokens", m.tokens},
+                    {"top1_agreement_vs_exact", double(m.agree) / double(m.tokens)},
+                    {"mean_kl_exact_to_chunked", m.kl_sum / double(m.tokens)}};
+    std::fprintf(stderr, "chunked calibration (%zu chunks of <= %lld tokens) vs exact on %lld held-out "
+                 "trace tokens: next-token top-1 agreement %.1f%%, mean KL %.4f nats\n",
+                 prefix.size(), (long long)opt.calib_chunk, (long long)m.tokens,
+                 100.0 * double(m.agree) / double(m.tokens), m.kl_sum / double(m.tokens));
+    timings["chunk_compare_s"] = since(t0);
+  }
 
   // --- cluster ------------------------------------------------------------------------------
   t0 = Clock::now();
@@ -585,13 +654,22 @@ void compile_dictionary(const CompileOptions& opt) {
   sections.reserve(L * Hkv);
   Progress bar("cluster", L * Hkv * int64_t(eval_k.size()), "groups");
   int64_t groups_done = 0;
+  const bool unified = opt.key_mode == "rope_unified";
+  const int64_t rope_pos = opt.rope_position >= 0 ? opt.rope_position : P;
+  // RoPE-unified keys: every query rotated as if it sat at rope_pos.
+  auto lookup_keys = [&](const at::Tensor& q) {
+    if (!unified) return q;
+    at::Tensor pos = at::full({q.size(0)}, rope_pos, at::TensorOptions().dtype(at::kLong));
+    return model.apply_rope(q.to(model.device(), at::kFloat).unsqueeze(0), pos)
+        .squeeze(0).to(at::kCPU, at::kFloat).contiguous();
+  };
   for (int64_t l = 0; l < L; ++l) {
-    at::Tensor q = cat_layer(cap.q[l]);          // [N, Hq, d]
+    at::Tensor q = lookup_keys(cat_layer(cap.q[l]));  // [N, Hq, d]
     at::Tensor o = cat_layer(cap.o[l]);          // [N, Hq, d] fp16
     at::Tensor lse = cat_layer(cap.lse[l]);      // [N, Hq]
     LayerHoldout ho;
     if (n_hold_tok > 0) {
-      ho.q = cat_layer(hcap.q[l]);
+      ho.q = lookup_keys(cat_layer(hcap.q[l]));
       ho.prefix = {cat_layer(hcap.o[l]), cat_layer(hcap.lse[l])};
       ho.own = {cat_layer(hcap.own_o[l]), cat_layer(hcap.own_lse[l])};
       ho.exact = merge_states(as_state(ho.prefix.o, ho.prefix.lse), as_state(ho.own.o, ho.own.lse)).o.squeeze(1);
@@ -647,6 +725,8 @@ void compile_dictionary(const CompileOptions& opt) {
   man.prefix.text_hash = prefix_text.empty() ? 0 : hash_bytes(prefix_text.data(), prefix_text.size());
   man.prefix.token_hash = hash_bytes(prefix_ids.data(), prefix_ids.size() * sizeof(int32_t));
   man.prefix.text_preview = prefix_text.substr(0, 200);
+  man.prefix.chunk_tokens = chunked ? opt.calib_chunk : 0;
+  man.prefix.chunk_hashes = chunk_hashes;
   man.compile.entries = opt.entries;
   man.compile.parents = sections.empty() ? 0 : sections[0].C1;
   man.compile.top_m = opt.top_m;
@@ -654,7 +734,8 @@ void compile_dictionary(const CompileOptions& opt) {
   man.compile.seed = opt.seed;
   man.compile.kmeans_iters = opt.kmeans_iters;
   man.compile.whitening = opt.whitening;
-  man.compile.key_mode = "pre_rope";
+  man.compile.key_mode = opt.key_mode;
+  man.compile.rope_unified_position = unified ? rope_pos : 0;
   man.compile.n_traces = int64_t(tt.size());
   man.compile.n_train_tokens = n_train;
   man.compile.n_holdout_tokens = n_hold_tok;
@@ -716,6 +797,7 @@ void compile_dictionary(const CompileOptions& opt) {
   rep["value_dtype"] = dtype_name(vdtype);
   rep["kmeans_backend"] = kp.backend;
   rep["timings"] = timings;
+  if (!chunk_report.is_null()) rep["chunked_vs_exact"] = chunk_report;
   rep["metric"] = "relative L2 error of the attention output on held-out trace tokens, per layer: "
                   "sqrt(sum |o_est - o_exact|^2 / sum |o_exact|^2), o_exact = exact attention over "
                   "prefix + own tokens, o_est = dictionary prefix state merged with exact own state";

@@ -36,7 +36,13 @@ double KMeansInertiaReference(const float* x, int64_t n, int64_t dim, const floa
 // with k centroids (k <= n), FAISS's own sampling (max_points_per_centroid) and
 // initialization, seeded from params.seed; then every point is assigned by a search on the
 // final centroids. Fills centroids, assign, k and dim of the result.
+// Training runs on the distinct rows `train_x` [train_n, dim] weighted by their
+// multiplicities `train_w` [train_n] (k <= train_n): k-means on a multiset is weighted
+// k-means on its distinct points, and FAISS's random initialization then never starts
+// several centroids on one repeated row (measured on layer-0 keys, which repeat per
+// token: without this FAISS's K=1024 dictionary was no better than K=1).
 void KMeansFaiss(const float* x, int64_t n, int64_t dim, int64_t k, const KMeansParams& params,
+                 const float* train_x, int64_t train_n, const float* train_w,
                  KMeansResult* result);
 #endif
 

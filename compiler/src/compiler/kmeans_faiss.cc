@@ -14,8 +14,9 @@
 namespace asmem {
 
 void KMeansFaiss(const float* x, int64_t n, int64_t dim, int64_t k, const KMeansParams& params,
+                 const float* train_x, int64_t train_n, const float* train_w,
                  KMeansResult* result) {
-  if (n < k || k < 1 || dim < 1 || n > INT_MAX || dim > INT_MAX) {
+  if (train_n < k || n < train_n || k < 1 || dim < 1 || n > INT_MAX || dim > INT_MAX) {
     throw InvalidArgument("KMeansFaiss: bad shape n=" + std::to_string(n) +
                           " dim=" + std::to_string(dim) + " k=" + std::to_string(k));
   }
@@ -42,7 +43,7 @@ void KMeansFaiss(const float* x, int64_t n, int64_t dim, int64_t k, const KMeans
     } else {
       train_index = std::make_unique<faiss::IndexFlatL2>(dim);
     }
-    clus.train(n, x, *train_index);
+    clus.train(train_n, train_x, *train_index, train_w);
 
     // Final assignment of every point (not only FAISS's training sample).
     std::unique_ptr<faiss::IndexFlat> search_index;

@@ -1,7 +1,9 @@
 #include "asmem/model/llama.h"
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -64,6 +66,14 @@ std::vector<float> rope_inv_freq(const ModelConfig& cfg) {
     out[i] = float(f);
   }
   return out;
+}
+
+void configure_cpu_threads(int requested) {
+  if (requested > 0) {
+    at::set_num_threads(requested);
+  } else if (!at::hasMKL()) {
+    at::set_num_threads(1);
+  }
 }
 
 at::Device parse_device(const std::string& name) {
@@ -176,6 +186,34 @@ KVCache LlamaModel::share_as_prefix(const KVCache& pre, int64_t batch, int64_t c
   return c;
 }
 
+KVCache LlamaModel::share_as_prefix(const std::vector<KVCache>& parts, int64_t batch,
+                                    int64_t capacity) const {
+  if (parts.empty()) throw InvalidArgument("share_as_prefix: no parts");
+  if (parts.size() == 1) return share_as_prefix(parts[0], batch, capacity);
+  int64_t next = 0;
+  for (const KVCache& p : parts) {
+    if (p.prefix_len != 0 || p.length == 0) {
+      throw InvalidArgument("share_as_prefix: every part must be a plain, non-empty cache");
+    }
+    next = std::max(next, p.base_pos + p.length);
+  }
+  KVCache c = new_cache(batch, capacity, next);
+  for (const KVCache& p : parts) {
+    c.prefix_segments.push_back(p.length);
+    c.prefix_len += p.length;
+  }
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    std::vector<at::Tensor> ks, vs;
+    for (const KVCache& p : parts) {
+      ks.push_back(p.k[l][0].narrow(1, 0, p.length));
+      vs.push_back(p.v[l][0].narrow(1, 0, p.length));
+    }
+    c.prefix_k.push_back(at::cat(ks, 1));
+    c.prefix_v.push_back(at::cat(vs, 1));
+  }
+  return c;
+}
+
 std::pair<at::Tensor, at::Tensor> LlamaModel::rope_tables(const at::Tensor& positions) const {
   // Angles in fp64 on the host: positions up to 1e6 keep full fp32 precision.
   at::Tensor pos = positions.to(at::kCPU, at::kDouble).unsqueeze(-1);
@@ -260,8 +298,15 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
     AttnState own = attention_state(q, own_k, own_v, scale, /*causal_offset=*/cache.length, key_start);
 
     AttnState prefix;
-    if (cache.prefix_len > 0) {
+    if (cache.prefix_len > 0 && cache.prefix_segments.empty()) {
       prefix = attention_state(q, cache.prefix_k[l], cache.prefix_v[l], scale);
+    } else if (cache.prefix_len > 0) {
+      int64_t off = 0;
+      for (int64_t len : cache.prefix_segments) {
+        prefix = merge_states(prefix, attention_state(q, cache.prefix_k[l].narrow(1, off, len),
+                                                      cache.prefix_v[l].narrow(1, off, len), scale));
+        off += len;
+      }
     }
     if (opts.hook) prefix = opts.hook->prefix_state(l, q_pre, q, positions, prefix);
     AttnState st = merge_states(prefix, own);

@@ -99,6 +99,68 @@ TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
   EXPECT_NO_THROW(DictionaryFile::open(dir_ + "/c.asmd"));
 }
 
+TEST_F(CompileSmall, RopeUnifiedKeysAndWhitening) {
+  ASMEM_REQUIRE_MODEL();
+  CompileOptions o = options(dir_ + "/u.asmd");
+  o.key_mode = "rope_unified";
+  o.whitening = true;
+  o.value_dtype = "fp32";
+  compile_dictionary(o);
+  auto f = DictionaryFile::open(o.out_path);
+  const DictionaryManifest& m = f->manifest();
+  EXPECT_EQ(m.compile.key_mode, "rope_unified");
+  EXPECT_EQ(m.compile.rope_unified_position, m.prefix.n_tokens);
+  EXPECT_TRUE(m.compile.whitening);
+  for (const DictSection& s : m.sections) {
+    ASSERT_TRUE(s.whitening.present());
+    EXPECT_EQ(s.whitening.shape, (std::vector<int64_t>{192, 192}));
+  }
+  // Stored keys are unit rows (the lookup compares them by dot product).
+  const DictSection& s = m.sections[5];
+  const float* k = static_cast<const float*>(s.keys.data);
+  for (int64_t r = 0; r < s.entries; ++r) {
+    double n2 = 0;
+    for (int64_t i = 0; i < 192; ++i) n2 += double(k[r * 192 + i]) * k[r * 192 + i];
+    EXPECT_NEAR(n2, 1.0, 1e-4) << "row " << r;
+  }
+  nlohmann::json rep = nlohmann::json::parse(slurp(o.out_path + ".report.json"));
+  EXPECT_LT(rep["summary"]["k8"]["mean_linear"].get<double>(), rep["summary"]["no_prefix_mean"].get<double>());
+  o.key_mode = "bogus";
+  EXPECT_THROW(compile_dictionary(o), InvalidArgument);
+}
+
+TEST_F(CompileSmall, ChunkedCalibrationRecordsChunksAndMeasuresAgainstExact) {
+  ASMEM_REQUIRE_MODEL();
+  CompileOptions o = options(dir_ + "/ch.asmd");
+  o.calib_chunk = 32;
+  compile_dictionary(o);
+  auto f = DictionaryFile::open(o.out_path);
+  const PrefixInfo& p = f->manifest().prefix;
+  EXPECT_EQ(p.chunk_tokens, 32);
+  EXPECT_EQ(int64_t(p.chunk_hashes.size()), (p.n_tokens + 31) / 32);
+  nlohmann::json rep = nlohmann::json::parse(slurp(o.out_path + ".report.json"));
+  ASSERT_TRUE(rep.contains("chunked_vs_exact"));
+  const double agree = rep["chunked_vs_exact"]["top1_agreement_vs_exact"].get<double>();
+  EXPECT_GT(agree, 0.0);
+  EXPECT_LE(agree, 1.0);
+  EXPECT_GE(rep["chunked_vs_exact"]["mean_kl_exact_to_chunked"].get<double>(), 0.0);
+}
+
+TEST_F(CompileSmall, PrefixLongerThanContextNeedsChunks) {
+  ASMEM_REQUIRE_MODEL();
+  std::ofstream big(dir_ + "/big.txt");
+  for (int i = 0; i < 1500; ++i) big << "Rule " << i << ": keep the platform clear of luggage. ";
+  big.close();
+  CompileOptions o = options(dir_ + "/big.asmd");
+  o.prefix_path = dir_ + "/big.txt";
+  try {
+    compile_dictionary(o);
+    FAIL() << "a prefix longer than the context was accepted in exact mode";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--calib-chunk"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(CompileSmall, RejectsBadInputsWithOneLineErrors) {
   ASMEM_REQUIRE_MODEL();
   CompileOptions o = options(dir_ + "/x.asmd");

@@ -244,6 +244,41 @@ TEST(LlamaForward, SharedPrefixSegmentEqualsOneSequence) {
   EXPECT_GT(rel_err(no_prefix, got), 1e-3);  // the prefix mattered
 }
 
+// Chunked calibration: independently prefilled parts become segments; the prefix state is
+// the merge of the states over each part, and traces start after the longest part.
+TEST(LlamaForward, PrefixPartsMergeTheirStates) {
+  TinyWeights w(tiny_config(), 5);
+  LlamaModel m(w, at::Device(at::kCPU), at::kFloat);
+  at::Tensor a = random_tokens(1, 7, 50, 11), b = random_tokens(1, 4, 50, 12);
+  std::vector<KVCache> parts;
+  parts.push_back(m.new_cache(1, 7));
+  parts.push_back(m.new_cache(1, 4));
+  m.forward(a, parts[0]);
+  m.forward(b, parts[1]);
+  KVCache c = m.share_as_prefix(parts, 2, 3);
+  EXPECT_EQ(c.base_pos, 7);
+  EXPECT_EQ(c.prefix_len, 11);
+  EXPECT_EQ(c.prefix_segments, (std::vector<int64_t>{7, 4}));
+  RecordingHook hook;
+  ForwardOptions fo;
+  fo.hook = &hook;
+  at::Tensor toks = random_tokens(2, 3, 50, 13);
+  m.forward(toks, c, fo);
+  // Layer 0: recompute the state over each part directly and merge.
+  at::Tensor q = m.apply_rope(hook.q_pres[0], hook.pos[0]);
+  const double scale = 1.0 / std::sqrt(8.0);
+  AttnState sa = attention_state(q, parts[0].k[0][0].narrow(1, 0, 7), parts[0].v[0][0].narrow(1, 0, 7), scale);
+  AttnState sb = attention_state(q, parts[1].k[0][0].narrow(1, 0, 4), parts[1].v[0][0].narrow(1, 0, 4), scale);
+  AttnState ref = merge_states(sa, sb);
+  EXPECT_LT(rel_err(hook.seen[0].o, ref.o), 1e-5);
+  EXPECT_LT(rel_err(hook.seen[0].lse, ref.lse), 1e-6);
+  // One part is the plain shared prefix.
+  std::vector<KVCache> one;
+  one.push_back(m.new_cache(1, 7));
+  m.forward(a, one[0]);
+  EXPECT_TRUE(m.share_as_prefix(one, 2, 3).prefix_segments.empty());
+}
+
 // Left-padded sequences of different lengths give the same logits as each alone.
 TEST(LlamaForward, LeftPaddedBatchEqualsSequencesAlone) {
   TinyWeights w(tiny_config(), 4);

@@ -2,7 +2,10 @@
 // plus the held-out report.
 //
 // Positions: the prefix occupies positions 0..P-1 and every trace token sits at P.., as
-// served tokens will. With the chat format (the default) the prefix is rendered as the
+// served tokens will. With chunked calibration (calib_chunk = N > 0, for prefixes longer
+// than the model's context) the prefix is cut into chunks of N tokens, each encoded on its
+// own at positions 0..len-1; a trace token's prefix state is the merge of its states over
+// all chunks, and trace (and served) tokens sit at N.. (the manifest's prefix.chunk_tokens). With the chat format (the default) the prefix is rendered as the
 // system message and each trace as the user turn, the assistant header, the response
 // and the end-of-turn token.
 #pragma once
@@ -31,11 +34,17 @@ struct CompileOptions {
   int32_t kmeans_iters = 10;        // Lloyd iterations
   std::string kmeans_backend = "auto";  // auto (cuda on a CUDA device, else cpu) | cpu | cuda
   bool whitening = false;            // whiten keys with Sigma^-1/2 of the training keys
+  // Lookup keys: "pre_rope" (the pre-RoPE group queries) or "rope_unified" (the queries
+  // rotated by RoPE as if every token sat at position `rope_position`; -1: P). Serving
+  // must build its lookup keys the same way; the manifest records both fields.
+  std::string key_mode = "pre_rope";
+  int64_t rope_position = -1;
   std::string update_path;           // OLD.asmd: reuse its generated responses
   bool skip_malformed = false;       // skip malformed trace lines instead of failing
   bool raw = false;                  // no chat format: prefix and traces as plain text
   int64_t batch = 16;                // traces per forward batch
-  int64_t chunk = 512;               // prefill chunk size
+  int64_t chunk = 512;               // prefill chunk size (memory bound of the forward)
+  int64_t calib_chunk = 0;           // chunked calibration: tokens per chunk (0: exact mode)
   std::vector<int64_t> report_entries;  // extra K values evaluated in the report (not written)
   int threads = 0;                   // CPU threads (0: torch default)
 };

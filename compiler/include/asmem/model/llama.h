@@ -38,10 +38,14 @@ struct KVCache {
   // Left padding: sequence b's first real token is own index start[b]; keys before it are
   // masked and its positions count from there. Empty: no padding.
   std::vector<int64_t> start;
-  // Optional shared prefix segment, per layer [Hkv, prefix_len, d] at positions
-  // 0..prefix_len-1, read by every sequence of the batch. Empty vectors when none.
+  // Optional shared prefix, per layer [Hkv, prefix_len, d], read by every sequence of the
+  // batch. Empty vectors when none. It is one segment at positions 0..prefix_len-1, or,
+  // for chunked calibration, several segments (lengths in prefix_segments, stored one
+  // after another) each encoded on its own at positions 0..len-1; the prefix state is then
+  // the merge of the segments' states.
   std::vector<at::Tensor> prefix_k, prefix_v;
   int64_t prefix_len = 0;
+  std::vector<int64_t> prefix_segments;  // empty: one segment of prefix_len
 
   // Position the next token will take.
   int64_t next_pos() const { return base_pos + length; }
@@ -87,6 +91,10 @@ class LlamaModel {
   // Moves sequence 0's cached tokens into a shared prefix segment of a new cache for
   // `batch` sequences (base_pos = prefix length): run traces against a prefilled prefix.
   KVCache share_as_prefix(const KVCache& prefilled, int64_t batch, int64_t capacity) const;
+  // The same for several independently prefilled parts (chunked calibration): their
+  // tokens become the segments of the shared prefix, and the new sequences start at the
+  // position after the longest part.
+  KVCache share_as_prefix(const std::vector<KVCache>& parts, int64_t batch, int64_t capacity) const;
 
   // Positions [B, T] of the next T tokens of every sequence of `cache`.
   at::Tensor next_positions(const KVCache& cache, int64_t T) const;
@@ -120,6 +128,12 @@ class LlamaModel {
 
 // Inverse RoPE frequencies [d/2] (fp64 math, fp32 result) with the config's scaling.
 std::vector<float> rope_inv_freq(const ModelConfig& cfg);
+
+// Sets torch's intra-op threads for CPU work. `requested` > 0 is used as is. With 0:
+// when torch's BLAS is MKL, torch's default; otherwise (e.g. Debian's OpenBLAS, which
+// runs its own threads inside every matmul) one torch thread, since two thread pools on
+// the same cores slow each other down (measured: 1.8x slower generation on 2 cores).
+void configure_cpu_threads(int requested);
 
 // "cpu" | "cuda" | "cuda:N"; throws UnsupportedError when CUDA is not available.
 at::Device parse_device(const std::string& name);

@@ -1,0 +1,213 @@
+// Decode attention with a compiled prefix: dictionary lookup + split-KV attention over the
+// paged non-prefix KV + the one merge (state.cuh). Host API: raw pointers, cudaStream_t,
+// no torch, no __global__.
+//
+// One step, one layer. For request b (of B) and query head hq = h*G + g (KV head h, group
+// size G = Hq/Hkv), with T = seq_lens[b] non-prefix tokens:
+//   prefix state  (o_p, lse_p) = values of the dictionary entry nearest to the lookup key,
+//                 or the empty state (0, -inf) when the request has no dictionary;
+//   rest state    (o_r, lse_r) = exact attention of q[b, hq] over the request's T tokens
+//                 in the paged KV (empty when T == 0), s_t = sm_scale * q.k_t;
+//   output        (o, lse)     = merge((o_p, lse_p), (o_r, lse_r))   (asmem/state.cuh).
+// Lookup key of (b, h): x = concat_g q_pre[b, h*G + g, :] (G*d values, pre-RoPE), whitened
+// to W (x - mean) when the dictionary section has whitening. The nearest entry is the largest
+// dot product with the stored (L2-normalized) keys, ties to the smaller index; the key need
+// not be normalized. Linear lookup scans all K keys; a view with C1 > 0 parents probes the
+// top_m parents (ties to the smaller parent index) and scans only their children (when all
+// probed parents are childless it falls back to linear). This is LookupLinearCpu /
+// LookupHierarchicalCpu (asmem/lookup.h) applied to the request's key.
+//
+// Tensors (all on the device for DecodeAttention, on the host for DecodeAttentionCpu):
+//   q            [B, Hq, d]   DType (post-RoPE); strides q_stride_b, q_stride_h (elements);
+//                             the d values of a head are contiguous and 16-byte aligned.
+//   q_pre        [B, Hq, d]   DType (pre-RoPE lookup key); same rules; may be null when
+//                             dict_ids is null (no request has a dictionary).
+//   k_cache, v_cache          DType, paged. Element (page p, kv head h, slot i, dim c) lives at
+//                             p*kv_stride_page + h*kv_stride_head + i*kv_stride_token + c
+//                             (elements; the same strides for K and V). Default layout
+//                             (DecodeKvStrides): [num_pages, Hkv, page_size, d] ("HND"),
+//                             chosen because one page of one KV head is then one contiguous
+//                             page_size*d*2-byte run (4 KiB for 16 x 128 bf16): the CTA that
+//                             owns (request, KV head) streams whole runs with 16-byte loads,
+//                             each warp load covering 512 contiguous bytes. The
+//                             [num_pages, page_size, Hkv, d] layout ("NHD") works too through
+//                             the strides (256-byte runs). Strides must be multiples of 8 and
+//                             the bases 16-byte aligned.
+//   block_table  [B, block_table_stride] int32: token t of request b is in page
+//                             block_table[b*block_table_stride + t / page_size], slot
+//                             t % page_size. Entries past ceil(T/page_size) are not read.
+//   seq_lens     [B] int32    T per request, >= 0 (0: empty rest). T may exceed
+//                             config.max_seq_len: still correct, only the split plan is off.
+//   dict_ids     [B] int32    -1: no dictionary; else a dictionary index in [0, num_dicts).
+//                             Null: no request has one (plain decode attention).
+//   dict_views   [num_dicts, Hkv] DictLayerView (device memory for DecodeAttention): the
+//                             view of dictionary i for this layer and KV head h is
+//                             dict_views[i*Hkv + h]. Validate views with
+//                             ValidateDictLayerView() on the host before uploading them; an
+//                             invalid view or dict id seen on the device gives NaN outputs.
+//   o            [B, Hq, d]   DType; strides o_stride_b, o_stride_h; 16-byte aligned heads.
+//   lse          [B, Hq]      f32 contiguous, natural log; may be null.
+//   lookup_index [B, Hkv]     int32 contiguous; the chosen entry, -1 without a dictionary;
+//                             may be null.
+// Outputs must not alias inputs. Only the first params.batch requests are read or written.
+//
+// CUDA path: asynchronous on `stream`, no host synchronization, no allocation, no host
+// copies: capturable in a CUDA graph (replays may change every device value, including
+// seq_lens, block tables and dict_ids, but not the host-side config or params). The split
+// plan depends only on the config (not on the device), so a captured step is valid on any
+// GPU. Launches: [whitening], main (lookup CTAs + split-KV attention CTAs), combine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "asmem/cuda_fwd.h"
+
+namespace asmem {
+
+// Element types. The numbering matches asmem::DType of the dictionary files (runtime), so a
+// runtime may static_cast between them.
+enum class KernelDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+const char* KernelDTypeName(KernelDType t);  // "f32", "f16", "bf16"
+int64_t KernelDTypeSize(KernelDType t);
+
+// One dictionary section (one layer, one KV head) as the kernels read it. Lives in device
+// memory for DecodeAttention and host memory for DecodeAttentionCpu. D = G*d.
+struct DictLayerView {
+  const void* keys = nullptr;             // [K, D] keys_dtype, rows L2-normalized
+  const void* values_o = nullptr;         // [K, G, d] values_dtype
+  const float* values_lse = nullptr;      // [K, G] f32, natural log
+  const void* parent_keys = nullptr;      // [C1, D] keys_dtype; null iff C1 == 0
+  const int32_t* child_offsets = nullptr; // [C1 + 1], 0 .. K non-decreasing; null iff C1 == 0
+  const float* whitening = nullptr;       // [D, D] f32 row-major, or null (no whitening)
+  const float* whitening_mean = nullptr;  // [D] f32; non-null iff whitening is
+  int64_t K = 0;                          // entries, >= 1
+  int64_t C1 = 0;                         // parents; 0: linear lookup over all K keys
+  int32_t top_m = 0;                      // parents probed when C1 > 0 (>= 1; >= C1: all)
+  KernelDType keys_dtype = KernelDType::kBF16;    // keys and parent_keys: f32, f16 or bf16
+  KernelDType values_dtype = KernelDType::kBF16;  // values_o: f32, f16 or bf16
+};
+
+// Most parents a hierarchical view may have (shared-memory bound; ~sqrt(K) for K up to 4M).
+constexpr int64_t kDecodeMaxParents = 2048;
+// Supported head dims, largest group size, page sizes (powers of two in [1, kMaxPageSize]).
+constexpr int32_t kDecodeHeadDims[] = {64, 128};
+constexpr int32_t kDecodeMaxGroup = 8;
+constexpr int32_t kDecodeMaxPageSize = 1024;
+// Multiprocessor count the split plan targets (H200: 132). A constant, not the device's,
+// so a plan (and a captured graph) is the same on every GPU.
+constexpr int32_t kDecodePlanSms = 132;
+
+// Static description of the steps a plan serves. Every field is host-side.
+struct DecodeConfig {
+  int32_t batch = 0;         // B: most requests per step (params.batch may be smaller)
+  int32_t num_q_heads = 0;   // Hq
+  int32_t num_kv_heads = 0;  // Hkv; G = Hq / Hkv must be an integer in [1, 8]
+  int32_t head_dim = 0;      // d: 64 or 128
+  KernelDType dtype = KernelDType::kBF16;  // q, q_pre, k/v cache, o: kBF16 or kF16
+  int32_t page_size = 16;    // tokens per KV page: a power of two in [1, 1024]; default 16
+  int32_t max_seq_len = 0;   // largest T the caller expects (sets the KV split count)
+  bool use_dictionaries = false;  // launch the lookup; false: params.dict_ids must be null
+  int64_t max_lookup_rows = 0;    // most key rows one lookup scans (K for a linear view,
+                                  // C1 + top_m * (largest parent's children) for a
+                                  // hierarchical one); sets the lookup split count only
+  bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
+                             // a separate launch (without it each lookup CTA whitens alone:
+                             // correct, much slower)
+};
+
+// Per-step arguments. Pointers: see the contract at the top of this file.
+struct DecodeParams {
+  int32_t batch = 0;  // requests this step, 1..config.batch
+  const void* q = nullptr;
+  int64_t q_stride_b = 0, q_stride_h = 0;
+  const void* q_pre = nullptr;
+  int64_t q_pre_stride_b = 0, q_pre_stride_h = 0;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;  // >= pages the longest request needs
+  const int32_t* seq_lens = nullptr;
+  const int32_t* dict_ids = nullptr;          // null: no dictionaries this step
+  const DictLayerView* dict_views = nullptr;  // [num_dicts, Hkv]
+  int32_t num_dicts = 0;
+  void* o = nullptr;
+  int64_t o_stride_b = 0, o_stride_h = 0;
+  float* lse = nullptr;             // optional
+  int32_t* lookup_index = nullptr;  // optional
+  float sm_scale = 0.f;             // <= 0: 1/sqrt(d)
+};
+
+// Sets the KV strides of the default [num_pages, Hkv, page_size, d] layout.
+void DecodeKvStrides(const DecodeConfig& config, DecodeParams* params);
+
+// How a config is split over CTAs; a pure function of the config.
+struct DecodePlan {
+  int32_t kv_splits = 1;      // split-KV CTAs per (request, KV head)
+  int32_t lookup_splits = 0;  // lookup CTAs per (request, KV head); 0 without dictionaries
+  size_t workspace_bytes = 0; // device workspace DecodeAttention needs
+};
+
+// Whether the CUDA op supports the config (head dim, group size, dtype, page size, shapes).
+bool DecodeSupported(const DecodeConfig& config);
+// The plan of a supported config; throws UnsupportedError / InvalidArgument otherwise.
+DecodePlan PlanDecode(const DecodeConfig& config);
+size_t DecodeWorkspaceBytes(const DecodeConfig& config);
+
+// Host-side check of one view for a group of G heads of dim d: pointers present and 16-byte
+// aligned, dtypes, K >= 1, 0 <= C1 <= kDecodeMaxParents, top_m >= 1 when C1 > 0, whitening
+// and its mean together. Child offsets are checked too when `host_memory` (they are host
+// readable). Throws InvalidArgument naming `where` and the field.
+void ValidateDictLayerView(const DictLayerView& view, int32_t group_size, int32_t head_dim,
+                           bool host_memory, const std::string& where);
+
+// The CUDA op. `workspace`: device memory of at least DecodeWorkspaceBytes(config) bytes,
+// 256-byte aligned, not shared with a concurrent step. Throws UnsupportedError for an
+// unsupported config, InvalidArgument for bad arguments, asmem::Error in builds without CUDA.
+void DecodeAttention(const DecodeConfig& config, const DecodeParams& params, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream);
+
+// The CPU reference: naive loops, double accumulation, host memory (dict_views too), the
+// same arguments and results. Accepts any head dim and group size (not only the CUDA set).
+void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
+
+// ---------------------------------------------------------------------------------------
+// 16-bit float conversions for host code (round to nearest even; NaN stays NaN).
+// ---------------------------------------------------------------------------------------
+inline float BF16BitsToFloat(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t FloatToBF16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+float HalfBitsToFloat(uint16_t h);
+uint16_t FloatToHalfBits(float f);
+// Reads element i of a buffer of type t as float.
+inline float LoadAsFloat(const void* p, KernelDType t, int64_t i) {
+  switch (t) {
+    case KernelDType::kF32: return static_cast<const float*>(p)[i];
+    case KernelDType::kF16: return HalfBitsToFloat(static_cast<const uint16_t*>(p)[i]);
+    case KernelDType::kBF16: return BF16BitsToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.f;
+}
+// Writes element i of a buffer of type t, rounding to nearest even.
+inline void StoreFromFloat(void* p, KernelDType t, int64_t i, float v) {
+  switch (t) {
+    case KernelDType::kF32: static_cast<float*>(p)[i] = v; break;
+    case KernelDType::kF16: static_cast<uint16_t*>(p)[i] = FloatToHalfBits(v); break;
+    case KernelDType::kBF16: static_cast<uint16_t*>(p)[i] = FloatToBF16Bits(v); break;
+  }
+}
+
+}  // namespace asmem

@@ -1,0 +1,82 @@
+// Decode attention: the split plan shared by the CUDA kernels, the launcher and the CPU
+// reference (host and device code). Private to kernels/src.
+#pragma once
+
+#include <cstdint>
+
+#include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
+
+namespace asmem {
+namespace decode {
+
+// Split-KV: a request's T tokens are cut into ceil(T / SplitTokens) contiguous splits of
+// SplitTokens tokens (the last one shorter); splits past the end are empty and their CTAs
+// exit at once. Split sizes are multiples of kSplitAlign tokens so each split starts on a
+// warp step boundary, and at least kMinSplitTokens long so the per-split fixed cost (the
+// q load, the in-CTA merge, a partial state written and read back) stays small.
+constexpr int32_t kSplitAlign = 64;
+constexpr int32_t kMinSplitTokens = 128;
+// The plan aims at this many CTAs of each kind per step: 16 per multiprocessor (several
+// waves at 2-4 resident CTAs per SM), so the last wave is short.
+constexpr int32_t kTargetCtas = 16 * 132;
+constexpr int32_t kMaxKvSplits = 128;
+// Lookup: at least this many key rows per lookup CTA, at most kMaxLookupSplits CTAs per
+// (request, KV head).
+constexpr int64_t kMinLookupRows = 64;
+constexpr int32_t kMaxLookupSplits = 64;
+// Largest lookup key (G * d) the kernels hold in shared memory.
+constexpr int32_t kMaxKeyDim = 8 * 128;
+
+ASMEM_HOST_DEVICE int32_t SplitTokens(int32_t T, int32_t splits) {
+  int32_t per = T <= 0 ? 1 : (T + splits - 1) / splits;
+  if (per < kMinSplitTokens) per = kMinSplitTokens;
+  return (per + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+}
+
+ASMEM_HOST_DEVICE int32_t NumActiveSplits(int32_t T, int32_t splits) {
+  if (T <= 0) return 0;
+  const int32_t per = SplitTokens(T, splits);
+  return (T + per - 1) / per;  // <= splits because per >= ceil(T / splits)
+}
+
+// Rows [begin, end) of n rows that lookup split s of S scans.
+ASMEM_HOST_DEVICE int64_t SplitBegin(int64_t n, int32_t s, int32_t S) {
+  return n * s / S;
+}
+
+}  // namespace decode
+}  // namespace asmem
+
+// ---------------------------------------------------------------------------------------
+// Host side: argument checks and the workspace layout, shared by the CUDA launcher and the
+// CPU reference (defined in decode_cpu.cc).
+// ---------------------------------------------------------------------------------------
+#include <cstddef>
+
+#include "asmem/decode.h"
+
+namespace asmem {
+namespace decode {
+
+// Throws UnsupportedError / InvalidArgument naming `fn` unless the config is supported.
+void CheckConfig(const DecodeConfig& config, const char* fn);
+// Throws InvalidArgument naming `fn` and the field unless params fit the contract.
+void CheckParams(const DecodeConfig& config, const DecodeParams& params, const char* fn);
+
+struct LookupPartial {
+  float score;    // best dot product in the split (-inf: none)
+  int32_t index;  // its entry, -1 when the split scanned no row
+};
+
+// Byte offsets into the workspace (each 256-byte aligned).
+struct WorkspaceLayout {
+  size_t part_o = 0;       // [B, Hq, kv_splits, d] f32
+  size_t part_lse = 0;     // [B, Hq, kv_splits] f32
+  size_t lookup_part = 0;  // [B, Hkv, lookup_splits] LookupPartial
+  size_t whitened = 0;     // [B, Hkv, G*d] f32 (config.whitening only)
+  size_t total = 0;
+};
+WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);
+
+}  // namespace decode
+}  // namespace asmem

@@ -1,0 +1,128 @@
+// Decode attention launcher: checks, plan, workspace, and the one dispatch over
+// (dtype, head dim, group size). Contracts: asmem/decode.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "asmem/cuda_check.cuh"
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "decode_common.h"
+#include "decode_launch.cuh"
+
+namespace asmem {
+namespace decode {
+namespace {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <int N>
+using IntTag = std::integral_constant<int, N>;
+
+template <typename F, typename DT, typename HD, int GROUP>
+void DispatchGroupFrom(int group, F&& f, DT dt, HD hd) {
+  if constexpr (GROUP <= kDecodeMaxGroup) {
+    if (group == GROUP) {
+      f(dt, hd, IntTag<GROUP>{});
+      return;
+    }
+    DispatchGroupFrom<F, DT, HD, GROUP + 1>(group, std::forward<F>(f), dt, hd);
+  } else {
+    throw UnsupportedError("decode attention: group size " + std::to_string(group) +
+                           " is not supported");
+  }
+}
+
+template <typename F, typename DT>
+void DispatchHeadDim(int head_dim, int group, F&& f, DT dt) {
+  switch (head_dim) {
+    case 64: return DispatchGroupFrom<F, DT, IntTag<64>, 1>(group, std::forward<F>(f), dt, IntTag<64>{});
+    case 128: return DispatchGroupFrom<F, DT, IntTag<128>, 1>(group, std::forward<F>(f), dt, IntTag<128>{});
+    default:
+      throw UnsupportedError("decode attention: head_dim " + std::to_string(head_dim) +
+                             " is not supported");
+  }
+}
+
+// The one place that maps (dtype, head dim, group size) to a kernel instantiation:
+// f(TypeTag<DType>, IntTag<HEAD_DIM>, IntTag<GROUP>). Unsupported values throw; the set
+// matches DecodeSupported (decode_cpu.cc), which every caller checks first.
+template <typename F>
+void DispatchDecode(KernelDType dtype, int head_dim, int group, F&& f) {
+  switch (dtype) {
+    case KernelDType::kBF16:
+      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__nv_bfloat16>{});
+    case KernelDType::kF16:
+      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__half>{});
+    default:
+      throw UnsupportedError(std::string("decode attention: dtype ") + KernelDTypeName(dtype) +
+                             " is not supported");
+  }
+}
+
+int Log2(int x) {
+  int s = 0;
+  while ((1 << s) < x) ++s;
+  return s;
+}
+
+}  // namespace
+}  // namespace decode
+
+void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) {
+  using namespace decode;
+  const char* fn = "DecodeAttention";
+  CheckConfig(c, fn);
+  CheckParams(c, p, fn);
+  const DecodePlan plan = PlanDecode(c);
+  if (workspace_bytes < plan.workspace_bytes) {
+    throw InvalidArgument(std::string(fn) + ": workspace has " + std::to_string(workspace_bytes) +
+                          " bytes, needs " + std::to_string(plan.workspace_bytes) +
+                          " (DecodeWorkspaceBytes)");
+  }
+  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    throw InvalidArgument(std::string(fn) + ": workspace is null or not 256-byte aligned");
+  }
+  const WorkspaceLayout L = LayoutWorkspace(c, plan);
+  char* ws = static_cast<char*>(workspace);
+
+  LaunchArgs a;
+  a.p = p;
+  a.batch = p.batch;
+  a.hq = c.num_q_heads;
+  a.hkv = c.num_kv_heads;
+  a.group = c.num_q_heads / c.num_kv_heads;
+  a.head_dim = c.head_dim;
+  a.kv_splits = plan.kv_splits;
+  a.lookup_splits = plan.lookup_splits;
+  a.page_shift = Log2(c.page_size);
+  const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : 1.f / std::sqrt(float(c.head_dim));
+  a.scale_log2 = sm_scale * 1.4426950408889634f;
+  a.part_o = reinterpret_cast<float*>(ws + L.part_o);
+  a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
+  a.lookup_part = reinterpret_cast<LookupPartial*>(ws + L.lookup_part);
+  const bool lookup = p.dict_ids != nullptr;
+  a.whitened = (lookup && c.whitening) ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
+  a.n_lookup_ctas = lookup ? p.batch * c.num_kv_heads * plan.lookup_splits : 0;
+  a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
+  size_t smem = AttnSmemBytes(a.group, a.head_dim);
+  if (lookup) smem = std::max(smem, LookupSmemBytes(a.group * a.head_dim));
+
+  DispatchDecode(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+    using DType = typename decltype(dt)::type;
+    constexpr int HEAD_DIM = decltype(hd)::value;
+    constexpr int GROUP = decltype(gs)::value;
+    if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
+    LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, smem, stream);
+    LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
+  });
+}
+
+}  // namespace asmem

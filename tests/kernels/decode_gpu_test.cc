@@ -1,0 +1,531 @@
+// Decode attention on the GPU against the CPU reference (label gpu; skipped without a CUDA
+// device). Outputs are poisoned before every run; lookup indices must equal the reference's
+// (a mismatch passes only when it is a near-tie, and is counted); o and lse are checked on
+// every element with per-dtype tolerances. Prints pass counts at the end.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "asmem/cuda_check.cuh"
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "kernels/decode_test_util.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+using test::BuildProblem;
+using test::CaseSpec;
+using test::DictSpec;
+using test::Problem;
+
+struct Counts {
+  int64_t runs = 0, rows = 0, elements = 0, lookups = 0, index_equal = 0, near_ties = 0;
+};
+Counts g_counts;
+
+class CountsReporter : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::printf(
+        "[decode gpu] %lld GPU runs checked, %lld (request, head) rows, %lld output elements, "
+        "%lld lookups: %lld identical to the reference, %lld near-tie mismatches\n",
+        (long long)g_counts.runs, (long long)g_counts.rows, (long long)g_counts.elements,
+        (long long)g_counts.lookups, (long long)g_counts.index_equal,
+        (long long)g_counts.near_ties);
+  }
+};
+const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
+
+bool HaveCuda() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define ASMEM_SKIP_WITHOUT_GPU() \
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device"
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t n = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : n(bytes) {
+    if (bytes) ASMEM_CUDA_CHECK(cudaMalloc(&p, bytes));
+  }
+  DeviceBuffer(const void* host, size_t bytes) : DeviceBuffer(bytes) {
+    if (bytes) ASMEM_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(n, o.n);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (p) cudaFree(p);
+  }
+};
+
+// The problem's inputs on the device, views rewritten to device pointers, outputs and
+// workspace allocated.
+struct DeviceProblem {
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  DecodeParams params;
+  DeviceBuffer o, lse, index, workspace;
+  size_t o_bytes = 0;
+  std::vector<int32_t> seq_lens_host;
+
+  const void* Up(const void* host, size_t bytes) {
+    keep.push_back(std::make_unique<DeviceBuffer>(host, bytes));
+    return keep.back()->p;
+  }
+  template <typename T>
+  T* UpVec(const std::vector<T>& v) {
+    return static_cast<T*>(const_cast<void*>(Up(v.data(), v.size() * sizeof(T))));
+  }
+
+  void Upload(const Problem& pb, const DecodeConfig& config) {
+    params = pb.params;
+    params.q = Up(pb.q.data(), pb.q.nbytes());
+    params.q_pre = Up(pb.q_pre.data(), pb.q_pre.nbytes());
+    params.k_cache = Up(pb.k_cache.data(), pb.k_cache.nbytes());
+    params.v_cache = Up(pb.v_cache.data(), pb.v_cache.nbytes());
+    params.block_table = UpVec(pb.block_table);
+    params.seq_lens = UpVec(pb.seq_lens);
+    params.dict_ids = pb.dict_ids.empty() ? nullptr : UpVec(pb.dict_ids);
+    std::vector<DictLayerView> views = pb.views;
+    for (size_t i = 0; i < pb.dicts.size(); ++i) {
+      const test::HostDict& hd = pb.dicts[i];
+      for (int64_t h = 0; h < pb.spec.Hkv; ++h) {
+        DictLayerView& v = views[i * pb.spec.Hkv + h];
+        v.keys = Up(hd.keys[h].data(), hd.keys[h].nbytes());
+        v.values_o = Up(hd.values_o[h].data(), hd.values_o[h].nbytes());
+        v.values_lse = UpVec(hd.values_lse[h]);
+        if (v.C1 > 0) {
+          v.parent_keys = Up(hd.parent_keys[h].data(), hd.parent_keys[h].nbytes());
+          v.child_offsets = UpVec(hd.offsets[h]);
+        }
+        if (v.whitening) {
+          v.whitening = UpVec(hd.whitening[h]);
+          v.whitening_mean = UpVec(hd.mean[h]);
+        }
+      }
+    }
+    params.dict_views = views.empty() ? nullptr : UpVec(views);
+    o_bytes = pb.o.nbytes();
+    o = DeviceBuffer(o_bytes);
+    lse = DeviceBuffer(pb.lse.size() * sizeof(float));
+    index = DeviceBuffer(pb.lookup_index.size() * sizeof(int32_t));
+    params.o = o.p;
+    params.lse = static_cast<float*>(lse.p);
+    params.lookup_index = static_cast<int32_t*>(index.p);
+    workspace = DeviceBuffer(DecodeWorkspaceBytes(config));
+  }
+  void Poison(cudaStream_t s) {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(o.p, 0xff, o.n, s));       // NaN in bf16 and f16
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(lse.p, 0xff, lse.n, s));   // NaN
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(index.p, 0x7f, index.n, s));
+  }
+  void Run(const DecodeConfig& config, cudaStream_t s) {
+    DecodeAttention(config, params, workspace.p, workspace.n, s);
+  }
+  struct Out {
+    test::Buffer o;
+    std::vector<float> lse;
+    std::vector<int32_t> index;
+  };
+  Out Download(const Problem& pb) {
+    ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+    Out r;
+    r.o = pb.o;
+    r.lse.resize(pb.lse.size());
+    r.index.resize(pb.lookup_index.size());
+    ASMEM_CUDA_CHECK(cudaMemcpy(r.o.data(), o.p, o_bytes, cudaMemcpyDeviceToHost));
+    ASMEM_CUDA_CHECK(cudaMemcpy(r.lse.data(), lse.p, lse.n, cudaMemcpyDeviceToHost));
+    ASMEM_CUDA_CHECK(cudaMemcpy(r.index.data(), index.p, index.n, cudaMemcpyDeviceToHost));
+    return r;
+  }
+};
+
+// Runs the CPU reference into pb's host outputs, the GPU op into `gpu`, and compares.
+// `config` may differ from pb.config in plan-only fields (max_seq_len, whitening, ...).
+void CheckAgainstReference(Problem& pb, const DecodeConfig& config, const char* tag = "") {
+  SCOPED_TRACE(std::string(tag) + " " + test::Describe(pb.spec) +
+               " max_seq_len=" + std::to_string(config.max_seq_len) +
+               " whitening_pass=" + std::to_string(config.whitening));
+  DeviceProblem dev;
+  dev.Upload(pb, config);
+  dev.Poison(nullptr);
+  dev.Run(config, nullptr);
+  const DeviceProblem::Out gpu = dev.Download(pb);
+  DecodeAttentionCpu(pb.config, pb.params);  // reference into pb.o / pb.lse / pb.lookup_index
+
+  const int64_t B = pb.params.batch, Hq = pb.spec.Hq, Hkv = pb.spec.Hkv, d = pb.spec.d, G = pb.G();
+  ++g_counts.runs;
+  // Lookup indices: identical, or a near-tie (scores within float noise of each other).
+  std::vector<int32_t> use_index = pb.lookup_index;
+  bool any_tie = false;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int32_t ref = pb.lookup_index[b * Hkv + h], got = gpu.index[b * Hkv + h];
+      const int32_t id = pb.dict_ids.empty() ? -1 : pb.dict_ids[b];
+      if (id < 0) {
+        EXPECT_EQ(got, -1) << "b=" << b << " h=" << h;
+        continue;
+      }
+      ++g_counts.lookups;
+      if (got == ref) {
+        ++g_counts.index_equal;
+        continue;
+      }
+      ASSERT_GE(got, 0) << "b=" << b << " h=" << h;
+      ASSERT_LT(got, pb.dicts[id].spec.K);
+      const std::vector<double> x = test::LookupKey(pb, b, h, pb.dicts[id]);
+      const double s_ref = test::KeyScore(pb.dicts[id].keys[h], ref, x);
+      const double s_got = test::KeyScore(pb.dicts[id].keys[h], got, x);
+      double norm = 0;
+      for (double v : x) norm += v * v;
+      const double tol = 1e-5 * std::sqrt(norm) + 1e-6;
+      ASSERT_LE(std::abs(s_ref - s_got), tol)
+          << "lookup mismatch that is not a near-tie: b=" << b << " h=" << h << " ref " << ref
+          << " (" << s_ref << ") gpu " << got << " (" << s_got << ")";
+      ++g_counts.near_ties;
+      use_index[b * Hkv + h] = got;
+      any_tie = true;
+    }
+  }
+  g_counts.rows += B * Hq;
+  g_counts.elements += B * Hq * d;
+  const test::Tolerance tol = test::OutputTolerance(pb.spec.dtype);
+  if (!any_tie) {
+    EXPECT_TRUE(test::AllClose(
+        "o (gpu vs cpu)", B * Hq * d, [&](int64_t i) { return double(gpu.o.get(i)); },
+        [&](int64_t i) { return double(pb.o.get(i)); }, tol));
+    EXPECT_TRUE(test::AllClose(
+        "lse (gpu vs cpu)", B * Hq, [&](int64_t i) { return double(gpu.lse[i]); },
+        [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
+  } else {  // compare with the dense computation at the GPU's (near-tie) entries
+    const test::DenseResult ref = test::DenseDirect(pb, use_index);
+    EXPECT_TRUE(test::AllClose(
+        "o (gpu vs dense)", B * Hq * d, [&](int64_t i) { return double(gpu.o.get(i)); },
+        [&](int64_t i) { return ref.o[i]; }, tol));
+    EXPECT_TRUE(test::AllClose(
+        "lse (gpu vs dense)", B * Hq, [&](int64_t i) { return double(gpu.lse[i]); },
+        [&](int64_t i) { return ref.lse[i]; }, test::LseTolerance()));
+  }
+  (void)G;
+}
+
+CaseSpec SweepCase(KernelDType dt, int d, int G) {
+  CaseSpec s;
+  s.dtype = dt;
+  s.d = d;
+  s.Hkv = 2;
+  s.Hq = 2 * G;
+  s.page_size = (G == 3) ? 1 : (G == 8 ? 64 : 16);
+  s.T = {1, 3, 77, 613, 4096, 0};
+  s.dicts = {DictSpec{613, 0, 0}, DictSpec{1000, 31, 4}};
+  s.dicts[1].keys_dtype = KernelDType::kF32;
+  s.dicts[1].values_dtype = KernelDType::kF16;
+  for (size_t i = 0; i < s.T.size(); ++i) s.dict_ids.push_back(int32_t(i % 3) - 1);
+  s.dict_ids.back() = 0;  // T = 0 with a dictionary: exactly the prefix state
+  return s;
+}
+
+TEST(DecodeGpu, SweepMatchesCpuReference) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(201);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+    for (int d : {64, 128}) {
+      for (int G : {1, 3, 4, 8}) {
+        Problem pb;
+        BuildProblem(SweepCase(dt, d, G), seed + n++, &pb);
+        CheckAgainstReference(pb, pb.config, "planned");
+        // A plan for short sequences (one split per request) must give the same result.
+        DecodeConfig one_split = pb.config;
+        one_split.max_seq_len = 1;
+        CheckAgainstReference(pb, one_split, "one split");
+      }
+    }
+  }
+}
+
+TEST(DecodeGpu, OtherGroupSizesAndLayouts) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(202);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  for (int G : {2, 5, 6, 7}) {
+    for (bool nhd : {false, true}) {
+      CaseSpec s;
+      s.d = (G % 2) ? 64 : 128;
+      s.Hkv = 3;
+      s.Hq = 3 * G;
+      s.nhd = nhd;
+      s.page_size = nhd ? 32 : 1024;
+      s.T = {130, 2047, 5};
+      s.sm_scale = 0.05f;
+      s.dicts = {DictSpec{97, 0, 0}};
+      s.dict_ids = {0, -1, 0};
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      CheckAgainstReference(pb, pb.config);
+    }
+  }
+}
+
+TEST(DecodeGpu, HierarchicalAllParentsEqualsLinear) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(203);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int64_t K : {1, 77, 4099}) {
+    const int64_t C1 = std::max<int64_t>(1, int64_t(std::lround(std::sqrt(double(K)))));
+    CaseSpec s;
+    s.Hq = 8;
+    s.Hkv = 2;
+    s.d = 128;
+    s.T = {5, 0, 300, 1};
+    s.dicts = {DictSpec{K, C1, int32_t(C1)}};
+    s.dict_ids = {0, 0, 0, 0};
+    s.near_key_fraction = 0.3;
+    Problem pb;
+    BuildProblem(s, seed + K, &pb);
+    pb.config.max_lookup_rows = K + C1;
+    CheckAgainstReference(pb, pb.config, "hierarchical");
+    DeviceProblem hier;
+    hier.Upload(pb, pb.config);
+    hier.Poison(nullptr);
+    hier.Run(pb.config, nullptr);
+    const DeviceProblem::Out a = hier.Download(pb);
+    for (DictLayerView& v : pb.views) {
+      v.C1 = 0;
+      v.parent_keys = nullptr;
+      v.child_offsets = nullptr;
+    }
+    DeviceProblem lin;
+    lin.Upload(pb, pb.config);
+    lin.Poison(nullptr);
+    lin.Run(pb.config, nullptr);
+    const DeviceProblem::Out b = lin.Download(pb);
+    EXPECT_EQ(a.index, b.index) << "K=" << K;
+    EXPECT_EQ(0, std::memcmp(a.o.data(), b.o.data(), a.o.nbytes())) << "K=" << K;
+    EXPECT_EQ(a.lse, b.lse) << "K=" << K;
+    CheckAgainstReference(pb, pb.config, "linear");
+  }
+}
+
+TEST(DecodeGpu, HierarchicalPartialProbeAndChildlessFallback) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(204);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 4;
+  s.Hkv = 1;
+  s.d = 64;
+  s.T = {2, 2, 2, 2, 2, 2, 2, 2};
+  s.dicts = {DictSpec{3000, 55, 3}};
+  s.dict_ids.assign(8, 0);
+  s.near_key_fraction = 0.5;
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  CheckAgainstReference(pb, pb.config, "top_m=3");
+  // Make parent 1 (childless) the best parent of request 0 and probe only it.
+  s.dicts[0].top_m = 1;
+  BuildProblem(s, seed, &pb);
+  for (int64_t j = 0; j < 4 * 64; ++j) pb.dicts[0].parent_keys[0].set(64 * 4 + j, pb.q_pre.get(j));
+  CheckAgainstReference(pb, pb.config, "childless");
+}
+
+TEST(DecodeGpu, WhiteningPassAndInCtaFallbackAgree) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(205);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int d : {64, 128}) {
+    CaseSpec s;
+    s.Hq = 8;
+    s.Hkv = 2;
+    s.d = d;
+    s.T = {9, 0, 31};
+    s.dicts = {DictSpec{300, 0, 0}, DictSpec{200, 12, 2}};
+    s.dicts[0].whitening = true;
+    s.dicts[1].whitening = true;
+    s.dict_ids = {0, 1, -1};
+    Problem pb;
+    BuildProblem(s, seed + d, &pb);
+    CheckAgainstReference(pb, pb.config, "whitening pass");
+    DecodeConfig no_pass = pb.config;
+    no_pass.whitening = false;
+    CheckAgainstReference(pb, no_pass, "in-CTA whitening");
+  }
+}
+
+TEST(DecodeGpu, SmallKAndInfiniteLse) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(206);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 2;
+  s.Hkv = 1;
+  s.d = 128;
+  s.T = {13, 0, 13, 0, 700};
+  s.dicts = {DictSpec{1, 0, 0}, DictSpec{1, 0, 0}, DictSpec{2, 0, 0}};
+  s.dicts[2].values_dtype = KernelDType::kF32;
+  s.dict_ids = {0, 0, 1, 1, 2};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  for (float& x : pb.dicts[0].values_lse[0]) x = -std::numeric_limits<float>::infinity();
+  for (float& x : pb.dicts[1].values_lse[0]) x = std::numeric_limits<float>::infinity();
+  CheckAgainstReference(pb, pb.config);
+}
+
+TEST(DecodeGpu, LongSequenceManySplitsAndLargeLinearDictionary) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(207);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 8;
+  s.Hkv = 2;
+  s.d = 128;
+  s.T = {32768, 1000};
+  s.dicts = {DictSpec{16384, 0, 0}};
+  s.dict_ids = {0, 0};
+  s.near_key_fraction = 0.5;
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  EXPECT_GT(PlanDecode(pb.config).kv_splits, 16);
+  EXPECT_GT(PlanDecode(pb.config).lookup_splits, 16);
+  CheckAgainstReference(pb, pb.config);
+}
+
+TEST(DecodeGpu, BatchSmallerThanConfigAndBadDictId) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  CaseSpec s;
+  s.T = {10, 20, 30};
+  s.dicts = {DictSpec{20, 0, 0}};
+  s.dict_ids = {0, 0, 0};
+  Problem pb;
+  BuildProblem(s, test::test_seed(208), &pb);
+  pb.params.batch = 2;
+  CheckAgainstReference(pb, pb.config, "batch 2 of 3");
+  DeviceProblem dev;
+  dev.Upload(pb, pb.config);
+  dev.Poison(nullptr);
+  dev.Run(pb.config, nullptr);
+  DeviceProblem::Out out = dev.Download(pb);
+  const int64_t per = s.Hq * s.d;
+  for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_TRUE(std::isnan(out.o.get(i))) << "written past batch";
+  // A dict id outside [-1, num_dicts) on the device gives NaN for that request only.
+  pb.params.batch = 3;
+  pb.dict_ids[1] = 5;
+  DeviceProblem bad;
+  bad.Upload(pb, pb.config);
+  bad.Poison(nullptr);
+  bad.Run(pb.config, nullptr);
+  out = bad.Download(pb);
+  for (int64_t i = 0; i < per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
+  for (int64_t i = per; i < 2 * per; ++i) ASSERT_TRUE(std::isnan(out.o.get(i)));
+  for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
+}
+
+// One step captured in a CUDA graph: replays give the reference, also after the device
+// inputs (q, seq_lens, dict ids, block table) change between replays.
+TEST(DecodeGpu, CudaGraphCaptureAndReplay) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(209);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 32;
+  s.Hkv = 8;
+  s.d = 128;
+  s.T = {1500, 3, 800, 0};
+  s.dicts = {DictSpec{500, 22, 4}, DictSpec{129, 0, 0}};
+  s.dict_ids = {0, 1, -1, 0};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  DeviceProblem dev;
+  dev.Upload(pb, pb.config);
+  cudaStream_t stream;
+  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  dev.Run(pb.config, stream);
+  ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  auto replay_and_check = [&](const char* tag) {
+    dev.Poison(stream);
+    ASMEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const DeviceProblem::Out gpu = dev.Download(pb);
+    DecodeAttentionCpu(pb.config, pb.params);
+    SCOPED_TRACE(tag);
+    ++g_counts.runs;
+    g_counts.rows += pb.B() * s.Hq;
+    g_counts.elements += pb.B() * s.Hq * s.d;
+    EXPECT_EQ(gpu.index, pb.lookup_index);
+    EXPECT_TRUE(test::AllClose(
+        "o", pb.o.size(), [&](int64_t i) { return double(gpu.o.get(i)); },
+        [&](int64_t i) { return double(pb.o.get(i)); }, test::OutputTolerance(s.dtype)));
+    EXPECT_TRUE(test::AllClose(
+        "lse", int64_t(pb.lse.size()), [&](int64_t i) { return double(gpu.lse[i]); },
+        [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
+    return gpu;
+  };
+  const DeviceProblem::Out first = replay_and_check("first replay");
+  const DeviceProblem::Out second = replay_and_check("second replay");
+  EXPECT_EQ(0, std::memcmp(first.o.data(), second.o.data(), first.o.nbytes()));
+
+  // New device inputs, same graph: other q, shorter/longer sequences, other dictionaries.
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < pb.q.size(); ++i) pb.q.set(i, nd(rng));
+  pb.seq_lens = {7, 1200, 0, 64};
+  pb.dict_ids = {1, -1, 0, 1};
+  // Pages move: request 1 grows into request 0's pages (all full), request 3 (was empty)
+  // takes request 2's first pages, request 0 takes a page of request 2 (now empty).
+  for (int64_t j = 0; j < (1200 + s.page_size - 1) / s.page_size; ++j) {
+    pb.block_table[1 * pb.max_pages + j] = pb.block_table[0 * pb.max_pages + j];
+  }
+  for (int64_t j = 0; j < 4; ++j) pb.block_table[3 * pb.max_pages + j] = pb.block_table[2 * pb.max_pages + j];
+  std::swap(pb.block_table[0 * pb.max_pages], pb.block_table[2 * pb.max_pages + 5]);
+  // (The dense copies are stale now; the CPU reference reads the paged cache.)
+  ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<void*>(dev.params.q), pb.q.data(), pb.q.nbytes(), cudaMemcpyHostToDevice));
+  ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.seq_lens), pb.seq_lens.data(), 4 * pb.seq_lens.size(), cudaMemcpyHostToDevice));
+  ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.dict_ids), pb.dict_ids.data(), 4 * pb.dict_ids.size(), cudaMemcpyHostToDevice));
+  ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.block_table), pb.block_table.data(), 4 * pb.block_table.size(), cudaMemcpyHostToDevice));
+  replay_and_check("replay with new inputs");
+
+  ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(DecodeGpu, RejectsBadWorkspaceAndUnsupportedConfigs) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  CaseSpec s;
+  s.T = {10};
+  Problem pb;
+  BuildProblem(s, 1, &pb);
+  DeviceProblem dev;
+  dev.Upload(pb, pb.config);
+  EXPECT_THROW(DecodeAttention(pb.config, dev.params, dev.workspace.p, dev.workspace.n - 1, nullptr),
+               InvalidArgument);
+  DecodeConfig bad = pb.config;
+  bad.head_dim = 96;
+  EXPECT_THROW(DecodeAttention(bad, dev.params, dev.workspace.p, dev.workspace.n, nullptr),
+               UnsupportedError);
+}
+
+}  // namespace
+}  // namespace asmem

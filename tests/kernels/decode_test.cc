@@ -1,0 +1,576 @@
+// Decode attention, CPU reference: against an independent dense computation, the edge cases
+// of the merge (empty rest, no dictionary, +-inf lse), lookup equivalences (an entry per
+// training query gives exact attention; all parents == linear), layouts, argument checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "asmem/lookup.h"
+#include "kernels/decode_test_util.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+using test::BuildProblem;
+using test::CaseSpec;
+using test::DictSpec;
+using test::Problem;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Checks the reference's outputs against DenseDirect with the reference's own lookup
+// indices, and those indices against a direct linear argmax for linear views.
+void ExpectMatchesDense(Problem& pb) {
+  SCOPED_TRACE(test::Describe(pb.spec));
+  DecodeAttentionCpu(pb.config, pb.params);
+  const int64_t B = pb.B(), Hq = pb.spec.Hq, Hkv = pb.spec.Hkv, d = pb.spec.d;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t id = pb.dict_ids.empty() ? -1 : pb.dict_ids[b];
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int32_t idx = pb.lookup_index[b * Hkv + h];
+      if (id < 0) {
+        EXPECT_EQ(idx, -1) << "b=" << b << " h=" << h;
+        continue;
+      }
+      ASSERT_GE(idx, 0);
+      ASSERT_LT(idx, pb.dicts[id].spec.K);
+      if (pb.dicts[id].spec.C1 == 0) {
+        EXPECT_EQ(idx, test::DirectLinearLookup(pb, b, h, pb.dicts[id])) << "b=" << b << " h=" << h;
+      }
+    }
+  }
+  const test::DenseResult ref = test::DenseDirect(pb, pb.lookup_index);
+  EXPECT_TRUE(test::AllClose(
+      "o", B * Hq * d, [&](int64_t i) { return double(pb.o.get(i)); },
+      [&](int64_t i) { return ref.o[i]; }, test::OutputTolerance(pb.spec.dtype)));
+  EXPECT_TRUE(test::AllClose(
+      "lse", B * Hq, [&](int64_t i) { return double(pb.lse[i]); },
+      [&](int64_t i) { return ref.lse[i]; }, test::LseTolerance()));
+}
+
+TEST(DecodeCpu, MatchesDenseAttentionOverSweep) {
+  const uint64_t seed = test::test_seed(101);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+    for (int d : {64, 128}) {
+      for (int G : {1, 3, 4, 8}) {
+        CaseSpec s;
+        s.dtype = dt;
+        s.d = d;
+        s.Hkv = 2;
+        s.Hq = 2 * G;
+        s.page_size = (G == 3) ? 1 : (G == 8 ? 64 : 16);
+        // T sweep, with the long one only once per (dtype, d) to keep the test fast.
+        s.T = {1, 3, 77, 613, 0};
+        if (G == 4) s.T.push_back(4096);
+        s.dicts = {DictSpec{613, 0, 0}, DictSpec{77, 9, 3}};
+        s.dicts[1].keys_dtype = KernelDType::kF32;
+        s.dicts[1].values_dtype = KernelDType::kF16;
+        s.dict_ids.clear();
+        for (size_t i = 0; i < s.T.size(); ++i) s.dict_ids.push_back(int32_t(i % 3) - 1);
+        Problem pb;
+        BuildProblem(s, seed + n++, &pb);
+        ExpectMatchesDense(pb);
+      }
+    }
+  }
+}
+
+TEST(DecodeCpu, KEqualsOneAndSmallDictionaries) {
+  const uint64_t seed = test::test_seed(102);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int64_t K : {1, 2, 3, 5}) {
+    CaseSpec s;
+    s.T = {3, 0};
+    s.dicts = {DictSpec{K, 0, 0}};
+    s.dict_ids = {0, 0};
+    Problem pb;
+    BuildProblem(s, seed + K, &pb);
+    ExpectMatchesDense(pb);
+    if (K == 1) {
+      for (int32_t i : pb.lookup_index) EXPECT_EQ(i, 0);
+    }
+  }
+}
+
+// T = 0: the output is exactly the looked-up prefix state (bf16 values into bf16 o).
+TEST(DecodeCpu, EmptyRestGivesExactlyThePrefixState) {
+  const uint64_t seed = test::test_seed(103);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 8;
+  s.Hkv = 2;
+  s.d = 128;
+  s.T = {0, 0, 0};
+  s.dicts = {DictSpec{33, 0, 0}};
+  s.dict_ids = {0, 0, -1};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  DecodeAttentionCpu(pb.config, pb.params);
+  const int64_t G = pb.G(), d = s.d;
+  for (int64_t b = 0; b < 3; ++b) {
+    for (int64_t hq = 0; hq < s.Hq; ++hq) {
+      const int64_t h = hq / G, g = hq % G;
+      if (b == 2) {  // no dictionary, no tokens: the empty state
+        EXPECT_EQ(pb.lse[b * s.Hq + hq], -kInf);
+        for (int64_t i = 0; i < d; ++i) EXPECT_EQ(pb.o.get((b * s.Hq + hq) * d + i), 0.f);
+        continue;
+      }
+      const int32_t k = pb.lookup_index[b * s.Hkv + h];
+      ASSERT_GE(k, 0);
+      EXPECT_EQ(pb.lse[b * s.Hq + hq], pb.dicts[0].values_lse[h][k * G + g]);
+      for (int64_t i = 0; i < d; ++i) {
+        ASSERT_EQ(pb.o.get((b * s.Hq + hq) * d + i), pb.dicts[0].values_o[h].get((k * G + g) * d + i));
+      }
+    }
+  }
+}
+
+// No dictionary: dict_ids == null and dict_ids all -1 give the same plain attention.
+TEST(DecodeCpu, NoDictionaryIsPlainAttention) {
+  const uint64_t seed = test::test_seed(104);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 12;
+  s.Hkv = 4;
+  s.d = 64;
+  s.T = {77, 1, 130};
+  Problem plain;
+  BuildProblem(s, seed, &plain);
+  ExpectMatchesDense(plain);
+  s.dicts = {DictSpec{10, 0, 0}};
+  s.dict_ids = {-1, -1, -1};
+  Problem none;
+  BuildProblem(s, seed, &none);  // same seed: same q/K/V (dictionaries are drawn after)
+  DecodeAttentionCpu(none.config, none.params);
+  for (int64_t i = 0; i < plain.o.size(); ++i) ASSERT_EQ(plain.o.get(i), none.o.get(i)) << i;
+  for (size_t i = 0; i < plain.lse.size(); ++i) ASSERT_EQ(plain.lse[i], none.lse[i]) << i;
+}
+
+// A dictionary holding, for each of a set of queries, the query's own key and its exact
+// prefix state: decoding those queries gives exact attention over prefix + rest.
+TEST(DecodeCpu, EntryPerTrainingQueryGivesExactAttention) {
+  const uint64_t seed = test::test_seed(105);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int G : {1, 3, 4}) {
+    for (KernelDType kdt : {KernelDType::kF32, KernelDType::kBF16}) {
+      const int64_t Hkv = 2, Hq = 2 * G, d = 64, D = G * d, P = 97;
+      const int64_t n_train = 11;
+      std::mt19937_64 rng(seed + G);
+      std::normal_distribution<float> nd;
+      // Prefix KV (dense, fp32 values exactly representable in bf16).
+      auto bf = [](float x) { return BF16BitsToFloat(FloatToBF16Bits(x)); };
+      std::vector<float> pk(P * Hkv * d), pv(P * Hkv * d);
+      for (auto& x : pk) x = bf(nd(rng));
+      for (auto& x : pv) x = bf(nd(rng));
+      // Training queries: q (used for both the prefix state and the lookup key).
+      CaseSpec s;
+      s.Hq = int32_t(Hq);
+      s.Hkv = int32_t(Hkv);
+      s.d = int32_t(d);
+      s.T.assign(n_train, 0);
+      for (int64_t i = 0; i < n_train; ++i) s.T[i] = int32_t((i * 37) % 50);
+      s.dicts = {DictSpec{n_train, 0, 0}};
+      s.dicts[0].keys_dtype = kdt;
+      s.dicts[0].values_dtype = KernelDType::kF32;
+      s.dict_ids.assign(n_train, 0);
+      Problem pb;
+      BuildProblem(s, seed + 17 * G, &pb);
+      // q_pre := q, and entry i := (normalized key of request i, its exact prefix state).
+      test::HostDict& hd = pb.dicts[0];
+      const double scale = 1.0 / std::sqrt(double(d));
+      for (int64_t i = 0; i < n_train; ++i) {
+        for (int64_t j = 0; j < Hq * d; ++j) pb.q_pre.set(i * Hq * d + j, pb.q.get(i * Hq * d + j));
+        for (int64_t h = 0; h < Hkv; ++h) {
+          double norm = 0;
+          for (int64_t j = 0; j < D; ++j) norm += std::pow(double(pb.q.get(i * Hq * d + h * D + j)), 2);
+          for (int64_t j = 0; j < D; ++j) {
+            hd.keys[h].set(i * D + j, float(pb.q.get(i * Hq * d + h * D + j) / std::sqrt(norm)));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            std::vector<double> sc(P);
+            double mx = -INFINITY;
+            for (int64_t t = 0; t < P; ++t) {
+              double dot = 0;
+              for (int64_t c = 0; c < d; ++c) dot += double(pb.q.get((i * Hq + h * G + g) * d + c)) * pk[(t * Hkv + h) * d + c];
+              sc[t] = dot * scale;
+              mx = std::max(mx, sc[t]);
+            }
+            double z = 0;
+            std::vector<double> o(d, 0.0);
+            for (int64_t t = 0; t < P; ++t) {
+              const double w = std::exp(sc[t] - mx);
+              z += w;
+              for (int64_t c = 0; c < d; ++c) o[c] += w * pv[(t * Hkv + h) * d + c];
+            }
+            for (int64_t c = 0; c < d; ++c) hd.values_o[h].set((i * G + g) * d + c, float(o[c] / z));
+            hd.values_lse[h][i * G + g] = float(mx + std::log(z));
+          }
+        }
+      }
+      DecodeAttentionCpu(pb.config, pb.params);
+      for (int64_t i = 0; i < n_train; ++i) {
+        for (int64_t h = 0; h < Hkv; ++h) EXPECT_EQ(pb.lookup_index[i * Hkv + h], i) << "request " << i;
+      }
+      // Exact attention over [prefix, rest] for every head.
+      for (int64_t i = 0; i < n_train; ++i) {
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const int64_t h = hq / G, T = s.T[i];
+          std::vector<double> sc;
+          std::vector<const float*> vals;
+          for (int64_t t = 0; t < P; ++t) {
+            double dot = 0;
+            for (int64_t c = 0; c < d; ++c) dot += double(pb.q.get((i * Hq + hq) * d + c)) * pk[(t * Hkv + h) * d + c];
+            sc.push_back(dot * scale);
+            vals.push_back(&pv[(t * Hkv + h) * d]);
+          }
+          for (int64_t t = 0; t < T; ++t) {
+            double dot = 0;
+            for (int64_t c = 0; c < d; ++c) dot += double(pb.q.get((i * Hq + hq) * d + c)) * pb.dense_k[i][(t * Hkv + h) * d + c];
+            sc.push_back(dot * scale);
+            vals.push_back(&pb.dense_v[i][(t * Hkv + h) * d]);
+          }
+          const double mx = *std::max_element(sc.begin(), sc.end());
+          double z = 0;
+          std::vector<double> o(d, 0.0);
+          for (size_t t = 0; t < sc.size(); ++t) {
+            const double w = std::exp(sc[t] - mx);
+            z += w;
+            for (int64_t c = 0; c < d; ++c) o[c] += w * vals[t][c];
+          }
+          const int64_t row = i * Hq + hq;
+          EXPECT_TRUE(test::AllClose(
+              "o row " + std::to_string(row), d, [&](int64_t c) { return double(pb.o.get(row * d + c)); },
+              [&](int64_t c) { return o[c] / z; }, test::OutputTolerance(KernelDType::kBF16)));
+          EXPECT_NEAR(pb.lse[row], mx + std::log(z), 1e-4 + 1e-5 * std::abs(mx));
+        }
+      }
+    }
+  }
+}
+
+// With every parent probed the two-level lookup is the linear one (same entry, same output).
+TEST(DecodeCpu, HierarchicalAllParentsEqualsLinear) {
+  const uint64_t seed = test::test_seed(106);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int64_t K : {1, 7, 613}) {
+    const int64_t C1 = std::max<int64_t>(1, int64_t(std::lround(std::sqrt(double(K)))));
+    CaseSpec s;
+    s.Hq = 8;
+    s.Hkv = 2;
+    s.d = 64;
+    s.T = {5, 0, 40, 1};
+    s.dicts = {DictSpec{K, C1, int32_t(C1)}};
+    s.dict_ids = {0, 0, 0, 0};
+    s.near_key_fraction = 0.3;
+    Problem hier;
+    BuildProblem(s, seed + K, &hier);
+    DecodeAttentionCpu(hier.config, hier.params);
+    const std::vector<int32_t> hier_index = hier.lookup_index;
+    std::vector<float> hier_o(hier.o.size());
+    for (int64_t i = 0; i < hier.o.size(); ++i) hier_o[i] = hier.o.get(i);
+    // The same dictionary, viewed as linear.
+    for (DictLayerView& v : hier.views) {
+      v.C1 = 0;
+      v.parent_keys = nullptr;
+      v.child_offsets = nullptr;
+    }
+    DecodeAttentionCpu(hier.config, hier.params);
+    EXPECT_EQ(hier.lookup_index, hier_index) << "K=" << K;
+    for (int64_t i = 0; i < hier.o.size(); ++i) ASSERT_EQ(hier.o.get(i), hier_o[i]) << "K=" << K;
+    ExpectMatchesDense(hier);
+  }
+}
+
+// Probing fewer parents: the reference follows LookupHierarchicalCpu, including the
+// fall-back to linear when every probed parent is childless.
+TEST(DecodeCpu, HierarchicalProbeFollowsLookupReference) {
+  const uint64_t seed = test::test_seed(107);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 3;
+  s.Hkv = 1;
+  s.d = 64;
+  s.T = {2, 2, 2, 2, 2, 2};
+  s.dicts = {DictSpec{200, 14, 2}};
+  s.dict_ids.assign(6, 0);
+  s.near_key_fraction = 0.0;
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  DecodeAttentionCpu(pb.config, pb.params);
+  const test::HostDict& hd = pb.dicts[0];
+  const int64_t D = 3 * 64;
+  std::vector<float> keys(200 * D), parents(14 * D);
+  for (int64_t i = 0; i < 200 * D; ++i) keys[i] = hd.keys[0].get(i);
+  for (int64_t i = 0; i < 14 * D; ++i) parents[i] = hd.parent_keys[0].get(i);
+  for (int64_t b = 0; b < 6; ++b) {
+    std::vector<float> x(D);
+    for (int64_t j = 0; j < D; ++j) x[j] = pb.q_pre.get(b * D + j);
+    EXPECT_EQ(pb.lookup_index[b], LookupHierarchicalCpu(parents.data(), 14, hd.offsets[0].data(),
+                                                        keys.data(), 200, D, x.data(), 2));
+  }
+  // All probed parents childless: parent 1 is empty by construction; make it the only probe.
+  Problem pb2;
+  s.dicts[0].top_m = 1;
+  BuildProblem(s, seed, &pb2);
+  for (int64_t j = 0; j < D; ++j) pb2.dicts[0].parent_keys[0].set(1 * D + j, pb2.q_pre.get(j));
+  DecodeAttentionCpu(pb2.config, pb2.params);
+  ASSERT_EQ(pb2.dicts[0].offsets[0][1], pb2.dicts[0].offsets[0][2]);  // parent 1 childless
+  EXPECT_EQ(pb2.lookup_index[0], test::DirectLinearLookup(pb2, 0, 0, pb2.dicts[0]));
+}
+
+TEST(DecodeCpu, WhitenedLookupUsesWTimesKeyMinusMean) {
+  const uint64_t seed = test::test_seed(108);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 4;
+  s.Hkv = 2;
+  s.d = 64;
+  s.T = {9, 0, 31};
+  s.dicts = {DictSpec{50, 0, 0}};
+  s.dicts[0].whitening = true;
+  s.dict_ids = {0, 0, 0};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  ExpectMatchesDense(pb);  // DirectLinearLookup whitens on its own, in double
+}
+
+TEST(DecodeCpu, InfiniteLse) {
+  const uint64_t seed = test::test_seed(109);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 2;
+  s.Hkv = 1;
+  s.d = 64;
+  s.T = {13, 0, 13, 0};
+  s.dicts = {DictSpec{1, 0, 0}, DictSpec{1, 0, 0}};
+  s.dict_ids = {0, 0, 1, 1};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  for (float& x : pb.dicts[0].values_lse[0]) x = -kInf;  // an empty prefix state
+  for (float& x : pb.dicts[1].values_lse[0]) x = kInf;   // unbounded mass: absorbs the rest
+  ExpectMatchesDense(pb);
+  // Request 1: empty prefix, empty rest -> (0, -inf).  Requests 2, 3: (o_p, +inf).
+  for (int64_t hq = 0; hq < 2; ++hq) {
+    EXPECT_EQ(pb.lse[1 * 2 + hq], -kInf);
+    EXPECT_EQ(pb.lse[2 * 2 + hq], kInf);
+    EXPECT_EQ(pb.lse[3 * 2 + hq], kInf);
+    for (int64_t i = 0; i < 64; ++i) {
+      EXPECT_EQ(pb.o.get((1 * 2 + hq) * 64 + i), 0.f);
+      EXPECT_EQ(pb.o.get((2 * 2 + hq) * 64 + i), pb.dicts[1].values_o[0].get(hq * 64 + i));
+    }
+  }
+}
+
+TEST(DecodeCpu, HugeLogitsStayFinite) {
+  const uint64_t seed = test::test_seed(110);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 4;
+  s.Hkv = 1;
+  s.d = 128;
+  s.T = {300};
+  s.q_scale = 60.f;  // scores in the hundreds
+  s.dicts = {DictSpec{3, 0, 0}};
+  s.dict_ids = {0};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  ExpectMatchesDense(pb);
+  for (float x : pb.lse) EXPECT_TRUE(std::isfinite(x));
+}
+
+// The NHD cache layout (through the strides) gives the same result as HND.
+TEST(DecodeCpu, NhdLayoutEqualsHnd) {
+  const uint64_t seed = test::test_seed(111);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 6;
+  s.Hkv = 2;
+  s.d = 64;
+  s.T = {77, 5};
+  s.sm_scale = 0.3f;
+  Problem a, b;
+  BuildProblem(s, seed, &a);
+  s.nhd = true;
+  BuildProblem(s, seed, &b);
+  ExpectMatchesDense(a);
+  ExpectMatchesDense(b);
+  for (int64_t i = 0; i < a.o.size(); ++i) ASSERT_EQ(a.o.get(i), b.o.get(i));
+}
+
+TEST(DecodeCpu, BatchSmallerThanConfigLeavesTheRestUntouched) {
+  CaseSpec s;
+  s.T = {10, 20, 30};
+  Problem pb;
+  BuildProblem(s, test::test_seed(112), &pb);
+  pb.params.batch = 2;
+  DecodeAttentionCpu(pb.config, pb.params);
+  const int64_t per = s.Hq * s.d;
+  for (int64_t i = 0; i < 2 * per; ++i) ASSERT_FALSE(std::isnan(pb.o.get(i)));
+  for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_TRUE(std::isnan(pb.o.get(i)));
+}
+
+TEST(DecodeConfig, SupportedSetAndErrors) {
+  DecodeConfig c;
+  c.batch = 4;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.max_seq_len = 1000;
+  EXPECT_TRUE(DecodeSupported(c));
+  DecodeConfig bad = c;
+  bad.head_dim = 96;
+  EXPECT_FALSE(DecodeSupported(bad));
+  EXPECT_THROW(PlanDecode(bad), UnsupportedError);
+  bad = c;
+  bad.num_kv_heads = 2;  // G = 16
+  EXPECT_FALSE(DecodeSupported(bad));
+  EXPECT_THROW(PlanDecode(bad), UnsupportedError);
+  bad = c;
+  bad.dtype = KernelDType::kF32;
+  EXPECT_FALSE(DecodeSupported(bad));
+  bad = c;
+  bad.page_size = 24;
+  EXPECT_FALSE(DecodeSupported(bad));
+  EXPECT_THROW(PlanDecode(bad), UnsupportedError);
+  bad = c;
+  bad.num_kv_heads = 5;  // 32 % 5 != 0
+  EXPECT_FALSE(DecodeSupported(bad));
+  EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  bad = c;
+  bad.batch = 0;
+  EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  bad = c;
+  bad.whitening = true;  // without use_dictionaries
+  EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+}
+
+// The plan: a pure function of the config; splits fill the GPU for small batches and stay
+// at one for short sequences; the workspace grows with the splits.
+TEST(DecodeConfig, PlanIsDeterministicAndScales) {
+  DecodeConfig c;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.batch = 1;
+  c.max_seq_len = 9 * 1024;
+  const DecodePlan p1 = PlanDecode(c);
+  EXPECT_EQ(PlanDecode(c).kv_splits, p1.kv_splits);
+  EXPECT_GE(p1.kv_splits * c.num_kv_heads, 132);  // B = 1 fills the GPU
+  EXPECT_EQ(p1.lookup_splits, 0);
+  c.max_seq_len = 100;
+  EXPECT_EQ(PlanDecode(c).kv_splits, 1);
+  c.max_seq_len = 128 * 1024;
+  c.batch = 64;
+  const DecodePlan p64 = PlanDecode(c);
+  EXPECT_GE(p64.kv_splits, 1);
+  EXPECT_LE(p64.kv_splits, p1.kv_splits);
+  c.use_dictionaries = true;
+  c.max_lookup_rows = 16384;
+  c.batch = 1;
+  const DecodePlan pd = PlanDecode(c);
+  EXPECT_GE(pd.lookup_splits, 1);
+  EXPECT_GT(pd.workspace_bytes, 0u);
+  EXPECT_EQ(DecodeWorkspaceBytes(c), pd.workspace_bytes);
+}
+
+TEST(DecodeCpu, BadArgumentsThrow) {
+  CaseSpec s;
+  s.T = {4};
+  s.dicts = {DictSpec{5, 0, 0}};
+  s.dict_ids = {0};
+  Problem pb;
+  BuildProblem(s, 1, &pb);
+  DecodeParams p = pb.params;
+  p.q = nullptr;
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  p = pb.params;
+  p.q = static_cast<const char*>(pb.params.q) + 2;  // misaligned
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  p = pb.params;
+  p.kv_stride_token = 12;
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  p = pb.params;
+  p.batch = 2;
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  p = pb.params;
+  p.q_pre = nullptr;
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  pb.dict_ids[0] = 1;  // only dictionary 0 exists
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, pb.params), InvalidArgument);
+  pb.dict_ids[0] = 0;
+  pb.views[0].top_m = 0;
+  pb.views[0].C1 = 2;  // parents without parent keys
+  EXPECT_THROW(DecodeAttentionCpu(pb.config, pb.params), InvalidArgument);
+  DecodeConfig nodict = pb.config;
+  nodict.use_dictionaries = false;
+  EXPECT_THROW(DecodeAttentionCpu(nodict, pb.params), InvalidArgument);
+}
+
+TEST(DecodeDictView, ValidateNamesTheField) {
+  std::vector<float> buf(64 * 4 + 4);
+  const std::vector<int32_t> off = {0, 2, 1};
+  DictLayerView v;
+  v.keys = buf.data();
+  v.values_o = buf.data();
+  v.values_lse = buf.data();
+  v.K = 2;
+  EXPECT_NO_THROW(ValidateDictLayerView(v, 1, 64, true, "dict"));
+  DictLayerView w = v;
+  w.K = 0;
+  EXPECT_THROW(ValidateDictLayerView(w, 1, 64, true, "dict"), InvalidArgument);
+  w = v;
+  w.C1 = 2;
+  w.top_m = 1;
+  w.parent_keys = buf.data();
+  w.child_offsets = off.data();  // decreasing, and does not end at K
+  try {
+    ValidateDictLayerView(w, 1, 64, true, "layer 3");
+    ADD_FAILURE() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("child_offsets"), std::string::npos) << e.what();
+  }
+  w = v;
+  w.whitening = buf.data();  // without its mean
+  EXPECT_THROW(ValidateDictLayerView(w, 1, 64, true, "dict"), InvalidArgument);
+  w = v;
+  w.keys = reinterpret_cast<const char*>(buf.data()) + 4;
+  EXPECT_THROW(ValidateDictLayerView(w, 1, 64, true, "dict"), InvalidArgument);
+}
+
+TEST(HalfBits, RoundTripAndRounding) {
+  EXPECT_EQ(FloatToHalfBits(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToHalfBits(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToHalfBits(65504.f), 0x7bff);
+  EXPECT_EQ(FloatToHalfBits(65520.f), 0x7c00);                   // ties to even -> inf
+  EXPECT_EQ(FloatToHalfBits(1.0f + 1.0f / 2048), 0x3c00);        // tie, even stays
+  EXPECT_EQ(FloatToHalfBits(1.0f + 3.0f / 2048), 0x3c02);        // tie, odd rounds up
+  EXPECT_EQ(FloatToHalfBits(std::ldexp(1.f, -24)), 0x0001);      // smallest subnormal
+  EXPECT_EQ(FloatToHalfBits(std::ldexp(1.f, -26)), 0x0000);      // rounds to zero
+  EXPECT_EQ(FloatToHalfBits(kInf), 0x7c00);
+  EXPECT_TRUE(std::isnan(HalfBitsToFloat(FloatToHalfBits(std::nanf("")))));
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = HalfBitsToFloat(uint16_t(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToHalfBits(f), uint16_t(h)) << h;
+  }
+  EXPECT_EQ(FloatToBF16Bits(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBF16Bits(1.0f + 1.0f / 256), 0x3f80);  // tie, even stays
+  EXPECT_EQ(FloatToBF16Bits(1.0f + 3.0f / 256), 0x3f82);  // tie, odd rounds up
+  for (uint32_t h = 0; h < 0x10000; h += 7) {
+    const float f = BF16BitsToFloat(uint16_t(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToBF16Bits(f), uint16_t(h)) << h;
+  }
+}
+
+}  // namespace
+}  // namespace asmem
