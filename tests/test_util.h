@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <vector>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -20,6 +23,23 @@ inline uint64_t test_seed(uint64_t def) {
 }
 inline std::string seed_trace(uint64_t seed) {
   return "seed=" + std::to_string(seed) + " (override with ASMEM_TEST_SEED)";
+}
+
+// Runs `fn`, expecting exception E whose one-line message contains every string in
+// `parts`.
+template <class E>
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception thrown; expected one mentioning '" << parts.at(0) << "'";
+  } catch (const E& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type; message: " << e.what();
+  }
 }
 
 // Directory with committed test data (golden files).

@@ -140,21 +140,7 @@ std::string write_file(const std::string& path, const std::vector<uint8_t>& byte
   return path;
 }
 
-// Runs `fn`, expecting exception E whose message contains every string in `parts`.
-template <class E>
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception thrown; expected one mentioning '" << parts.at(0) << "'";
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "wrong exception type; message: " << e.what();
-  }
-}
+using test::expect_error;
 
 // A small valid file: two metadata keys and two F32 tensors.
 GgufBuilder small_file() {

@@ -26,20 +26,7 @@ namespace {
 
 using json = nlohmann::json;
 
-template <class E>
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception thrown; expected one mentioning '" << parts.at(0) << "'";
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "wrong exception type; message: " << e.what();
-  }
-}
+using test::expect_error;
 
 std::vector<float> read_all(const WeightSource& w, const std::string& name) {
   int64_t n = 1;
