@@ -31,7 +31,7 @@ else
 fi
 
 printf '\n== asmem inspect\n'
-"$ASMEM" inspect "$DICT" | head -40
+"$ASMEM" inspect "$DICT"
 
 PROMPT="${1:-My train was 75 minutes late. What compensation can I get, and how do I claim it?}"
 printf '\n== asmem generate (rulebook as system prompt)\n> %s\n\n' "$PROMPT"
