@@ -26,7 +26,7 @@ if [ -f "$DICT" ] && "$ASMEM" verify "$DICT" >/dev/null 2>&1; then
 else
   printf '\n== asmem compile (examples/rulebook, K=%s)\n' "$K"
   "$ASMEM" compile --prefix "$EX/handbook.md" --traces "$EX/traces.jsonl" --entries "$K" \
-    --out "$DICT" --max-response-tokens 64 --report-entries 256,4096 2>&1 | tee "$DICT.log.tmp"
+    --out "$DICT" --max-response-tokens 64 2>&1 | tee "$DICT.log.tmp"
   mv -f "$DICT.log.tmp" "$DICT.log"
 fi
 
