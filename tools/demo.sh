@@ -17,7 +17,7 @@ CACHE="${ASMEM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/asmem}"
 EX="$ROOT/examples/rulebook"
 K="${ASMEM_DEMO_ENTRIES:-1024}"
 
-KEY="$(cat "$EX/handbook.md" "$EX/traces.jsonl" <(echo "K=$K") "$ASMEM" | sha256sum | cut -c1-16)"
+KEY="$(cat "$EX/handbook.md" "$EX/traces.jsonl" <(echo "K=$K") "$ASMEM" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
 DICT="$CACHE/dicts/rulebook-$KEY.asmd"
 mkdir -p "$CACHE/dicts"
 if [ -f "$DICT" ] && "$ASMEM" verify "$DICT" >/dev/null 2>&1; then
