@@ -1,5 +1,6 @@
 // Dictionary files (.asmd): mapping and validating them, and writing them atomically.
 // The byte layout is documented at the top of proto/asmem/dictionary.proto.
+#include "asmem/atomic_file.h"
 #include "asmem/dictionary.h"
 
 #include <algorithm>
@@ -819,6 +820,12 @@ void DictionaryFile::check_model(const ModelFingerprint& model) const {
 // ---------------------------------------------------------------------------------------
 // write_dictionary
 // ---------------------------------------------------------------------------------------
+
+void write_file_atomic(const std::string& path, const std::string& content) {
+  TempFile out(path);
+  out.write(content.data(), content.size());
+  out.commit();
+}
 
 void write_dictionary(const std::string& path, const DictionaryManifest& manifest) {
   pb::Manifest pm;

@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "asmem/compiler/fingerprint.h"
+#include "asmem/atomic_file.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
 #include "asmem/model/config.h"
@@ -1107,6 +1108,30 @@ TEST_F(DictionaryWrite, StaleTempFilesOfDeadWritersAreRemoved) {
   EXPECT_TRUE(fs::exists(file(not_pid)));
   EXPECT_TRUE(fs::exists(file(future)));
   expect_original_intact({future, live, not_pid, other});
+}
+
+}  // namespace
+}  // namespace asmem
+
+namespace asmem {
+namespace {
+
+TEST(WriteFileAtomic, ReplacesTheFileAndLeavesNoTemp) {
+  const std::string dir = test::temp_dir("atomic");
+  const std::string p = dir + "/report.json";
+  write_file_atomic(p, "old");
+  write_file_atomic(p, "new content");
+  std::ifstream in(p);
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(got, "new content");
+  int entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    ++entries;
+    EXPECT_EQ(e.path().filename().string(), "report.json");
+  }
+  EXPECT_EQ(entries, 1);
+  test::expect_error<IoError>([&] { write_file_atomic(dir + "/missing/sub/x.json", "x"); },
+                              {"missing/sub/x.json"});
 }
 
 }  // namespace

@@ -18,12 +18,12 @@
 #include "asmem/compiler/cluster.h"
 #include "asmem/compiler/fingerprint.h"
 #include "asmem/compiler/traces.h"
+#include "asmem/atomic_file.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
 #include "asmem/model/llama.h"
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
-#include "asmem/util/atomic_file.h"
 #include "asmem/util/progress.h"
 #include "xxhash.h"
 

@@ -1,6 +1,6 @@
 // Writing files so that a crash never leaves a damaged or half-written file behind:
 // write a temp file beside the target, fsync it, rename it over the target, fsync the
-// directory.
+// directory. The same mechanism writes dictionaries (write_dictionary).
 #pragma once
 
 #include <string>
