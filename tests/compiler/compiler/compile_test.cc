@@ -75,8 +75,7 @@ TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
   ASSERT_EQ(rep.at("layers").size(), 30u);
   EXPECT_GT(rep.at("holdout_tokens").get<int64_t>(), 0);
   for (const auto& row : rep.at("layers")) {
-    // With the prefix states from the dictionary the error never exceeds dropping the prefix
-    // by much, and a dictionary built on these traces beats one centroid on average.
+    // Every layer reports a finite error; the averages are compared below.
     EXPECT_TRUE(std::isfinite(row.at("k8").at("linear").get<double>()));
   }
   EXPECT_LT(rep["summary"]["k8"]["mean_linear"].get<double>(), rep["summary"]["no_prefix_mean"].get<double>());
