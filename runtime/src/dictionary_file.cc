@@ -930,3 +930,45 @@ void write_dictionary(const std::string& path, const DictionaryManifest& manifes
 }
 
 }  // namespace asmem
+
+namespace asmem {
+
+namespace {
+KernelDType kernel_dtype(DType t, const char* what) {
+  switch (t) {
+    case DType::kF32: return KernelDType::kF32;
+    case DType::kF16: return KernelDType::kF16;
+    case DType::kBF16: return KernelDType::kBF16;
+    default: break;
+  }
+  throw InvalidArgument(std::string("dictionary ") + what + " has dtype " + dtype_name(t) +
+                        ", which the kernels cannot read");
+}
+}  // namespace
+
+DictLayerView host_layer_view(const DictSection& s, int32_t top_m) {
+  DictLayerView v;
+  v.keys = s.keys.data;
+  v.values_o = s.values_o.data;
+  v.values_lse = static_cast<const float*>(s.values_lse.data);
+  v.K = s.entries;
+  v.C1 = s.n_parents;
+  v.keys_dtype = kernel_dtype(s.keys.dtype, "keys");
+  v.values_dtype = kernel_dtype(s.values_o.dtype, "values_o");
+  if (s.n_parents > 0) {
+    if (s.parent_keys.dtype != s.keys.dtype) {
+      throw InvalidArgument(std::string("dictionary parent_keys dtype ") + dtype_name(s.parent_keys.dtype) +
+                            " differs from keys dtype " + dtype_name(s.keys.dtype));
+    }
+    v.parent_keys = s.parent_keys.data;
+    v.child_offsets = static_cast<const int32_t*>(s.child_offsets.data);
+    v.top_m = top_m > 0 ? top_m : 1;
+  }
+  if (s.whitening.present()) {
+    v.whitening = static_cast<const float*>(s.whitening.data);
+    v.whitening_mean = static_cast<const float*>(s.whitening_mean.data);
+  }
+  return v;
+}
+
+}  // namespace asmem

@@ -346,6 +346,36 @@ TEST_F(DictionaryTest, GroupSizeOneAndOneLayer) {
   EXPECT_EQ(f->section(0, 2).keys.shape, (std::vector<int64_t>{77, 64}));
 }
 
+TEST_F(DictionaryTest, HostLayerViewPointsIntoTheMappingAndValidates) {
+  for (bool whitening : {false, true}) {
+    for (bool hierarchy : {false, true}) {
+      Spec spec;
+      spec.whitening = whitening;
+      spec.hierarchy = hierarchy;
+      spec.values = DType::kF16;
+      auto s = make_synth(spec);
+      write_dictionary(file("v.asmd"), s->m);
+      auto f = DictionaryFile::open(file("v.asmd"));
+      for (const DictSection& sec : f->manifest().sections) {
+        const DictLayerView v = host_layer_view(sec, 5);
+        EXPECT_EQ(v.keys, sec.keys.data);
+        EXPECT_EQ(v.values_o, sec.values_o.data);
+        EXPECT_EQ(static_cast<const void*>(v.values_lse), sec.values_lse.data);
+        EXPECT_EQ(v.K, sec.entries);
+        EXPECT_EQ(v.C1, sec.n_parents);
+        EXPECT_EQ(v.keys_dtype, KernelDType::kBF16);
+        EXPECT_EQ(v.values_dtype, KernelDType::kF16);
+        EXPECT_EQ(v.top_m, sec.n_parents > 0 ? 5 : 0);
+        EXPECT_EQ(v.whitening != nullptr, whitening);
+        EXPECT_EQ(v.whitening_mean != nullptr, whitening);
+        EXPECT_EQ(v.parent_keys != nullptr, sec.n_parents > 0);
+        EXPECT_NO_THROW(ValidateDictLayerView(v, sec.group_size, sec.head_dim, true, "section"));
+        if (sec.n_parents > 0) EXPECT_EQ(host_layer_view(sec, 0).top_m, 1);
+      }
+    }
+  }
+}
+
 TEST_F(DictionaryTest, FormatVersionZeroIsWrittenAsCurrent) {
   auto s = make_synth(Spec{});
   s->m.format_version = 0;

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "asmem/decode.h"
+
 namespace asmem {
 
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI32 = 3 };
@@ -139,6 +141,12 @@ class DictionaryFile {
 // successful write of the same path removes `<name>.tmp.<pid>` siblings whose pid is not
 // a live process and that are no newer than the file it wrote. I/O failures: asmem::IoError.
 void write_dictionary(const std::string& path, const DictionaryManifest& manifest);
+
+// The kernels' view of one section whose tensors are in host memory (a mapped file): the
+// pointers are the section's own. `top_m` parents are probed when the section has a
+// hierarchy (<= 0: the file's compile.top_m is not known here, so 1 is used; pass it).
+// Throws InvalidArgument when the section's dtypes cannot be read by the kernels.
+DictLayerView host_layer_view(const DictSection& section, int32_t top_m);
 
 // Current format version. Checksums (manifest and tensors) are XXH64 with seed 0.
 constexpr uint32_t kDictionaryFormatVersion = 1;
