@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <exception>
-#include <functional>
-#include <vector>
 #include <cstdlib>
+#include <exception>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <system_error>
+#include <vector>
+
 #include <unistd.h>
 
 
@@ -45,11 +48,34 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 // Directory with committed test data (golden files).
 inline std::string data_dir() { return ASMEM_TEST_DATA_DIR; }
 
-// A fresh temporary directory for one test, removed by the caller if it likes.
+namespace detail {
+// Directories made by temp_dir(), removed when the test process exits (not by forked
+// children, which may exit first). ASMEM_KEEP_TEST_DIRS=1 keeps them for a look.
+struct TempDirs {
+  std::vector<std::string> paths;
+  pid_t owner = getpid();
+  ~TempDirs() {
+    if (getpid() != owner) return;
+    if (const char* keep = std::getenv("ASMEM_KEEP_TEST_DIRS"); keep && *keep && *keep != '0') return;
+    for (const std::string& p : paths) {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  }
+};
+inline TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+}  // namespace detail
+
+// A fresh temporary directory for one test. The caller may remove it; whatever is left is
+// removed when the test process exits.
 inline std::string temp_dir(const std::string& tag) {
   std::string tmpl = std::string(::testing::TempDir()) + "asmem_" + tag + "_XXXXXX";
   char* p = mkdtemp(tmpl.data());
   if (!p) throw std::runtime_error("mkdtemp failed for " + tmpl);
+  detail::temp_dirs().paths.push_back(p);
   return p;
 }
 
