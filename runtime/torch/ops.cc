@@ -33,6 +33,7 @@
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
 #include <torch/library.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <nlohmann/json.hpp>
 
@@ -54,6 +55,15 @@
 
 namespace asmem {
 namespace torch_ops {
+
+// `Tensor?` arguments: c10::optional in torch 1.x, std::optional (which c10::optional
+// aliases) in torch 2.x.
+#if TORCH_VERSION_MAJOR >= 2
+using OptionalTensor = std::optional<at::Tensor>;
+#else
+using OptionalTensor = c10::optional<at::Tensor>;
+#endif
+
 namespace {
 
 [[noreturn]] void Fail(const std::string& op, const std::string& msg) {
@@ -158,16 +168,16 @@ int32_t Slot(const std::string& op, int64_t slot) {
 // Dictionary ops
 // ---------------------------------------------------------------------------------------
 
-void create_runtime(c10::string_view device, int64_t num_layers, int64_t num_q_heads,
+void create_runtime(std::string device, int64_t num_layers, int64_t num_q_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t max_dicts) {
   const std::string op = "create_runtime";
-  Create(op, ParseDevice(op, std::string(device)), num_layers, num_q_heads, num_kv_heads,
+  Create(op, ParseDevice(op, device), num_layers, num_q_heads, num_kv_heads,
          head_dim, max_dicts);
 }
 
-void release_runtime(c10::string_view device) {
+void release_runtime(std::string device) {
   const std::string op = "release_runtime";
-  const Device d = ParseDevice(op, std::string(device));
+  const Device d = ParseDevice(op, device);
   std::shared_ptr<DecodeRuntime> rt;
   {
     Registry& r = registry();
@@ -190,10 +200,10 @@ LoadOptions MakeLoad(int64_t top_m, bool verify_data) {
   return lo;
 }
 
-int64_t load_dictionary(c10::string_view path_sv, c10::string_view device, int64_t slot,
+int64_t load_dictionary(std::string path, std::string device, int64_t slot,
                         int64_t top_m, bool verify_data) {
-  const std::string op = "load_dictionary", path(path_sv);
-  const Device d = ParseDevice(op, std::string(device));
+  const std::string op = "load_dictionary";
+  const Device d = ParseDevice(op, device);
   std::shared_ptr<DecodeRuntime> rt = Find(d);
   if (!rt) {
     // The model shape comes from the file (the full checks follow in prepare()).
@@ -208,23 +218,23 @@ int64_t load_dictionary(c10::string_view path_sv, c10::string_view device, int64
   return rt->publish(p, s, CurrentStream(d));
 }
 
-void replace_dictionary(int64_t slot, c10::string_view path, c10::string_view device,
+void replace_dictionary(int64_t slot, std::string path, std::string device,
                         int64_t top_m, bool verify_data) {
   const std::string op = "replace_dictionary";
-  const Device d = ParseDevice(op, std::string(device));
-  Require(op, d)->replace(Slot(op, slot), std::string(path), MakeLoad(top_m, verify_data),
+  const Device d = ParseDevice(op, device);
+  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data),
                           CurrentStream(d));
 }
 
-void unload_dictionary(int64_t slot, c10::string_view device) {
+void unload_dictionary(int64_t slot, std::string device) {
   const std::string op = "unload_dictionary";
-  const Device d = ParseDevice(op, std::string(device));
+  const Device d = ParseDevice(op, device);
   Require(op, d)->unload(Slot(op, slot), CurrentStream(d));
 }
 
-std::string dictionary_info(int64_t slot, c10::string_view device) {
+std::string dictionary_info(int64_t slot, std::string device) {
   const std::string op = "dictionary_info";
-  const Device d = ParseDevice(op, std::string(device));
+  const Device d = ParseDevice(op, device);
   const std::optional<DictionaryInfo> info = Require(op, d)->info(Slot(op, slot));
   if (!info) return "";
   nlohmann::json j;
@@ -286,12 +296,12 @@ void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, in
   if (t.stride(dims - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
 }
 
-std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const c10::optional<at::Tensor>& q_pre,
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTensor& q_pre,
                                           const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                          const c10::optional<at::Tensor>& dict_ids, int64_t layer,
+                                          const OptionalTensor& dict_ids, int64_t layer,
                                           double sm_scale, int64_t max_seq_len,
-                                          c10::string_view kv_layout_sv) {
+                                          std::string kv_layout) {
   const std::string op = "decode";
   const Device dev = DeviceOf(op, q);
   std::shared_ptr<DecodeRuntime> rt = Require(op, dev);
@@ -319,7 +329,6 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const c10::option
     if (q_pre->stride(2) != 1) Fail(op, "q_pre must be contiguous in its last dim");
   }
   // KV cache
-  const std::string kv_layout(kv_layout_sv);
   if (kv_layout != "HND" && kv_layout != "NHD") Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
   const bool hnd = kv_layout == "HND";
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"},

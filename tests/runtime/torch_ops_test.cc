@@ -5,6 +5,7 @@
 // unload / info) and the one-line argument errors.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cstring>
 #include <filesystem>
@@ -28,16 +29,22 @@ using test::RunReference;
 using test::StepOutputs;
 using test::SynthSpec;
 
+#if TORCH_VERSION_MAJOR >= 2
+using OptionalTensor = std::optional<at::Tensor>;
+#else
+using OptionalTensor = c10::optional<at::Tensor>;
+#endif
+
 using DecodeFn = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t, double,
-    int64_t, c10::string_view);
-using LoadFn = int64_t(c10::string_view, c10::string_view, int64_t, int64_t, bool);
-using ReplaceFn = void(int64_t, c10::string_view, c10::string_view, int64_t, bool);
-using UnloadFn = void(int64_t, c10::string_view);
-using InfoFn = std::string(int64_t, c10::string_view);
-using CreateFn = void(c10::string_view, int64_t, int64_t, int64_t, int64_t, int64_t);
-using ReleaseFn = void(c10::string_view);
+    const at::Tensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, double,
+    int64_t, std::string);
+using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool);
+using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool);
+using UnloadFn = void(int64_t, std::string);
+using InfoFn = std::string(int64_t, std::string);
+using CreateFn = void(std::string, int64_t, int64_t, int64_t, int64_t, int64_t);
+using ReleaseFn = void(std::string);
 
 template <class Fn>
 c10::TypedOperatorHandle<Fn> Op(const char* name) {
@@ -98,7 +105,7 @@ class TorchOpsTest : public ::testing::Test {
                                             bool with_ids = true) {
     return Op<DecodeFn>("asmem::decode")
         .call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens,
-              with_ids && x.dict_ids.defined() ? c10::optional<at::Tensor>(x.dict_ids) : c10::nullopt,
+              with_ids && x.dict_ids.defined() ? OptionalTensor(x.dict_ids) : OptionalTensor(),
               layer, 0.0, 0, nhd ? "NHD" : "HND");
   }
   static bool SameAs(const std::tuple<at::Tensor, at::Tensor>& got, const StepOutputs& want) {
@@ -151,7 +158,7 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
   HostStep plain = st;
   plain.dict_ids.clear();
   const auto none = Op<DecodeFn>("asmem::decode")
-                        .call(x.q, c10::nullopt, x.k, x.v, x.block_table, x.seq_lens, c10::nullopt,
+                        .call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(),
                               1, 0.0, 0, c.nhd ? "NHD" : "HND");
   EXPECT_TRUE(SameAs(none, RunReference(plain, 1, slots)));
 }
@@ -208,9 +215,9 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
   Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 2);
   const HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {-1, -1}, seed_ + 3);
   const StepTensors x = ToTensors(st);
-  auto call = [&](const at::Tensor& q, const c10::optional<at::Tensor>& q_pre, const at::Tensor& k,
+  auto call = [&](const at::Tensor& q, const OptionalTensor& q_pre, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& bt, const at::Tensor& sl,
-                  const c10::optional<at::Tensor>& ids, int64_t layer, const char* layout = "HND") {
+                  const OptionalTensor& ids, int64_t layer, const char* layout = "HND") {
     Op<DecodeFn>("asmem::decode").call(q, q_pre, k, v, bt, sl, ids, layer, 0.0, 0, layout);
   };
   expect_error<InvalidArgument>([&] { call(x.q.to(at::kDouble), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
@@ -229,7 +236,7 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
                                 {"block_table must be int32, got Long"});
   expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens.narrow(0, 0, 1), x.dict_ids, 0); },
                                 {"seq_lens must be [2], got [1]"});
-  expect_error<InvalidArgument>([&] { call(x.q, c10::nullopt, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
+  expect_error<InvalidArgument>([&] { call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
                                 {"dict_ids given without q_pre"});
   expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 7); },
                                 {"asmem.decode: layer 7 is outside [0, 2)"});
