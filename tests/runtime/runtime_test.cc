@@ -263,7 +263,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(MixedCase{KernelDType::kBF16, 6, 2, 8, 16, false},
                       MixedCase{KernelDType::kF16, 9, 3, 16, 1, false},
                       MixedCase{KernelDType::kF32, 3, 3, 24, 4, true},
-                      MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}));
+                      MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}),
+    [](const ::testing::TestParamInfo<MixedCase>& i) {
+      const auto& c = i.param;
+      return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
+             std::to_string(c.Hkv) + "_d" + std::to_string(c.d) + "_page" +
+             std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
+    });
 
 TEST_F(RuntimeTest, OwnWorkspaceStepAndTopM) {
   SynthSpec s;

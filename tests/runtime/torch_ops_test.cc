@@ -166,7 +166,13 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
 INSTANTIATE_TEST_SUITE_P(Shapes, TorchOpsDecode,
                          ::testing::Values(OpsCase{KernelDType::kBF16, 6, 2, 8, 16, false},
                                            OpsCase{KernelDType::kF16, 3, 1, 16, 4, true},
-                                           OpsCase{KernelDType::kF32, 4, 4, 8, 1, false}));
+                                           OpsCase{KernelDType::kF32, 4, 4, 8, 1, false}),
+    [](const ::testing::TestParamInfo<OpsCase>& i) {
+      const auto& c = i.param;
+      return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
+             std::to_string(c.Hkv) + "_d" + std::to_string(c.d) + "_page" +
+             std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
+    });
 
 TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   SynthSpec s;

@@ -31,7 +31,7 @@
 //   asmem::FormatError (corrupt / truncated file), asmem::InvalidArgument (model, shape or
 //   data mismatch; slot misuse), asmem::UnsupportedError (CUDA requested in a build without
 //   CUDA), asmem::CudaError (a CUDA call failed: out of device memory...). Every message is
-//   one line and starts with the file's path when a file is at fault.
+//   one line; when a file is at fault it starts with the file's path.
 // - Hot swap. replace(slot, path) opens, validates and uploads the new file first; only
 //   then does the slot switch to it. A bad file throws and the slot keeps serving the old
 //   dictionary, bit for bit. The switch is ordered with the steps:
