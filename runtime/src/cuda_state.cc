@@ -44,8 +44,8 @@ DeviceBlob::DeviceBlob(int device, size_t bytes) : device_(device), bytes_(bytes
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     ptr_ = nullptr;
-    throw CudaError("cannot allocate " + std::to_string(bytes_) + " bytes on cuda:" +
-                    std::to_string(device_) + ": " + cudaGetErrorString(e));
+    throw CudaError("cannot allocate " + std::to_string(bytes_) +
+                    " bytes on cuda:" + std::to_string(device_) + ": " + cudaGetErrorString(e));
   }
 }
 
@@ -93,8 +93,8 @@ CudaState::CudaState(int device, int32_t num_layers, int32_t max_dicts, int32_t 
     const size_t n = size_t(s.L) * size_t(s.max_dicts) * size_t(s.Hkv);
     ASMEM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.tables), n * sizeof(DictLayerView)));
     const std::vector<DictLayerView> empty(n);  // K = 0: an unusable view (NaN if named)
-    ASMEM_CUDA_CHECK(cudaMemcpy(s.tables, empty.data(), n * sizeof(DictLayerView),
-                                cudaMemcpyHostToDevice));
+    ASMEM_CUDA_CHECK(
+        cudaMemcpy(s.tables, empty.data(), n * sizeof(DictLayerView), cudaMemcpyHostToDevice));
     if (workspace_bytes > 0) {
       ASMEM_CUDA_CHECK(cudaMalloc(&s.workspace, workspace_bytes));
       s.workspace_bytes = workspace_bytes;
@@ -132,8 +132,8 @@ std::shared_ptr<DeviceBlob> CudaState::upload(const void* host, size_t bytes) {
   auto blob = std::make_shared<DeviceBlob>(impl_->device, bytes);
   ScopedDevice guard(impl_->device);
   if (bytes > 0) {
-    ASMEM_CUDA_CHECK(cudaMemcpyAsync(blob->data(), host, bytes, cudaMemcpyHostToDevice,
-                                     impl_->upload_stream));
+    ASMEM_CUDA_CHECK(
+        cudaMemcpyAsync(blob->data(), host, bytes, cudaMemcpyHostToDevice, impl_->upload_stream));
     ASMEM_CUDA_CHECK(cudaStreamSynchronize(impl_->upload_stream));
   }
   return blob;
@@ -176,8 +176,8 @@ void CudaState::update(int32_t slot, const DictLayerView* views, cudaStream_t st
     const size_t row = size_t(s.Hkv) * sizeof(DictLayerView);
     // Row l of the source (layer l's Hkv views) goes to tables[l][slot][0..Hkv).
     ASMEM_CUDA_CHECK(cudaMemcpy2DAsync(s.tables + size_t(slot) * size_t(s.Hkv),
-                                       size_t(s.max_dicts) * row, staging, row, row,
-                                       size_t(s.L), cudaMemcpyHostToDevice, stream));
+                                       size_t(s.max_dicts) * row, staging, row, row, size_t(s.L),
+                                       cudaMemcpyHostToDevice, stream));
     ASMEM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     ASMEM_CUDA_CHECK(cudaEventRecord(done, stream));
   } catch (...) {

@@ -40,9 +40,9 @@ constexpr int32_t kMaxSlots = 4096;
 // What a decode() call reads, swapped whole on every publish / unload.
 struct Snapshot {
   std::vector<std::shared_ptr<const ResidentDictionary>> slots;  // [max_dicts]
-  std::vector<DictLayerView> host_tables;  // CPU runtime: [L][max_dicts][Hkv]
-  int64_t max_lookup_rows = 0;             // over resident dictionaries
-  bool whitening = false;                  // some resident dictionary whitens
+  std::vector<DictLayerView> host_tables;                        // CPU runtime: [L][max_dicts][Hkv]
+  int64_t max_lookup_rows = 0;                                   // over resident dictionaries
+  bool whitening = false;                                        // some resident dictionary whitens
 };
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -54,7 +54,8 @@ bool IsPow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 int64_t LookupRows(const DictLayerView& v) {
   if (v.C1 == 0) return v.K;
   std::vector<int64_t> children(size_t(v.C1));
-  for (int64_t p = 0; p < v.C1; ++p) children[size_t(p)] = v.child_offsets[p + 1] - v.child_offsets[p];
+  for (int64_t p = 0; p < v.C1; ++p)
+    children[size_t(p)] = v.child_offsets[p + 1] - v.child_offsets[p];
   const int64_t m = std::min<int64_t>(v.top_m, v.C1);
   std::partial_sort(children.begin(), children.begin() + m, children.end(), std::greater<>());
   int64_t rows = v.C1;
@@ -133,9 +134,9 @@ struct DecodeRuntime::Impl {
   bool cuda = false;
   std::unique_ptr<detail::CudaState> cs;  // CUDA runtime only
 
-  std::mutex mu;                        // serializes publish / unload
+  std::mutex mu;                         // serializes publish / unload
   std::shared_ptr<const Snapshot> snap;  // read with std::atomic_load
-  uint64_t generation = 0;              // guarded by mu
+  uint64_t generation = 0;               // guarded by mu
   // Plan inputs of CUDA steps, written under mu, read by decode() without it.
   std::atomic<int64_t> plan_rows{0};
   std::atomic<bool> plan_whitening{false};
@@ -176,7 +177,8 @@ struct DecodeRuntime::Impl {
     if (!cuda) {
       for (int32_t l = 0; l < L; ++l) {
         for (int32_t h = 0; h < Hkv; ++h) {
-          next->host_tables[(size_t(l) * size_t(max_dicts) + size_t(slot)) * size_t(Hkv) + size_t(h)] =
+          next->host_tables[(size_t(l) * size_t(max_dicts) + size_t(slot)) * size_t(Hkv) +
+                            size_t(h)] =
               r ? r->views[size_t(l) * size_t(Hkv) + size_t(h)] : DictLayerView{};
         }
       }
@@ -234,8 +236,8 @@ DecodeRuntime::DecodeRuntime(const RuntimeOptions& options) : impl_(std::make_un
   if (o.step.max_batch < 0) fail("step.max_batch must be >= 0, got " + str(o.step.max_batch));
   if (o.step.max_batch > 0) own_workspace = workspace_bytes(o.step);  // checks the step
   if (s.cuda) {
-    s.cs = std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv,
-                                               own_workspace);
+    s.cs =
+        std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv, own_workspace);
   }
   auto snap = std::make_shared<Snapshot>();
   snap->slots.resize(size_t(s.max_dicts));
@@ -303,9 +305,9 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
                          Dim{"n_kv_heads", m.model.n_kv_heads, "num_kv_heads", s.Hkv},
                          Dim{"head_dim", m.model.head_dim, "head_dim", s.d}}) {
       if (x.file_value != x.runtime_value) {
-        throw InvalidArgument(path + ": shape mismatch: the dictionary has " + x.file_field +
-                              "=" + str(x.file_value) + ", the runtime has " + x.runtime_field +
-                              "=" + str(x.runtime_value));
+        throw InvalidArgument(path + ": shape mismatch: the dictionary has " + x.file_field + "=" +
+                              str(x.file_value) + ", the runtime has " + x.runtime_field + "=" +
+                              str(x.runtime_value));
       }
     }
     const int64_t top_m64 = lo.top_m > 0 ? lo.top_m : (m.compile.top_m > 0 ? m.compile.top_m : 1);
@@ -413,8 +415,8 @@ int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStrea
         }
       }
       if (at < 0) {
-        throw InvalidArgument(std::string(fn) + ": " + dict.impl_->info.path + ": no free slot (all " +
-                              str(s.max_dicts) + " hold dictionaries)");
+        throw InvalidArgument(std::string(fn) + ": " + dict.impl_->info.path +
+                              ": no free slot (all " + str(s.max_dicts) + " hold dictionaries)");
       }
     } else {
       s.check_slot(slot, fn);
@@ -552,7 +554,8 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
       for (int32_t b = 0; b < a.batch; ++b) {
         const int32_t id = a.dict_ids[b];
         if (id < -1 || id >= s.max_dicts) {
-          fail("dict_ids[" + str(b) + "] = " + str(id) + " is outside [-1, " + str(s.max_dicts) + ")");
+          fail("dict_ids[" + str(b) + "] = " + str(id) + " is outside [-1, " + str(s.max_dicts) +
+               ")");
         }
         if (id >= 0 && !snap->slots[size_t(id)]) {
           fail("dict_ids[" + str(b) + "] = " + str(id) + " names an empty slot");

@@ -35,11 +35,10 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#include <nlohmann/json.hpp>
-
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
 
@@ -128,23 +127,24 @@ std::shared_ptr<DecodeRuntime> Require(const std::string& op, const Device& d) {
   return rt;
 }
 
-std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, int64_t L,
-                                      int64_t Hq, int64_t Hkv, int64_t dim, int64_t max_dicts) {
+std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, int64_t L, int64_t Hq,
+                                      int64_t Hkv, int64_t dim, int64_t max_dicts) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.runtimes.find(d.str());
   if (it != r.runtimes.end()) {
     const RuntimeOptions& o = it->second->options();
     if (o.num_layers != L || o.num_q_heads != Hq || o.num_kv_heads != Hkv || o.head_dim != dim) {
-      Fail(op, "a runtime with another shape exists on " + d.str() + " (L=" +
-                   std::to_string(o.num_layers) + " Hq=" + std::to_string(o.num_q_heads) +
+      Fail(op, "a runtime with another shape exists on " + d.str() +
+                   " (L=" + std::to_string(o.num_layers) + " Hq=" + std::to_string(o.num_q_heads) +
                    " Hkv=" + std::to_string(o.num_kv_heads) + " d=" + std::to_string(o.head_dim) +
                    "): release_runtime first");
     }
     return it->second;
   }
   for (int64_t v : {L, Hq, Hkv, dim, max_dicts}) {
-    if (v < 1 || v > (int64_t(1) << 30)) Fail(op, "shape value " + std::to_string(v) + " is out of range");
+    if (v < 1 || v > (int64_t(1) << 30))
+      Fail(op, "shape value " + std::to_string(v) + " is out of range");
   }
   RuntimeOptions o;
   o.device = d;
@@ -160,7 +160,8 @@ std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, in
 }
 
 int32_t Slot(const std::string& op, int64_t slot) {
-  if (slot < -1 || slot > (int64_t(1) << 20)) Fail(op, "slot " + std::to_string(slot) + " is out of range");
+  if (slot < -1 || slot > (int64_t(1) << 20))
+    Fail(op, "slot " + std::to_string(slot) + " is out of range");
   return int32_t(slot);
 }
 
@@ -171,8 +172,7 @@ int32_t Slot(const std::string& op, int64_t slot) {
 void create_runtime(std::string device, int64_t num_layers, int64_t num_q_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t max_dicts) {
   const std::string op = "create_runtime";
-  Create(op, ParseDevice(op, device), num_layers, num_q_heads, num_kv_heads,
-         head_dim, max_dicts);
+  Create(op, ParseDevice(op, device), num_layers, num_q_heads, num_kv_heads, head_dim, max_dicts);
 }
 
 void release_runtime(std::string device) {
@@ -200,8 +200,8 @@ LoadOptions MakeLoad(int64_t top_m, bool verify_data) {
   return lo;
 }
 
-int64_t load_dictionary(std::string path, std::string device, int64_t slot,
-                        int64_t top_m, bool verify_data) {
+int64_t load_dictionary(std::string path, std::string device, int64_t slot, int64_t top_m,
+                        bool verify_data) {
   const std::string op = "load_dictionary";
   const Device d = ParseDevice(op, device);
   std::shared_ptr<DecodeRuntime> rt = Find(d);
@@ -218,12 +218,11 @@ int64_t load_dictionary(std::string path, std::string device, int64_t slot,
   return rt->publish(p, s, CurrentStream(d));
 }
 
-void replace_dictionary(int64_t slot, std::string path, std::string device,
-                        int64_t top_m, bool verify_data) {
+void replace_dictionary(int64_t slot, std::string path, std::string device, int64_t top_m,
+                        bool verify_data) {
   const std::string op = "replace_dictionary";
   const Device d = ParseDevice(op, device);
-  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data),
-                          CurrentStream(d));
+  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data), CurrentStream(d));
 }
 
 void unload_dictionary(int64_t slot, std::string device) {
@@ -263,9 +262,12 @@ std::string dictionary_info(int64_t slot, std::string device) {
 
 KernelDType KernelType(const std::string& op, const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
-    case at::kBFloat16: return KernelDType::kBF16;
-    case at::kHalf: return KernelDType::kF16;
-    case at::kFloat: return KernelDType::kF32;
+    case at::kBFloat16:
+      return KernelDType::kBF16;
+    case at::kHalf:
+      return KernelDType::kF16;
+    case at::kFloat:
+      return KernelDType::kF32;
     default:
       Fail(op, std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
                    " (bf16, f16 or, on the CPU, f32)");
@@ -288,10 +290,12 @@ void CheckLike(const std::string& op, const at::Tensor& t, const char* name, con
 
 void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, int64_t dims) {
   if (t.scalar_type() != at::kInt) {
-    Fail(op, std::string(name) + " must be int32, got " + std::string(c10::toString(t.scalar_type())));
+    Fail(op,
+         std::string(name) + " must be int32, got " + std::string(c10::toString(t.scalar_type())));
   }
   if (t.dim() != dims) {
-    Fail(op, std::string(name) + " must have " + std::to_string(dims) + " dims, got " + ShapeText(t));
+    Fail(op,
+         std::string(name) + " must have " + std::to_string(dims) + " dims, got " + ShapeText(t));
   }
   if (t.stride(dims - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
 }
@@ -310,7 +314,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
 
   // q
   if (q.dim() != 3 || q.size(1) != Hq || q.size(2) != d) {
-    Fail(op, "q must be [B, " + std::to_string(Hq) + ", " + std::to_string(d) + "], got " + ShapeText(q));
+    Fail(op, "q must be [B, " + std::to_string(Hq) + ", " + std::to_string(d) + "], got " +
+                 ShapeText(q));
   }
   const int64_t B = q.size(0);
   if (B < 1 || B > (int64_t(1) << 30)) Fail(op, "batch " + std::to_string(B) + " is out of range");
@@ -329,10 +334,11 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     if (q_pre->stride(2) != 1) Fail(op, "q_pre must be contiguous in its last dim");
   }
   // KV cache
-  if (kv_layout != "HND" && kv_layout != "NHD") Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
+  if (kv_layout != "HND" && kv_layout != "NHD")
+    Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
   const bool hnd = kv_layout == "HND";
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"},
-                                {&v_cache, "v_cache"}}) {
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     CheckLike(op, *t, name, q, "q");
     if (t->scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
     if (t->dim() != 4) Fail(op, std::string(name) + " must have 4 dims, got " + ShapeText(*t));
@@ -355,17 +361,21 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   CheckInt32(op, block_table, "block_table", 2);
   CheckInt32(op, seq_lens, "seq_lens", 1);
   if (block_table.size(0) != B || block_table.size(1) < 1) {
-    Fail(op, "block_table must be [" + std::to_string(B) + ", max_pages >= 1], got " + ShapeText(block_table));
+    Fail(op, "block_table must be [" + std::to_string(B) + ", max_pages >= 1], got " +
+                 ShapeText(block_table));
   }
-  if (seq_lens.size(0) != B) Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
+  if (seq_lens.size(0) != B)
+    Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
   if (dict_ids) {
     CheckLike(op, *dict_ids, "dict_ids", q, "q");
     CheckInt32(op, *dict_ids, "dict_ids", 1);
-    if (dict_ids->size(0) != B) Fail(op, "dict_ids must be [" + std::to_string(B) + "], got " + ShapeText(*dict_ids));
+    if (dict_ids->size(0) != B)
+      Fail(op, "dict_ids must be [" + std::to_string(B) + "], got " + ShapeText(*dict_ids));
     if (!q_pre) Fail(op, "dict_ids given without q_pre (the lookup keys)");
   }
   if (layer < 0 || layer >= ro.num_layers) {
-    Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) + ")");
+    Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
+                 ")");
   }
 
   StepConfig step;
@@ -410,7 +420,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
 #ifdef ASMEM_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(q.device());
   const size_t ws_bytes = rt->workspace_bytes(step);
-  at::Tensor ws = at::empty({int64_t(std::max<size_t>(ws_bytes, 1)) + 256}, q.options().dtype(at::kByte));
+  at::Tensor ws =
+      at::empty({int64_t(std::max<size_t>(ws_bytes, 1)) + 256}, q.options().dtype(at::kByte));
   // The caching allocator's blocks are 512-byte aligned; align by hand should that change.
   uint8_t* base = ws.data_ptr<uint8_t>();
   uint8_t* aligned = base + (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256;
@@ -425,21 +436,25 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
 
 TORCH_LIBRARY(asmem, m) {
   using namespace asmem::torch_ops;
-  m.def("create_runtime(str device, int num_layers, int num_q_heads, int num_kv_heads, "
-        "int head_dim, int max_dicts=8) -> ()",
-        &create_runtime);
+  m.def(
+      "create_runtime(str device, int num_layers, int num_q_heads, int num_kv_heads, "
+      "int head_dim, int max_dicts=8) -> ()",
+      &create_runtime);
   m.def("release_runtime(str device) -> ()", &release_runtime);
-  m.def("load_dictionary(str path, str device=\"cpu\", int slot=-1, int top_m=0, "
-        "bool verify_data=True) -> int",
-        &load_dictionary);
-  m.def("replace_dictionary(int slot, str path, str device=\"cpu\", int top_m=0, "
-        "bool verify_data=True) -> ()",
-        &replace_dictionary);
+  m.def(
+      "load_dictionary(str path, str device=\"cpu\", int slot=-1, int top_m=0, "
+      "bool verify_data=True) -> int",
+      &load_dictionary);
+  m.def(
+      "replace_dictionary(int slot, str path, str device=\"cpu\", int top_m=0, "
+      "bool verify_data=True) -> ()",
+      &replace_dictionary);
   m.def("unload_dictionary(int slot, str device=\"cpu\") -> ()", &unload_dictionary);
   m.def("dictionary_info(int slot, str device=\"cpu\") -> str", &dictionary_info);
-  m.def("decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
-        "str kv_layout=\"HND\") -> (Tensor o, Tensor lse)");
+  m.def(
+      "decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
+      "str kv_layout=\"HND\") -> (Tensor o, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(asmem, CPU, m) { m.impl("decode", &asmem::torch_ops::decode); }

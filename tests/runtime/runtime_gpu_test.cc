@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,7 +48,9 @@ bool HaveCuda() {
 struct DeviceBuffer {
   void* p = nullptr;
   size_t n = 0;
-  explicit DeviceBuffer(size_t bytes) : n(bytes) { ASMEM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1)); }
+  explicit DeviceBuffer(size_t bytes) : n(bytes) {
+    ASMEM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+  }
   DeviceBuffer(const void* host, size_t bytes) : DeviceBuffer(bytes) {
     if (bytes) ASMEM_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
   }
@@ -95,7 +98,8 @@ struct DeviceOutputs {
 
 DecodeArgs Args(const DeviceStep& d, const DeviceOutputs& out) {
   const HostStep& s = d.host;
-  DecodeArgs a = s.args(out.o.p, static_cast<float*>(out.lse.p), static_cast<int32_t*>(out.index.p));
+  DecodeArgs a =
+      s.args(out.o.p, static_cast<float*>(out.lse.p), static_cast<int32_t*>(out.index.p));
   a.q = d.q.p;
   a.q_pre = d.q_pre.p;
   a.k_cache = d.k.p;
@@ -117,7 +121,8 @@ void ExpectClose(const StepOutputs& got, const StepOutputs& want, const HostStep
   int64_t bad = 0;
   const int64_t n = int64_t(s.B) * s.Hq * s.d;
   for (int64_t i = 0; i < n; ++i) {
-    const double g = LoadAsFloat(got.o.data(), s.dtype, i), w = LoadAsFloat(want.o.data(), s.dtype, i);
+    const double g = LoadAsFloat(got.o.data(), s.dtype, i),
+                 w = LoadAsFloat(want.o.data(), s.dtype, i);
     const double err = std::abs(g - w);
     if (!(err <= tol + tol * std::abs(w))) ++bad;
     if (err > max_err || std::isnan(err)) max_err = err;
@@ -147,7 +152,8 @@ class RuntimeGpu : public ::testing::Test {
     test::WriteSynthDictionary(p, s);
     return p;
   }
-  static RuntimeOptions Options(const SynthSpec& s, Device dev, const HostStep& st, int32_t max_dicts = 4) {
+  static RuntimeOptions Options(const SynthSpec& s, Device dev, const HostStep& st,
+                                int32_t max_dicts = 4) {
     RuntimeOptions o;
     o.device = dev;
     o.num_layers = s.L;
@@ -167,6 +173,10 @@ struct GpuCase {
   int32_t Hq, Hkv, d, page_size;
   bool nhd;
 };
+void PrintTo(const GpuCase& c, std::ostream* os) {
+  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
+      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
+}
 class RuntimeGpuShapes : public RuntimeGpu, public ::testing::WithParamInterface<GpuCase> {};
 
 TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
@@ -189,8 +199,9 @@ TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
   s2.whitening = true;
   s2.seed = 3;
   const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1), p2 = write("d2.asmd", s2);
-  const HostStep st = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 613, 77, 130, 3, 1000},
-                               {0, -1, 2, 1, -1, 0, 1}, seed_ + 9, c.nhd);
+  const HostStep st =
+      MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 613, 77, 130, 3, 1000},
+               {0, -1, 2, 1, -1, 0, 1}, seed_ + 9, c.nhd);
   DecodeRuntime cpu(Options(base, Device::Cpu(), st));
   DecodeRuntime gpu(Options(base, Device::Cuda(0), st));
   for (const std::string& p : {p0, p1, p2}) {
@@ -215,12 +226,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeGpuShapes,
                                            GpuCase{KernelDType::kF16, 9, 3, 64, 1, false},
                                            GpuCase{KernelDType::kBF16, 8, 1, 64, 32, true},
                                            GpuCase{KernelDType::kF16, 4, 4, 128, 64, true}),
-    [](const ::testing::TestParamInfo<GpuCase>& i) {
-      const auto& c = i.param;
-      return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
-             std::to_string(c.Hkv) + "_d" + std::to_string(c.d) + "_page" +
-             std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
-    });
+                         [](const ::testing::TestParamInfo<GpuCase>& i) {
+                           const auto& c = i.param;
+                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
+                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
+                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
+                                  (c.nhd ? "_NHD" : "_HND");
+                         });
 
 // A host function that holds the stream until the test opens the gate (or 30 s pass).
 struct Gate {
@@ -259,8 +271,9 @@ class RuntimeGpuSwap : public RuntimeGpu {
     c.seed = 33;
     c.parents = 0;
     c_ = write("c.asmd", c);
-    step_ = std::make_unique<HostStep>(MakeStep(spec_.Hq, spec_.Hkv, spec_.d, 16, KernelDType::kBF16,
-                                                {40, 300, 7, 0}, {0, -1, 0, 0}, seed_ + 3));
+    step_ =
+        std::make_unique<HostStep>(MakeStep(spec_.Hq, spec_.Hkv, spec_.d, 16, KernelDType::kBF16,
+                                            {40, 300, 7, 0}, {0, -1, 0, 0}, seed_ + 3));
     ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   void TearDown() override {
@@ -317,7 +330,8 @@ TEST_F(RuntimeGpuSwap, ReplaceWhileStepsAreEnqueued) {
   }
   EXPECT_EQ(rt.release_retired(), 1u);
   EXPECT_EQ(rt.retired_count(), 0u);
-  std::printf("[runtime gpu] replaced a %zu-byte dictionary behind %d queued steps\n", bytes_a, kSteps);
+  std::printf("[runtime gpu] replaced a %zu-byte dictionary behind %d queued steps\n", bytes_a,
+              kSteps);
 }
 
 TEST_F(RuntimeGpuSwap, CapturedGraphSeesReplacements) {
@@ -354,7 +368,8 @@ TEST_F(RuntimeGpuSwap, CapturedGraphSeesReplacements) {
   EXPECT_EQ(rt.publish(prepared_c, 1, stream_), 1);
   HostStep st_c = st;
   st_c.dict_ids = {1, -1, 0, 1};
-  ASMEM_CUDA_CHECK(cudaMemcpyAsync(dev.dict_ids.p, st_c.dict_ids.data(), 16, cudaMemcpyHostToDevice, stream_));
+  ASMEM_CUDA_CHECK(
+      cudaMemcpyAsync(dev.dict_ids.p, st_c.dict_ids.data(), 16, cudaMemcpyHostToDevice, stream_));
   DecodeRuntime cpu(Options(spec_, Device::Cpu(), st));
   cpu.load(b_);
   cpu.load(c_);

@@ -2,6 +2,8 @@
 // dictionaries resident with a mixed batch equal to DecodeAttentionCpu over hand-built
 // views, hot swap (bad files keep the old dictionary serving bit for bit; a rebuilt file
 // serves later steps), prepare / publish, and a replacement racing a decoding thread.
+#include "asmem/runtime.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -9,13 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
-#include "asmem/runtime.h"
 #include "runtime/runtime_test_util.h"
 #include "test_util.h"
 
@@ -80,22 +82,26 @@ TEST_F(RuntimeTest, OptionsAreChecked) {
   SynthSpec s;
   RuntimeOptions o = CpuOptions(s);
   o.num_layers = 0;
-  expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); }, {"DecodeRuntime: num_layers must be >= 1"});
+  expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); },
+                                {"DecodeRuntime: num_layers must be >= 1"});
   o = CpuOptions(s);
   o.num_q_heads = 5;
-  expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); },
-                                {"num_q_heads (5) must be a positive multiple of num_kv_heads (2)"});
+  expect_error<InvalidArgument>(
+      [&] { DecodeRuntime rt(o); },
+      {"num_q_heads (5) must be a positive multiple of num_kv_heads (2)"});
   o = CpuOptions(s);
   o.max_dicts = 0;
   expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); }, {"max_dicts 0 is outside [1, 4096]"});
   o = CpuOptions(s);
   o.step.max_batch = 4;
   o.step.page_size = 12;
-  expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); }, {"step.page_size 12 is not a power of two"});
+  expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); },
+                                {"step.page_size 12 is not a power of two"});
   o = CpuOptions(s);
   o.device = Device::Cuda(999);
   if (!RuntimeCudaCompiled()) {
-    expect_error<UnsupportedError>([&] { DecodeRuntime rt(o); }, {"cuda:999", "built without CUDA"});
+    expect_error<UnsupportedError>([&] { DecodeRuntime rt(o); },
+                                   {"cuda:999", "built without CUDA"});
   } else {
     expect_error<InvalidArgument>([&] { DecodeRuntime rt(o); }, {"device cuda:999 does not exist"});
   }
@@ -132,14 +138,15 @@ TEST_F(RuntimeTest, LoadUnloadAndSlots) {
   EXPECT_EQ(ib.total_entries, 4 * 1 + 18);
   EXPECT_EQ(rt.dictionaries().size(), 2u);
 
-  expect_error<InvalidArgument>([&] { rt.load(a); },
-                                {"DecodeRuntime::publish: " + a + ": no free slot (all 2 hold dictionaries)"});
+  expect_error<InvalidArgument>([&] { rt.load(a); }, {"DecodeRuntime::publish: " + a +
+                                                      ": no free slot (all 2 hold dictionaries)"});
   rt.unload(0);
   EXPECT_FALSE(rt.info(0).has_value());
   EXPECT_EQ(rt.dictionaries().size(), 1u);
   expect_error<InvalidArgument>([&] { rt.unload(0); }, {"DecodeRuntime::unload: slot 0 is empty"});
   expect_error<InvalidArgument>([&] { rt.unload(2); }, {"slot 2 is outside [0, 2)"});
-  expect_error<InvalidArgument>([&] { rt.replace(0, a); }, {"DecodeRuntime::replace: ", "slot 0 is empty (use load)"});
+  expect_error<InvalidArgument>([&] { rt.replace(0, a); },
+                                {"DecodeRuntime::replace: ", "slot 0 is empty (use load)"});
   expect_error<InvalidArgument>([&] { rt.replace(-1, a); }, {"slot -1 is outside [0, 2)"});
   EXPECT_EQ(rt.load(a), 0);  // the lowest free slot again
   EXPECT_EQ(rt.info(0)->generation, 3u);
@@ -192,6 +199,10 @@ struct MixedCase {
   int32_t Hq, Hkv, d, page_size;
   bool nhd;
 };
+void PrintTo(const MixedCase& c, std::ostream* os) {
+  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
+      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
+}
 
 class RuntimeMixedBatch : public RuntimeTest, public ::testing::WithParamInterface<MixedCase> {};
 
@@ -231,8 +242,9 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   const std::vector<const DictionaryFile*> slots = {f0.get(), f1.get(), nullptr, f2.get(), nullptr};
 
   // Odd lengths (0 included), every slot, no dictionary, T = 0 with a dictionary.
-  const HostStep st = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 77, 13, 130, 5, 33, 0},
-                               {0, -1, 3, 1, -1, 3, 0, 1}, seed_ + 100, c.nhd);
+  const HostStep st =
+      MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 77, 13, 130, 5, 33, 0},
+               {0, -1, 3, 1, -1, 3, 0, 1}, seed_ + 100, c.nhd);
   for (int32_t layer = 0; layer < base.L; ++layer) {
     SCOPED_TRACE("layer " + std::to_string(layer));
     const StepOutputs got = RunRuntime(rt, st, layer);
@@ -249,7 +261,8 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
       }
     }
     // The dictionaries matter: with other slot contents the result differs.
-    const StepOutputs swapped = RunReference(st, layer, {f2.get(), f0.get(), nullptr, f1.get(), nullptr});
+    const StepOutputs swapped =
+        RunReference(st, layer, {f2.get(), f0.get(), nullptr, f1.get(), nullptr});
     EXPECT_TRUE(got != swapped);
   }
   // Without dict ids: plain decode attention.
@@ -258,18 +271,18 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   EXPECT_TRUE(RunRuntime(rt, plain, 1) == RunReference(plain, 1, slots));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, RuntimeMixedBatch,
-    ::testing::Values(MixedCase{KernelDType::kBF16, 6, 2, 8, 16, false},
-                      MixedCase{KernelDType::kF16, 9, 3, 16, 1, false},
-                      MixedCase{KernelDType::kF32, 3, 3, 24, 4, true},
-                      MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}),
-    [](const ::testing::TestParamInfo<MixedCase>& i) {
-      const auto& c = i.param;
-      return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
-             std::to_string(c.Hkv) + "_d" + std::to_string(c.d) + "_page" +
-             std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
-    });
+INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeMixedBatch,
+                         ::testing::Values(MixedCase{KernelDType::kBF16, 6, 2, 8, 16, false},
+                                           MixedCase{KernelDType::kF16, 9, 3, 16, 1, false},
+                                           MixedCase{KernelDType::kF32, 3, 3, 24, 4, true},
+                                           MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}),
+                         [](const ::testing::TestParamInfo<MixedCase>& i) {
+                           const auto& c = i.param;
+                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
+                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
+                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
+                                  (c.nhd ? "_NHD" : "_HND");
+                         });
 
 TEST_F(RuntimeTest, OwnWorkspaceStepAndTopM) {
   SynthSpec s;
@@ -385,11 +398,13 @@ TEST_F(RuntimeReplace, BadFilesAreRejectedAndTheOldDictionaryKeepsServing) {
   SynthSpec wrong_layers = spec_;
   wrong_layers.L = 3;
   const std::string wl = write("wrong_layers.asmd", wrong_layers);
-  expect_error<InvalidArgument>([&] { rt2.replace(0, wl); },
-                                {wl + ": shape mismatch: the dictionary has n_layers=3, the runtime has num_layers=2"});
+  expect_error<InvalidArgument>(
+      [&] { rt2.replace(0, wl); },
+      {wl + ": shape mismatch: the dictionary has n_layers=3, the runtime has num_layers=2"});
 
   // Missing, and not a file.
-  expect_error<IoError>([&] { rt.replace(1, file("missing.asmd")); }, {file("missing.asmd") + ": cannot open"});
+  expect_error<IoError>([&] { rt.replace(1, file("missing.asmd")); },
+                        {file("missing.asmd") + ": cannot open"});
   expect_error<IoError>([&] { rt.replace(1, dir_); }, {dir_ + ": not a regular file"});
   check_still_serving("missing");
 
@@ -440,7 +455,8 @@ TEST_F(RuntimeReplace, PrepareThenPublish) {
   EXPECT_EQ(rt.publish(p, 0), 0);  // replace slot 0
   EXPECT_FALSE(p.valid());
   expect_error<InvalidArgument>([&] { p.info(); }, {"PreparedDictionary::info: empty"});
-  expect_error<InvalidArgument>([&] { rt.publish(p); }, {"DecodeRuntime::publish: the prepared dictionary is empty"});
+  expect_error<InvalidArgument>([&] { rt.publish(p); },
+                                {"DecodeRuntime::publish: the prepared dictionary is empty"});
   auto f_other = DictionaryFile::open(other_);
   EXPECT_TRUE(RunRuntime(rt, step_, 1) == RunReference(step_, 1, {f_other.get()}));
   EXPECT_TRUE(RunRuntime(rt, step_, 1) != before);
@@ -450,7 +466,8 @@ TEST_F(RuntimeReplace, PrepareThenPublish) {
   EXPECT_EQ(rt.publish(q, 1), 1);
   DecodeRuntime other_rt(options());
   PreparedDictionary foreign = other_rt.prepare(old_);
-  expect_error<InvalidArgument>([&] { rt.publish(foreign, 1); }, {old_ + " was prepared by another runtime"});
+  expect_error<InvalidArgument>([&] { rt.publish(foreign, 1); },
+                                {old_ + " was prepared by another runtime"});
   EXPECT_TRUE(foreign.valid());
   expect_error<InvalidArgument>([&] { rt.publish(foreign); }, {"another runtime"});
   // A prepared dictionary that is never published is simply dropped.

@@ -26,11 +26,11 @@ struct SynthSpec {
   int32_t L = 2, Hq = 6, Hkv = 2, d = 8;
   DType keys = DType::kBF16;
   DType values = DType::kBF16;
-  int64_t K = 37;        // entries of section 0; section i has K + 3*i
-  int64_t parents = 0;   // C1 per section (0: linear lookup); may exceed K (childless parents)
-  int64_t top_m = 2;     // compile.top_m recorded in the file
+  int64_t K = 37;       // entries of section 0; section i has K + 3*i
+  int64_t parents = 0;  // C1 per section (0: linear lookup); may exceed K (childless parents)
+  int64_t top_m = 2;    // compile.top_m recorded in the file
   bool whitening = false;
-  uint64_t seed = 1;     // the data
+  uint64_t seed = 1;                              // the data
   uint64_t weights_hash = 0x0123456789abcdefull;  // model fingerprint field
 };
 
@@ -54,7 +54,9 @@ namespace detail_synth {
 
 inline void Store(std::vector<uint8_t>& buf, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::kF32: std::memcpy(buf.data() + 4 * i, &v, 4); break;
+    case DType::kF32:
+      std::memcpy(buf.data() + 4 * i, &v, 4);
+      break;
     case DType::kF16: {
       const uint16_t h = FloatToHalfBits(v);
       std::memcpy(buf.data() + 2 * i, &h, 2);
@@ -155,7 +157,8 @@ inline void WriteSynthDictionary(const std::string& path, const SynthSpec& s) {
       if (s.whitening) {
         std::vector<float> w(static_cast<size_t>(D * D)), mean(static_cast<size_t>(D));
         for (int64_t i = 0; i < D; ++i) {
-          for (int64_t j = 0; j < D; ++j) w[size_t(i * D + j)] = (i == j ? 1.f : 0.f) + 0.1f * nd(rng);
+          for (int64_t j = 0; j < D; ++j)
+            w[size_t(i * D + j)] = (i == j ? 1.f : 0.f) + 0.1f * nd(rng);
         }
         for (float& x : mean) x = 0.1f * nd(rng);
         sec.whitening = owned.Make(DType::kF32, {D, D}, w);
@@ -240,7 +243,8 @@ inline HostStep MakeStep(int32_t Hq, int32_t Hkv, int32_t d, int32_t page_size, 
   int64_t pages = 0;
   for (int32_t t : s.seq_lens) pages += (t + page_size - 1) / page_size;
   s.bt_stride = 1;
-  for (int32_t t : s.seq_lens) s.bt_stride = std::max<int64_t>(s.bt_stride, (t + page_size - 1) / page_size);
+  for (int32_t t : s.seq_lens)
+    s.bt_stride = std::max<int64_t>(s.bt_stride, (t + page_size - 1) / page_size);
   s.num_pages = pages + 3;  // a few pages nobody uses
   fill(s.k, s.num_pages * Hkv * page_size * d, 1.f);
   fill(s.v, s.num_pages * Hkv * page_size * d, 1.f);
@@ -280,15 +284,16 @@ inline StepOutputs EmptyOutputs(const HostStep& s) {
 // One layer of `s` through a CPU runtime.
 inline StepOutputs RunRuntime(DecodeRuntime& rt, const HostStep& s, int32_t layer) {
   StepOutputs out = EmptyOutputs(s);
-  rt.decode(layer, s.step_config(), s.args(out.o.data(), out.lse.data(), out.index.data()),
-            nullptr, 0);
+  rt.decode(layer, s.step_config(), s.args(out.o.data(), out.lse.data(), out.index.data()), nullptr,
+            0);
   return out;
 }
 
 // The reference: DecodeAttentionCpu with views built by hand from the files. `slots[i]`
 // is the file in slot i (null: empty); `top_m` <= 0: each file's compile.top_m.
 inline StepOutputs RunReference(const HostStep& s, int32_t layer,
-                                const std::vector<const DictionaryFile*>& slots, int32_t top_m = 0) {
+                                const std::vector<const DictionaryFile*>& slots,
+                                int32_t top_m = 0) {
   StepOutputs out = EmptyOutputs(s);
   DecodeConfig c;
   c.batch = s.B;

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <ostream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -35,10 +36,11 @@ using OptionalTensor = std::optional<at::Tensor>;
 using OptionalTensor = c10::optional<at::Tensor>;
 #endif
 
-using DecodeFn = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, double,
-    int64_t, std::string);
+using DecodeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    const OptionalTensor&, int64_t, double, int64_t,
+                                                    std::string);
 using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool);
 using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool);
 using UnloadFn = void(int64_t, std::string);
@@ -53,9 +55,12 @@ c10::TypedOperatorHandle<Fn> Op(const char* name) {
 
 at::ScalarType TorchType(KernelDType t) {
   switch (t) {
-    case KernelDType::kF32: return at::kFloat;
-    case KernelDType::kF16: return at::kHalf;
-    case KernelDType::kBF16: return at::kBFloat16;
+    case KernelDType::kF32:
+      return at::kFloat;
+    case KernelDType::kF16:
+      return at::kHalf;
+    case KernelDType::kBF16:
+      return at::kBFloat16;
   }
   return at::kFloat;
 }
@@ -75,8 +80,9 @@ StepTensors ToTensors(const HostStep& s) {
   StepTensors x;
   x.q = bytes(s.q, {s.B, s.Hq, s.d});
   x.q_pre = bytes(s.q_pre, {s.B, s.Hq, s.d});
-  const std::vector<int64_t> kv = s.nhd ? std::vector<int64_t>{s.num_pages, s.page_size, s.Hkv, s.d}
-                                        : std::vector<int64_t>{s.num_pages, s.Hkv, s.page_size, s.d};
+  const std::vector<int64_t> kv = s.nhd
+                                      ? std::vector<int64_t>{s.num_pages, s.page_size, s.Hkv, s.d}
+                                      : std::vector<int64_t>{s.num_pages, s.Hkv, s.page_size, s.d};
   x.k = bytes(s.k, kv);
   x.v = bytes(s.v, kv);
   x.block_table = ints(s.block_table, {s.B, s.bt_stride});
@@ -124,6 +130,10 @@ struct OpsCase {
   int32_t Hq, Hkv, d, page_size;
   bool nhd;
 };
+void PrintTo(const OpsCase& c, std::ostream* os) {
+  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
+      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
+}
 class TorchOpsDecode : public TorchOpsTest, public ::testing::WithParamInterface<OpsCase> {};
 
 TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
@@ -152,14 +162,15 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
     EXPECT_EQ(std::get<0>(got).sizes(), x.q.sizes());
     EXPECT_EQ(std::get<1>(got).sizes(), (std::vector<int64_t>{st.B, st.Hq}));
     EXPECT_TRUE(SameAs(got, RunReference(st, int32_t(layer), slots))) << "layer " << layer;
-    EXPECT_FALSE(SameAs(got, RunReference(st, int32_t(layer), {f1.get(), nullptr, nullptr, f0.get()})));
+    EXPECT_FALSE(
+        SameAs(got, RunReference(st, int32_t(layer), {f1.get(), nullptr, nullptr, f0.get()})));
   }
   // No dictionaries: plain decode attention; q_pre may be absent.
   HostStep plain = st;
   plain.dict_ids.clear();
   const auto none = Op<DecodeFn>("asmem::decode")
-                        .call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(),
-                              1, 0.0, 0, c.nhd ? "NHD" : "HND");
+                        .call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens,
+                              OptionalTensor(), 1, 0.0, 0, c.nhd ? "NHD" : "HND");
   EXPECT_TRUE(SameAs(none, RunReference(plain, 1, slots)));
 }
 
@@ -167,12 +178,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, TorchOpsDecode,
                          ::testing::Values(OpsCase{KernelDType::kBF16, 6, 2, 8, 16, false},
                                            OpsCase{KernelDType::kF16, 3, 1, 16, 4, true},
                                            OpsCase{KernelDType::kF32, 4, 4, 8, 1, false}),
-    [](const ::testing::TestParamInfo<OpsCase>& i) {
-      const auto& c = i.param;
-      return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
-             std::to_string(c.Hkv) + "_d" + std::to_string(c.d) + "_page" +
-             std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
-    });
+                         [](const ::testing::TestParamInfo<OpsCase>& i) {
+                           const auto& c = i.param;
+                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
+                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
+                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
+                                  (c.nhd ? "_NHD" : "_HND");
+                         });
 
 TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   SynthSpec s;
@@ -192,7 +204,8 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   EXPECT_NE(info.find("\"generation\":1"), std::string::npos) << info;
   EXPECT_EQ(Op<InfoFn>("asmem::dictionary_info").call(1, "cpu"), "");
 
-  const HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {0, -1}, seed_ + 2);
+  const HostStep st =
+      MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {0, -1}, seed_ + 2);
   const StepTensors x = ToTensors(st);
   const auto before = decode(x, 1);
   auto fa = DictionaryFile::open(a), fb = DictionaryFile::open(b);
@@ -200,15 +213,18 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
 
   // A bad file: one-line error naming it, the old dictionary keeps serving.
   const std::string missing = dir_ + "/missing.asmd";
-  expect_error<IoError>([&] { Op<ReplaceFn>("asmem::replace_dictionary").call(0, missing, "cpu", 0, true); },
-                        {missing + ": cannot open"});
+  expect_error<IoError>(
+      [&] { Op<ReplaceFn>("asmem::replace_dictionary").call(0, missing, "cpu", 0, true); },
+      {missing + ": cannot open"});
   EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fa.get()})));
-  expect_error<InvalidArgument>([&] { Op<LoadFn>("asmem::load_dictionary").call(b, "cpu", 0, 0, true); },
-                                {"asmem.load_dictionary: " + b + ": slot 0 is occupied (use replace_dictionary)"});
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call(b, "cpu", 0, 0, true); },
+      {"asmem.load_dictionary: " + b + ": slot 0 is occupied (use replace_dictionary)"});
 
   Op<ReplaceFn>("asmem::replace_dictionary").call(0, b, "cpu", 0, true);
   EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fb.get()})));
-  EXPECT_NE(Op<InfoFn>("asmem::dictionary_info").call(0, "cpu").find("\"generation\":2"), std::string::npos);
+  EXPECT_NE(Op<InfoFn>("asmem::dictionary_info").call(0, "cpu").find("\"generation\":2"),
+            std::string::npos);
 
   Op<UnloadFn>("asmem::unload_dictionary").call(0, "cpu");
   expect_error<InvalidArgument>([&] { decode(x, 1); }, {"dict_ids[0] = 0 names an empty slot"});
@@ -219,42 +235,64 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
 TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
   SynthSpec s;
   Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 2);
-  const HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {-1, -1}, seed_ + 3);
+  const HostStep st =
+      MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {-1, -1}, seed_ + 3);
   const StepTensors x = ToTensors(st);
   auto call = [&](const at::Tensor& q, const OptionalTensor& q_pre, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& bt, const at::Tensor& sl,
                   const OptionalTensor& ids, int64_t layer, const char* layout = "HND") {
     Op<DecodeFn>("asmem::decode").call(q, q_pre, k, v, bt, sl, ids, layer, 0.0, 0, layout);
   };
-  expect_error<InvalidArgument>([&] { call(x.q.to(at::kDouble), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"asmem.decode: q has dtype Double"});
-  expect_error<InvalidArgument>([&] { call(x.q.reshape({2, 2, -1}), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"asmem.decode: q must be [B, 6, 8], got [2, 2, 24]"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k.to(at::kHalf), x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"asmem.decode: k_cache must have q's dtype"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v.transpose(1, 2), x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"k_cache and v_cache must have the same shape and strides"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "NHD"); },
-                                {"k_cache must be [num_pages, page_size, 2, 8] (NHD), got"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "XYZ"); },
-                                {"kv_layout 'XYZ' is not HND or NHD"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table.to(at::kLong), x.seq_lens, x.dict_ids, 0); },
-                                {"block_table must be int32, got Long"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens.narrow(0, 0, 1), x.dict_ids, 0); },
-                                {"seq_lens must be [2], got [1]"});
-  expect_error<InvalidArgument>([&] { call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"dict_ids given without q_pre"});
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 7); },
-                                {"asmem.decode: layer 7 is outside [0, 2)"});
-  expect_error<InvalidArgument>([&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true); },
-                                {"asmem.load_dictionary: device 'tpu:0'"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q.to(at::kDouble), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0);
+      },
+      {"asmem.decode: q has dtype Double"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q.reshape({2, 2, -1}), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0);
+      },
+      {"asmem.decode: q must be [B, 6, 8], got [2, 2, 24]"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k.to(at::kHalf), x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
+      {"asmem.decode: k_cache must have q's dtype"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q, x.q_pre, x.k, x.v.transpose(1, 2), x.block_table, x.seq_lens, x.dict_ids, 0);
+      },
+      {"k_cache and v_cache must have the same shape and strides"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "NHD"); },
+      {"k_cache must be [num_pages, page_size, 2, 8] (NHD), got"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "XYZ"); },
+      {"kv_layout 'XYZ' is not HND or NHD"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table.to(at::kLong), x.seq_lens, x.dict_ids, 0); },
+      {"block_table must be int32, got Long"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens.narrow(0, 0, 1), x.dict_ids, 0);
+      },
+      {"seq_lens must be [2], got [1]"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
+      {"dict_ids given without q_pre"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 7); },
+      {"asmem.decode: layer 7 is outside [0, 2)"});
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true); },
+      {"asmem.load_dictionary: device 'tpu:0'"});
 #ifndef ASMEM_TORCH_CUDA
-  expect_error<InvalidArgument>([&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cuda:0", -1, 0, true); },
-                                {"device 'cuda:0': this asmem_torch_ops was built against a torch without CUDA"});
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cuda:0", -1, 0, true); },
+      {"device 'cuda:0': this asmem_torch_ops was built against a torch without CUDA"});
 #endif
   Op<ReleaseFn>("asmem::release_runtime").call("cpu");
-  expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
-                                {"asmem.decode: no asmem runtime on cpu"});
+  expect_error<InvalidArgument>(
+      [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
+      {"asmem.decode: no asmem runtime on cpu"});
 }
 
 }  // namespace

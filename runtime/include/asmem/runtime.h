@@ -41,9 +41,9 @@
 //     on `stream` before the call read the old dictionary, steps enqueued after read the new
 //     one. The old dictionary's device memory is freed only once an event recorded after
 //     the copy has completed: it joins a retired list that later load / replace / unload /
-//     release_retired() calls poll with cudaEventQuery (decode() never does: it makes no
-//     CUDA call besides its kernel launches). Steps on other streams must be ordered
-//     against `stream` by the caller (events), or run on it.
+//     release_retired() calls poll with cudaEventQuery (decode() never does: besides its
+//     kernel launches it only gets / sets the current device). Steps on other streams
+//     must be ordered against `stream` by the caller (events), or run on it.
 //   * CPU: each decode() call takes a shared snapshot of the slot table when it starts; a
 //     call running in another thread during the switch finishes on the dictionary it
 //     started with, whose mapping stays alive until the last such call returns.
@@ -51,7 +51,8 @@
 //   enqueues them), or a step straddling the switch runs its early layers on the old
 //   dictionary and the rest on the new one. prepare() + publish() split a replacement into
 //   the slow part (open, validate, upload: any thread, no effect on serving) and the switch
-//   (a few microseconds: call it between steps).
+//   (host bookkeeping and, on CUDA, one small table copy enqueued on `stream`: call it
+//   between steps).
 // - Thread safety: all methods may be called from any thread. Loading / replacing /
 //   unloading calls serialize among themselves; decode() calls run concurrently with each
 //   other and with them. On CUDA, concurrent decode() calls that use the runtime's own
@@ -135,27 +136,27 @@ struct RuntimeOptions {
 
 // Per-load settings.
 struct LoadOptions {
-  int32_t top_m = 0;         // parents probed by hierarchical lookups; <= 0: the file's
-                             // compile.top_m (default 16 in the compiler)
-  bool verify_data = true;   // checksum every tensor when opening (slower for big files)
+  int32_t top_m = 0;        // parents probed by hierarchical lookups; <= 0: the file's
+                            // compile.top_m (default 16 in the compiler)
+  bool verify_data = true;  // checksum every tensor when opening (slower for big files)
 };
 
 // A resident (or prepared) dictionary, for logs and admin endpoints.
 struct DictionaryInfo {
-  int32_t slot = -1;             // -1 while prepared and not yet published
-  uint64_t generation = 0;       // publish counter of the runtime (increases with every
-                                 // load / replace); 0 while prepared
-  std::string path;              // the file it was loaded from
+  int32_t slot = -1;        // -1 while prepared and not yet published
+  uint64_t generation = 0;  // publish counter of the runtime (increases with every
+                            // load / replace); 0 while prepared
+  std::string path;         // the file it was loaded from
   uint64_t file_bytes = 0;
-  uint64_t device_bytes = 0;     // CUDA: device memory held; CPU: 0 (the file is mapped)
-  ModelFingerprint model;        // from the manifest
+  uint64_t device_bytes = 0;  // CUDA: device memory held; CPU: 0 (the file is mapped)
+  ModelFingerprint model;     // from the manifest
   uint64_t tokenizer_hash = 0;
   PrefixInfo prefix;
   CompileInfo compile;
-  int32_t top_m = 0;             // parents probed (when sections have a hierarchy)
-  int64_t total_entries = 0;     // sum of K over all sections
-  int64_t max_lookup_rows = 0;   // most key rows one lookup scans (plan input)
-  bool whitening = false;        // sections carry whitening
+  int32_t top_m = 0;            // parents probed (when sections have a hierarchy)
+  int64_t total_entries = 0;    // sum of K over all sections
+  int64_t max_lookup_rows = 0;  // most key rows one lookup scans (plan input)
+  bool whitening = false;       // sections carry whitening
 };
 
 namespace detail {
@@ -186,13 +187,13 @@ class PreparedDictionary {
 // The per-step pointers of one layer's decode call (device memory for a CUDA runtime, host
 // memory for a CPU one). Shapes use B = batch; element strides, 0 meaning contiguous.
 struct DecodeArgs {
-  int32_t batch = 0;                       // B, 1..max_batch of the StepConfig
-  const void* q = nullptr;                 // [B, Hq, d] post-RoPE queries
-  int64_t q_stride_b = 0, q_stride_h = 0;  // 0: Hq*d and d
-  const void* q_pre = nullptr;             // [B, Hq, d] pre-RoPE queries (lookup keys);
-                                           // may be null when dict_ids is null
+  int32_t batch = 0;                               // B, 1..max_batch of the StepConfig
+  const void* q = nullptr;                         // [B, Hq, d] post-RoPE queries
+  int64_t q_stride_b = 0, q_stride_h = 0;          // 0: Hq*d and d
+  const void* q_pre = nullptr;                     // [B, Hq, d] pre-RoPE queries (lookup keys);
+                                                   // may be null when dict_ids is null
   int64_t q_pre_stride_b = 0, q_pre_stride_h = 0;  // 0: Hq*d and d
-  const void* k_cache = nullptr;           // paged KV of the layer (see the top)
+  const void* k_cache = nullptr;                   // paged KV of the layer (see the top)
   const void* v_cache = nullptr;
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;  // all 0: HND
   const int32_t* block_table = nullptr;    // [B, block_table_stride] page ids
