@@ -31,6 +31,8 @@
 //       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
 //       caching allocator).
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
+// The plugin carries its own (static) copy of the asmem runtime: a process should not also
+// link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <torch/version.h>
