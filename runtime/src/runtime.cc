@@ -1,0 +1,589 @@
+// DecodeRuntime: resident dictionaries, hot swap and the per-layer decode call. Contracts:
+// asmem/runtime.h. The CUDA memory management lives in cuda_state.cc.
+#include "asmem/runtime.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "asmem/error.h"
+#include "cuda_state.h"
+
+namespace asmem {
+namespace detail {
+
+// One dictionary as the runtime holds it. Immutable once published.
+struct ResidentDictionary {
+  DictionaryInfo info;
+  std::unique_ptr<DictionaryFile> file;  // CPU: the mapping the views point into; CUDA: null
+  std::vector<DictLayerView> views;      // [L][Hkv]: host (CPU) or device (CUDA) pointers
+  std::shared_ptr<DeviceBlob> blob;      // CUDA: the uploaded tensors
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::ResidentDictionary;
+
+// Lookup rows the workspace is sized for: the largest lookup split count any dictionary
+// can ask for, so a replacement never needs a bigger workspace.
+constexpr int64_t kPlanAllRows = int64_t(1) << 40;
+constexpr int32_t kMaxSlots = 4096;
+
+// What a decode() call reads, swapped whole on every publish / unload.
+struct Snapshot {
+  std::vector<std::shared_ptr<const ResidentDictionary>> slots;  // [max_dicts]
+  std::vector<DictLayerView> host_tables;                        // CPU runtime: [L][max_dicts][Hkv]
+  int64_t max_lookup_rows = 0;                                   // over resident dictionaries
+  bool whitening = false;                                        // some resident dictionary whitens
+};
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+bool IsPow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// Rows one lookup of this view scans at most: K for a linear view, C1 + the top_m largest
+// child counts for a hierarchical one.
+int64_t LookupRows(const DictLayerView& v) {
+  if (v.C1 == 0) return v.K;
+  std::vector<int64_t> children(size_t(v.C1));
+  for (int64_t p = 0; p < v.C1; ++p)
+    children[size_t(p)] = v.child_offsets[p + 1] - v.child_offsets[p];
+  const int64_t m = std::min<int64_t>(v.top_m, v.C1);
+  std::partial_sort(children.begin(), children.begin() + m, children.end(), std::greater<>());
+  int64_t rows = v.C1;
+  for (int64_t i = 0; i < m; ++i) rows += children[size_t(i)];
+  return rows;
+}
+
+// Rethrows an asmem error as the same type with `prefix` in front unless it is there.
+[[noreturn]] void Rethrow(const std::string& prefix) {
+  try {
+    throw;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(prefix, 0) == 0) throw;
+    const std::string m = prefix + ": " + msg;
+    try {
+      throw;
+    } catch (const IoError&) {
+      throw IoError(m);
+    } catch (const FormatError&) {
+      throw FormatError(m);
+    } catch (const UnsupportedError&) {
+      throw UnsupportedError(m);
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument(m);
+    } catch (const CudaError&) {
+      throw CudaError(m);
+    } catch (...) {
+      throw Error(m);
+    }
+  }
+}
+
+}  // namespace
+
+std::string Device::str() const {
+  return type == DeviceType::kCpu ? std::string("cpu") : "cuda:" + std::to_string(index);
+}
+
+bool RuntimeCudaCompiled() {
+#ifdef ASMEM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// PreparedDictionary
+// ---------------------------------------------------------------------------------------
+
+PreparedDictionary::PreparedDictionary() = default;
+PreparedDictionary::~PreparedDictionary() = default;
+PreparedDictionary::PreparedDictionary(PreparedDictionary&& o) noexcept
+    : impl_(std::move(o.impl_)), owner_(o.owner_) {
+  o.owner_ = nullptr;
+}
+PreparedDictionary& PreparedDictionary::operator=(PreparedDictionary&& o) noexcept {
+  impl_ = std::move(o.impl_);
+  owner_ = o.owner_;
+  o.owner_ = nullptr;
+  return *this;
+}
+const DictionaryInfo& PreparedDictionary::info() const {
+  if (!impl_) throw InvalidArgument("PreparedDictionary::info: empty (published or moved from)");
+  return impl_->info;
+}
+
+// ---------------------------------------------------------------------------------------
+// DecodeRuntime
+// ---------------------------------------------------------------------------------------
+
+struct DecodeRuntime::Impl {
+  RuntimeOptions opt;
+  int32_t L = 0, Hq = 0, Hkv = 0, d = 0, G = 0, max_dicts = 0;
+  bool cuda = false;
+  std::unique_ptr<detail::CudaState> cs;  // CUDA runtime only
+
+  std::mutex mu;                         // serializes publish / unload
+  std::shared_ptr<const Snapshot> snap;  // read with std::atomic_load
+  uint64_t generation = 0;               // guarded by mu
+  // Plan inputs of CUDA steps, written under mu, read by decode() without it.
+  std::atomic<int64_t> plan_rows{0};
+  std::atomic<bool> plan_whitening{false};
+
+  std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snap); }
+
+  DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening) const {
+    DecodeConfig c;
+    c.batch = step.max_batch;
+    c.num_q_heads = Hq;
+    c.num_kv_heads = Hkv;
+    c.head_dim = d;
+    c.dtype = step.dtype;
+    c.page_size = step.page_size;
+    c.max_seq_len = step.max_seq_len;
+    c.use_dictionaries = true;
+    c.max_lookup_rows = rows;
+    c.whitening = whitening;
+    return c;
+  }
+
+  void check_slot(int32_t slot, const char* fn) const {
+    if (slot < 0 || slot >= max_dicts) {
+      throw InvalidArgument(std::string(fn) + ": slot " + str(slot) + " is outside [0, " +
+                            str(max_dicts) + ")");
+    }
+  }
+
+  // Installs `r` (null: empty) in `slot` and returns the previous occupant. Caller holds mu.
+  std::shared_ptr<const ResidentDictionary> install(int32_t slot,
+                                                    std::shared_ptr<const ResidentDictionary> r,
+                                                    cudaStream_t stream) {
+    std::shared_ptr<const Snapshot> cur = snapshot();
+    std::shared_ptr<const ResidentDictionary> old = cur->slots[size_t(slot)];
+    if (cuda) cs->update(slot, r ? r->views.data() : nullptr, stream, old ? old->blob : nullptr);
+    auto next = std::make_shared<Snapshot>(*cur);
+    next->slots[size_t(slot)] = r;
+    if (!cuda) {
+      for (int32_t l = 0; l < L; ++l) {
+        for (int32_t h = 0; h < Hkv; ++h) {
+          next->host_tables[(size_t(l) * size_t(max_dicts) + size_t(slot)) * size_t(Hkv) +
+                            size_t(h)] =
+              r ? r->views[size_t(l) * size_t(Hkv) + size_t(h)] : DictLayerView{};
+        }
+      }
+    }
+    next->max_lookup_rows = 0;
+    next->whitening = false;
+    for (const auto& s : next->slots) {
+      if (!s) continue;
+      next->max_lookup_rows = std::max(next->max_lookup_rows, s->info.max_lookup_rows);
+      next->whitening = next->whitening || s->info.whitening;
+    }
+    plan_rows.store(next->max_lookup_rows);
+    plan_whitening.store(next->whitening);
+    std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
+    return old;
+  }
+};
+
+DecodeRuntime::DecodeRuntime(const RuntimeOptions& options) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.opt = options;
+  const char* fn = "DecodeRuntime";
+  auto fail = [&](const std::string& m) { throw InvalidArgument(std::string(fn) + ": " + m); };
+  const RuntimeOptions& o = options;
+  if (o.num_layers < 1) fail("num_layers must be >= 1, got " + str(o.num_layers));
+  if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.num_q_heads % o.num_kv_heads != 0) {
+    fail("num_q_heads (" + str(o.num_q_heads) + ") must be a positive multiple of num_kv_heads (" +
+         str(o.num_kv_heads) + ")");
+  }
+  if (o.head_dim < 1) fail("head_dim must be >= 1, got " + str(o.head_dim));
+  if (o.max_dicts < 1 || o.max_dicts > kMaxSlots) {
+    fail("max_dicts " + str(o.max_dicts) + " is outside [1, " + str(kMaxSlots) + "]");
+  }
+  s.L = o.num_layers;
+  s.Hq = o.num_q_heads;
+  s.Hkv = o.num_kv_heads;
+  s.d = o.head_dim;
+  s.G = s.Hq / s.Hkv;
+  s.max_dicts = o.max_dicts;
+  s.cuda = o.device.type == DeviceType::kCuda;
+  if (o.device.type != DeviceType::kCpu && o.device.type != DeviceType::kCuda) {
+    fail("unknown device type " + str(int32_t(o.device.type)));
+  }
+  if (s.cuda) {
+    if (!RuntimeCudaCompiled()) {
+      throw UnsupportedError(std::string(fn) + ": device " + o.device.str() +
+                             ": asmem was built without CUDA");
+    }
+    const int n = detail::CudaDeviceCount();
+    if (o.device.index < 0 || o.device.index >= n) {
+      fail("device " + o.device.str() + " does not exist (" + str(n) + " CUDA devices)");
+    }
+  }
+  size_t own_workspace = 0;
+  if (o.step.max_batch < 0) fail("step.max_batch must be >= 0, got " + str(o.step.max_batch));
+  if (o.step.max_batch > 0) own_workspace = workspace_bytes(o.step);  // checks the step
+  if (s.cuda) {
+    s.cs =
+        std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv, own_workspace);
+  }
+  auto snap = std::make_shared<Snapshot>();
+  snap->slots.resize(size_t(s.max_dicts));
+  if (!s.cuda) snap->host_tables.resize(size_t(s.L) * size_t(s.max_dicts) * size_t(s.Hkv));
+  s.snap = std::move(snap);
+}
+
+DecodeRuntime::~DecodeRuntime() {
+  // Resident dictionaries' device memory goes before the CUDA state (which syncs pending
+  // copies first); snapshots hold the only references left.
+  if (impl_) {
+    std::shared_ptr<const Snapshot> none;
+    std::atomic_store(&impl_->snap, none);
+    impl_->cs.reset();
+  }
+}
+
+const RuntimeOptions& DecodeRuntime::options() const { return impl_->opt; }
+Device DecodeRuntime::device() const { return impl_->opt.device; }
+
+size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
+  const Impl& s = *impl_;
+  const char* fn = "DecodeRuntime::workspace_bytes";
+  if (step.max_batch < 1) {
+    throw InvalidArgument(std::string(fn) + ": step.max_batch must be >= 1, got " +
+                          str(step.max_batch));
+  }
+  if (step.page_size < 1 || step.page_size > kDecodeMaxPageSize || !IsPow2(step.page_size)) {
+    throw InvalidArgument(std::string(fn) + ": step.page_size " + str(step.page_size) +
+                          " is not a power of two in [1, " + str(kDecodeMaxPageSize) + "]");
+  }
+  if (step.max_seq_len < 0) {
+    throw InvalidArgument(std::string(fn) + ": step.max_seq_len must be >= 0");
+  }
+  if (!s.cuda) {
+    if (step.dtype != KernelDType::kF32 && step.dtype != KernelDType::kF16 &&
+        step.dtype != KernelDType::kBF16) {
+      throw InvalidArgument(std::string(fn) + ": step.dtype " + str(int32_t(step.dtype)) +
+                            " is not f32, f16 or bf16");
+    }
+    return 0;
+  }
+  return PlanDecode(s.config(step, kPlanAllRows, true)).workspace_bytes;
+}
+
+// ---------------------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------------------
+
+PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOptions& lo) const {
+  const Impl& s = *impl_;
+  auto r = std::make_shared<ResidentDictionary>();
+  try {
+    std::unique_ptr<DictionaryFile> file = DictionaryFile::open(path, lo.verify_data);
+    const DictionaryManifest& m = file->manifest();
+    if (s.opt.model) file->check_model(*s.opt.model);
+    struct Dim {
+      const char* file_field;
+      int64_t file_value;
+      const char* runtime_field;
+      int64_t runtime_value;
+    };
+    for (const Dim& x : {Dim{"n_layers", m.model.n_layers, "num_layers", s.L},
+                         Dim{"n_heads", m.model.n_heads, "num_q_heads", s.Hq},
+                         Dim{"n_kv_heads", m.model.n_kv_heads, "num_kv_heads", s.Hkv},
+                         Dim{"head_dim", m.model.head_dim, "head_dim", s.d}}) {
+      if (x.file_value != x.runtime_value) {
+        throw InvalidArgument(path + ": shape mismatch: the dictionary has " + x.file_field + "=" +
+                              str(x.file_value) + ", the runtime has " + x.runtime_field + "=" +
+                              str(x.runtime_value));
+      }
+    }
+    const int64_t top_m64 = lo.top_m > 0 ? lo.top_m : (m.compile.top_m > 0 ? m.compile.top_m : 1);
+    const int32_t top_m = int32_t(std::min<int64_t>(top_m64, std::numeric_limits<int32_t>::max()));
+
+    DictionaryInfo& info = r->info;
+    info.path = path;
+    info.file_bytes = file->file_bytes();
+    info.model = m.model;
+    info.tokenizer_hash = m.tokenizer_hash;
+    info.prefix = m.prefix;
+    info.compile = m.compile;
+    info.top_m = top_m;
+    r->views.resize(size_t(s.L) * size_t(s.Hkv));
+    const uint8_t* lo_ptr = nullptr;
+    const uint8_t* hi_ptr = nullptr;
+    auto extend = [&](const TensorRef& t) {
+      if (!t.present()) return;
+      const uint8_t* p = static_cast<const uint8_t*>(t.data);
+      if (!lo_ptr || p < lo_ptr) lo_ptr = p;
+      if (!hi_ptr || p + t.nbytes > hi_ptr) hi_ptr = p + t.nbytes;
+    };
+    for (int32_t l = 0; l < s.L; ++l) {
+      for (int32_t h = 0; h < s.Hkv; ++h) {
+        const DictSection& sec = file->section(l, h);
+        const std::string where = path + ": layer " + str(l) + " kv_head " + str(h);
+        if (sec.group_size != s.G || sec.head_dim != s.d) {
+          throw InvalidArgument(where + ": section has group_size=" + str(sec.group_size) +
+                                " head_dim=" + str(sec.head_dim) + ", the runtime needs " +
+                                str(s.G) + " and " + str(s.d));
+        }
+        DictLayerView v;
+        try {
+          v = host_layer_view(sec, top_m);
+        } catch (const InvalidArgument& e) {
+          throw InvalidArgument(where + ": " + e.what());
+        }
+        ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/true, where);
+        info.total_entries += v.K;
+        info.max_lookup_rows = std::max(info.max_lookup_rows, LookupRows(v));
+        info.whitening = info.whitening || v.whitening != nullptr;
+        r->views[size_t(l) * size_t(s.Hkv) + size_t(h)] = v;
+        for (const TensorRef* t : {&sec.keys, &sec.values_o, &sec.values_lse, &sec.parent_keys,
+                                   &sec.child_offsets, &sec.whitening, &sec.whitening_mean}) {
+          extend(*t);
+        }
+      }
+    }
+    if (s.cuda) {
+      // One copy of the file's blob region; every view pointer moves by the same offset,
+      // so the 64-byte alignment of the file carries over (cudaMalloc is 256-aligned).
+      const size_t bytes = size_t(hi_ptr - lo_ptr);
+      r->blob = s.cs->upload(lo_ptr, bytes);
+      uint8_t* base = static_cast<uint8_t*>(r->blob->data());
+      auto move = [&](const void* p) -> const void* {
+        return p ? base + (static_cast<const uint8_t*>(p) - lo_ptr) : nullptr;
+      };
+      for (size_t i = 0; i < r->views.size(); ++i) {
+        DictLayerView& v = r->views[i];
+        v.keys = move(v.keys);
+        v.values_o = move(v.values_o);
+        v.values_lse = static_cast<const float*>(move(v.values_lse));
+        v.parent_keys = move(v.parent_keys);
+        v.child_offsets = static_cast<const int32_t*>(move(v.child_offsets));
+        v.whitening = static_cast<const float*>(move(v.whitening));
+        v.whitening_mean = static_cast<const float*>(move(v.whitening_mean));
+        ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/false,
+                              path + ": device view " + str(int64_t(i)));
+      }
+      info.device_bytes = bytes;
+      // The mapping is no longer needed: the device copy is what steps read.
+    } else {
+      r->file = std::move(file);
+    }
+  } catch (const Error&) {
+    Rethrow(path);
+  }
+  PreparedDictionary out;
+  out.impl_ = std::move(r);
+  out.owner_ = this;
+  return out;
+}
+
+int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStream_t stream) {
+  Impl& s = *impl_;
+  const char* fn = "DecodeRuntime::publish";
+  if (!dict.valid()) {
+    throw InvalidArgument(std::string(fn) +
+                          ": the prepared dictionary is empty (published or moved from)");
+  }
+  if (dict.owner_ != this) {
+    throw InvalidArgument(std::string(fn) + ": " + dict.impl_->info.path +
+                          " was prepared by another runtime");
+  }
+  int32_t at = slot;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    std::shared_ptr<const Snapshot> cur = s.snapshot();
+    if (slot == -1) {
+      at = -1;
+      for (int32_t i = 0; i < s.max_dicts; ++i) {
+        if (!cur->slots[size_t(i)]) {
+          at = i;
+          break;
+        }
+      }
+      if (at < 0) {
+        throw InvalidArgument(std::string(fn) + ": " + dict.impl_->info.path +
+                              ": no free slot (all " + str(s.max_dicts) + " hold dictionaries)");
+      }
+    } else {
+      s.check_slot(slot, fn);
+    }
+    if (s.cuda) s.cs->check_stream(stream, fn);
+    std::shared_ptr<ResidentDictionary> r = dict.impl_;
+    r->info.slot = at;
+    r->info.generation = ++s.generation;
+    s.install(at, r, stream);
+    dict.impl_.reset();
+    dict.owner_ = nullptr;
+  }
+  if (s.cuda) release_retired();
+  return at;
+}
+
+int32_t DecodeRuntime::load(const std::string& path, const LoadOptions& lo, cudaStream_t stream) {
+  PreparedDictionary p = prepare(path, lo);
+  return publish(p, -1, stream);
+}
+
+void DecodeRuntime::replace(int32_t slot, const std::string& path, const LoadOptions& lo,
+                            cudaStream_t stream) {
+  const char* fn = "DecodeRuntime::replace";
+  impl_->check_slot(slot, fn);
+  if (!impl_->snapshot()->slots[size_t(slot)]) {
+    throw InvalidArgument(std::string(fn) + ": " + path + ": slot " + str(slot) +
+                          " is empty (use load)");
+  }
+  PreparedDictionary p = prepare(path, lo);
+  publish(p, slot, stream);
+}
+
+void DecodeRuntime::unload(int32_t slot, cudaStream_t stream) {
+  Impl& s = *impl_;
+  const char* fn = "DecodeRuntime::unload";
+  s.check_slot(slot, fn);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.snapshot()->slots[size_t(slot)]) {
+      throw InvalidArgument(std::string(fn) + ": slot " + str(slot) + " is empty");
+    }
+    if (s.cuda) s.cs->check_stream(stream, fn);
+    s.install(slot, nullptr, stream);
+  }
+  if (s.cuda) release_retired();
+}
+
+std::optional<DictionaryInfo> DecodeRuntime::info(int32_t slot) const {
+  impl_->check_slot(slot, "DecodeRuntime::info");
+  std::shared_ptr<const Snapshot> cur = impl_->snapshot();
+  const auto& r = cur->slots[size_t(slot)];
+  if (!r) return std::nullopt;
+  return r->info;
+}
+
+std::vector<DictionaryInfo> DecodeRuntime::dictionaries() const {
+  std::vector<DictionaryInfo> out;
+  std::shared_ptr<const Snapshot> cur = impl_->snapshot();
+  for (const auto& r : cur->slots) {
+    if (r) out.push_back(r->info);
+  }
+  return out;
+}
+
+size_t DecodeRuntime::release_retired() {
+  if (!impl_->cuda) return 0;
+  return impl_->cs->release_retired();
+}
+
+size_t DecodeRuntime::retired_count() const {
+  if (!impl_->cuda) return 0;
+  return impl_->cs->retired_count();
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode
+// ---------------------------------------------------------------------------------------
+
+void DecodeRuntime::decode(int32_t layer, const DecodeArgs& args, cudaStream_t stream) {
+  const Impl& s = *impl_;
+  if (s.opt.step.max_batch < 1) {
+    throw InvalidArgument(
+        "DecodeRuntime::decode: the runtime has no workspace of its own (options.step.max_batch "
+        "is 0): pass a StepConfig and a workspace");
+  }
+  decode(layer, s.opt.step, args, s.cuda ? s.cs->workspace() : nullptr,
+         s.cuda ? s.cs->workspace_bytes() : 0, stream);
+}
+
+void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeArgs& a,
+                           void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const Impl& s = *impl_;
+  const char* fn = "DecodeRuntime::decode";
+  auto fail = [&](const std::string& m) { throw InvalidArgument(std::string(fn) + ": " + m); };
+  if (layer < 0 || layer >= s.L) fail("layer " + str(layer) + " is outside [0, " + str(s.L) + ")");
+  if (a.batch < 1 || a.batch > step.max_batch) {
+    fail("batch " + str(a.batch) + " is outside [1, max_batch = " + str(step.max_batch) + "]");
+  }
+  const int64_t d = s.d, Hq = s.Hq;
+  DecodeParams p;
+  p.batch = a.batch;
+  p.q = a.q;
+  p.q_stride_h = a.q_stride_h ? a.q_stride_h : d;
+  p.q_stride_b = a.q_stride_b ? a.q_stride_b : Hq * d;
+  p.q_pre = a.q_pre;
+  p.q_pre_stride_h = a.q_pre_stride_h ? a.q_pre_stride_h : d;
+  p.q_pre_stride_b = a.q_pre_stride_b ? a.q_pre_stride_b : Hq * d;
+  p.k_cache = a.k_cache;
+  p.v_cache = a.v_cache;
+  const int n_kv = (a.kv_stride_page != 0) + (a.kv_stride_head != 0) + (a.kv_stride_token != 0);
+  if (n_kv != 0 && n_kv != 3) fail("give all three KV strides or none (none: the HND layout)");
+  p.block_table = a.block_table;
+  p.block_table_stride = a.block_table_stride;
+  p.seq_lens = a.seq_lens;
+  p.o = a.o;
+  p.o_stride_h = a.o_stride_h ? a.o_stride_h : d;
+  p.o_stride_b = a.o_stride_b ? a.o_stride_b : Hq * d;
+  p.lse = a.lse;
+  p.lookup_index = a.lookup_index;
+  p.sm_scale = a.sm_scale;
+
+  if (!s.cuda) {
+    const DecodeConfig c = s.config(step, 0, false);
+    if (n_kv == 0) {
+      DecodeKvStrides(c, &p);
+    } else {
+      p.kv_stride_page = a.kv_stride_page;
+      p.kv_stride_head = a.kv_stride_head;
+      p.kv_stride_token = a.kv_stride_token;
+    }
+    // The snapshot keeps every dictionary this call may read mapped until it returns.
+    const std::shared_ptr<const Snapshot> snap = s.snapshot();
+    if (a.dict_ids) {
+      for (int32_t b = 0; b < a.batch; ++b) {
+        const int32_t id = a.dict_ids[b];
+        if (id < -1 || id >= s.max_dicts) {
+          fail("dict_ids[" + str(b) + "] = " + str(id) + " is outside [-1, " + str(s.max_dicts) +
+               ")");
+        }
+        if (id >= 0 && !snap->slots[size_t(id)]) {
+          fail("dict_ids[" + str(b) + "] = " + str(id) + " names an empty slot");
+        }
+      }
+      p.dict_ids = a.dict_ids;
+      p.num_dicts = s.max_dicts;
+      p.dict_views = snap->host_tables.data() + size_t(layer) * size_t(s.max_dicts) * size_t(s.Hkv);
+    }
+    DecodeAttentionCpu(c, p);
+    return;
+  }
+
+  const DecodeConfig c = s.config(step, s.plan_rows.load(), s.plan_whitening.load());
+  if (n_kv == 0) {
+    DecodeKvStrides(c, &p);
+  } else {
+    p.kv_stride_page = a.kv_stride_page;
+    p.kv_stride_head = a.kv_stride_head;
+    p.kv_stride_token = a.kv_stride_token;
+  }
+  if (a.dict_ids) {
+    p.dict_ids = a.dict_ids;
+    p.num_dicts = s.max_dicts;
+    p.dict_views = s.cs->table(layer);
+  }
+  detail::ScopedDevice guard(s.cs->device());
+  DecodeAttention(c, p, workspace, workspace_bytes, stream);
+}
+
+}  // namespace asmem

@@ -1,0 +1,466 @@
+// torch.ops.asmem: the serving runtime (asmem/runtime.h) as torch operators, for Python
+// engines (torch.ops.load_library("libasmem_torch_ops.so")) and C++ ones (the dispatcher).
+//
+// One DecodeRuntime per device ("cpu", "cuda:0", ...), created by create_runtime or by the
+// first load_dictionary on that device (shape from the file). Dictionary ops name the
+// device; decode runs on its tensors' device, on the current CUDA stream.
+//
+//   create_runtime(str device, int num_layers, int num_q_heads, int num_kv_heads,
+//                  int head_dim, int max_dicts=8) -> ()
+//       A runtime with that model shape; a no-op when one with the same shape exists.
+//   release_runtime(str device) -> ()
+//       Drops the device's runtime and its dictionaries (after the current stream's work).
+//   load_dictionary(str path, str device="cpu", int slot=-1, int top_m=0,
+//                   bool verify_data=True) -> int
+//       Loads into `slot` (-1: the lowest free one; an occupied slot is an error: use
+//       replace_dictionary) and returns the slot.
+//   replace_dictionary(int slot, str path, str device="cpu", int top_m=0,
+//                      bool verify_data=True) -> ()
+//       Hot swap: the new file is validated and uploaded first; on error the old one stays.
+//   unload_dictionary(int slot, str device="cpu") -> ()
+//   dictionary_info(int slot, str device="cpu") -> str
+//       JSON: path, generation, shapes, entries, bytes, prefix tokens; "" for an empty slot.
+//   decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table,
+//          Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0.,
+//          int max_seq_len=0, str kv_layout="HND") -> (Tensor o, Tensor lse)
+//       q, q_pre [B, Hq, d] bf16/f16 (CPU also f32), last dim contiguous; k_cache, v_cache
+//       [num_pages, Hkv, page_size, d] ("HND") or [num_pages, page_size, Hkv, d] ("NHD"),
+//       same dtype, shape and strides; block_table [B, max_pages] int32 (rows contiguous);
+//       seq_lens [B] int32 (non-prefix tokens); dict_ids [B] int32 slot or -1, or None.
+//       o [B, Hq, d] in q's dtype; lse [B, Hq] f32. max_seq_len <= 0: max_pages * page_size
+//       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
+//       caching allocator).
+// Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
+// The plugin carries its own (static) copy of the asmem runtime: a process should not also
+// link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
+#include <torch/library.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+
+#include "asmem/dictionary.h"
+#include "asmem/error.h"
+#include "asmem/runtime.h"
+
+#ifdef ASMEM_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace asmem {
+namespace torch_ops {
+
+// `Tensor?` arguments: c10::optional in torch 1.x, std::optional (which c10::optional
+// aliases) in torch 2.x.
+#if TORCH_VERSION_MAJOR >= 2
+using OptionalTensor = std::optional<at::Tensor>;
+#else
+using OptionalTensor = c10::optional<at::Tensor>;
+#endif
+
+namespace {
+
+[[noreturn]] void Fail(const std::string& op, const std::string& msg) {
+  throw InvalidArgument("asmem." + op + ": " + msg);
+}
+
+// "cpu", "cuda", "cuda:1" -> asmem::Device (a bare "cuda" is the current CUDA device).
+Device ParseDevice(const std::string& op, const std::string& name) {
+  c10::Device dev(c10::DeviceType::CPU);
+  try {
+    dev = c10::Device(name);
+  } catch (const std::exception&) {
+    Fail(op, "device '" + name + "' is not a device name (cpu, cuda, cuda:N)");
+  }
+  if (dev.is_cpu()) return Device::Cpu();
+  if (!dev.is_cuda()) Fail(op, "device '" + name + "' is not supported (cpu or cuda)");
+#ifdef ASMEM_TORCH_CUDA
+  return Device::Cuda(dev.has_index() ? dev.index() : c10::cuda::current_device());
+#else
+  Fail(op, "device '" + name + "': this asmem_torch_ops was built against a torch without CUDA");
+#endif
+}
+
+Device DeviceOf(const std::string& op, const at::Tensor& t) {
+  if (t.is_cpu()) return Device::Cpu();
+#ifdef ASMEM_TORCH_CUDA
+  if (t.is_cuda()) return Device::Cuda(t.get_device());
+#endif
+  Fail(op, "tensors on " + t.device().str() + " are not supported by this build");
+}
+
+cudaStream_t CurrentStream(const Device& d) {
+#ifdef ASMEM_TORCH_CUDA
+  if (d.type == DeviceType::kCuda) return c10::cuda::getCurrentCUDAStream(d.index).stream();
+#endif
+  return nullptr;
+}
+
+// The runtimes, one per device.
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, std::shared_ptr<DecodeRuntime>> runtimes;
+};
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: ops may run during exit
+  return *r;
+}
+
+std::shared_ptr<DecodeRuntime> Find(const Device& d) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.runtimes.find(d.str());
+  return it == r.runtimes.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<DecodeRuntime> Require(const std::string& op, const Device& d) {
+  auto rt = Find(d);
+  if (!rt) {
+    Fail(op, "no asmem runtime on " + d.str() +
+                 ": call torch.ops.asmem.create_runtime or load_dictionary first");
+  }
+  return rt;
+}
+
+std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, int64_t L, int64_t Hq,
+                                      int64_t Hkv, int64_t dim, int64_t max_dicts) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.runtimes.find(d.str());
+  if (it != r.runtimes.end()) {
+    const RuntimeOptions& o = it->second->options();
+    if (o.num_layers != L || o.num_q_heads != Hq || o.num_kv_heads != Hkv || o.head_dim != dim) {
+      Fail(op, "a runtime with another shape exists on " + d.str() +
+                   " (L=" + std::to_string(o.num_layers) + " Hq=" + std::to_string(o.num_q_heads) +
+                   " Hkv=" + std::to_string(o.num_kv_heads) + " d=" + std::to_string(o.head_dim) +
+                   "): release_runtime first");
+    }
+    return it->second;
+  }
+  for (int64_t v : {L, Hq, Hkv, dim, max_dicts}) {
+    if (v < 1 || v > (int64_t(1) << 30))
+      Fail(op, "shape value " + std::to_string(v) + " is out of range");
+  }
+  RuntimeOptions o;
+  o.device = d;
+  o.num_layers = int32_t(L);
+  o.num_q_heads = int32_t(Hq);
+  o.num_kv_heads = int32_t(Hkv);
+  o.head_dim = int32_t(dim);
+  o.max_dicts = int32_t(max_dicts);
+  // No own workspace: every decode brings its StepConfig and a caching-allocator workspace.
+  auto rt = std::make_shared<DecodeRuntime>(o);
+  r.runtimes[d.str()] = rt;
+  return rt;
+}
+
+int32_t Slot(const std::string& op, int64_t slot) {
+  if (slot < -1 || slot > (int64_t(1) << 20))
+    Fail(op, "slot " + std::to_string(slot) + " is out of range");
+  return int32_t(slot);
+}
+
+// ---------------------------------------------------------------------------------------
+// Dictionary ops
+// ---------------------------------------------------------------------------------------
+
+void create_runtime(std::string device, int64_t num_layers, int64_t num_q_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t max_dicts) {
+  const std::string op = "create_runtime";
+  Create(op, ParseDevice(op, device), num_layers, num_q_heads, num_kv_heads, head_dim, max_dicts);
+}
+
+void release_runtime(std::string device) {
+  const std::string op = "release_runtime";
+  const Device d = ParseDevice(op, device);
+  std::shared_ptr<DecodeRuntime> rt;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.runtimes.find(d.str());
+    if (it == r.runtimes.end()) return;
+    rt = std::move(it->second);
+    r.runtimes.erase(it);
+  }
+#ifdef ASMEM_TORCH_CUDA
+  if (d.type == DeviceType::kCuda) c10::cuda::getCurrentCUDAStream(d.index).synchronize();
+#endif
+  rt.reset();
+}
+
+LoadOptions MakeLoad(int64_t top_m, bool verify_data) {
+  LoadOptions lo;
+  lo.top_m = int32_t(std::max<int64_t>(0, std::min<int64_t>(top_m, 1 << 30)));
+  lo.verify_data = verify_data;
+  return lo;
+}
+
+int64_t load_dictionary(std::string path, std::string device, int64_t slot, int64_t top_m,
+                        bool verify_data) {
+  const std::string op = "load_dictionary";
+  const Device d = ParseDevice(op, device);
+  std::shared_ptr<DecodeRuntime> rt = Find(d);
+  if (!rt) {
+    // The model shape comes from the file (the full checks follow in prepare()).
+    const ModelFingerprint m = DictionaryFile::open(path, /*verify_data=*/false)->manifest().model;
+    rt = Create(op, d, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, 8);
+  }
+  const int32_t s = Slot(op, slot);
+  if (s >= 0 && rt->info(s)) {
+    Fail(op, path + ": slot " + std::to_string(s) + " is occupied (use replace_dictionary)");
+  }
+  PreparedDictionary p = rt->prepare(path, MakeLoad(top_m, verify_data));
+  return rt->publish(p, s, CurrentStream(d));
+}
+
+void replace_dictionary(int64_t slot, std::string path, std::string device, int64_t top_m,
+                        bool verify_data) {
+  const std::string op = "replace_dictionary";
+  const Device d = ParseDevice(op, device);
+  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data), CurrentStream(d));
+}
+
+void unload_dictionary(int64_t slot, std::string device) {
+  const std::string op = "unload_dictionary";
+  const Device d = ParseDevice(op, device);
+  Require(op, d)->unload(Slot(op, slot), CurrentStream(d));
+}
+
+std::string dictionary_info(int64_t slot, std::string device) {
+  const std::string op = "dictionary_info";
+  const Device d = ParseDevice(op, device);
+  const std::optional<DictionaryInfo> info = Require(op, d)->info(Slot(op, slot));
+  if (!info) return "";
+  nlohmann::json j;
+  j["slot"] = info->slot;
+  j["generation"] = info->generation;
+  j["path"] = info->path;
+  j["file_bytes"] = info->file_bytes;
+  j["device_bytes"] = info->device_bytes;
+  j["num_layers"] = info->model.n_layers;
+  j["num_q_heads"] = info->model.n_heads;
+  j["num_kv_heads"] = info->model.n_kv_heads;
+  j["head_dim"] = info->model.head_dim;
+  j["architecture"] = info->model.architecture;
+  j["prefix_tokens"] = info->prefix.n_tokens;
+  j["entries"] = info->compile.entries;
+  j["total_entries"] = info->total_entries;
+  j["top_m"] = info->top_m;
+  j["whitening"] = info->whitening;
+  j["value_dtype"] = info->compile.value_dtype;
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// ---------------------------------------------------------------------------------------
+// decode
+// ---------------------------------------------------------------------------------------
+
+KernelDType KernelType(const std::string& op, const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+      return KernelDType::kBF16;
+    case at::kHalf:
+      return KernelDType::kF16;
+    case at::kFloat:
+      return KernelDType::kF32;
+    default:
+      Fail(op, std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
+                   " (bf16, f16 or, on the CPU, f32)");
+  }
+}
+
+std::string ShapeText(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+void CheckLike(const std::string& op, const at::Tensor& t, const char* name, const at::Tensor& ref,
+               const char* ref_name) {
+  if (t.device() != ref.device()) {
+    Fail(op, std::string(name) + " is on " + t.device().str() + ", " + ref_name + " on " +
+                 ref.device().str());
+  }
+}
+
+void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, int64_t dims) {
+  if (t.scalar_type() != at::kInt) {
+    Fail(op,
+         std::string(name) + " must be int32, got " + std::string(c10::toString(t.scalar_type())));
+  }
+  if (t.dim() != dims) {
+    Fail(op,
+         std::string(name) + " must have " + std::to_string(dims) + " dims, got " + ShapeText(t));
+  }
+  if (t.stride(dims - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
+}
+
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTensor& q_pre,
+                                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                          const OptionalTensor& dict_ids, int64_t layer,
+                                          double sm_scale, int64_t max_seq_len,
+                                          std::string kv_layout) {
+  const std::string op = "decode";
+  const Device dev = DeviceOf(op, q);
+  std::shared_ptr<DecodeRuntime> rt = Require(op, dev);
+  const RuntimeOptions& ro = rt->options();
+  const int64_t Hq = ro.num_q_heads, Hkv = ro.num_kv_heads, d = ro.head_dim;
+
+  // q
+  if (q.dim() != 3 || q.size(1) != Hq || q.size(2) != d) {
+    Fail(op, "q must be [B, " + std::to_string(Hq) + ", " + std::to_string(d) + "], got " +
+                 ShapeText(q));
+  }
+  const int64_t B = q.size(0);
+  if (B < 1 || B > (int64_t(1) << 30)) Fail(op, "batch " + std::to_string(B) + " is out of range");
+  if (q.stride(2) != 1) Fail(op, "q must be contiguous in its last dim");
+  const KernelDType dtype = KernelType(op, q, "q");
+  if (dev.type == DeviceType::kCuda && dtype == KernelDType::kF32) {
+    Fail(op, "q has dtype float32: CUDA decode takes bf16 or f16");
+  }
+  // q_pre
+  if (q_pre) {
+    CheckLike(op, *q_pre, "q_pre", q, "q");
+    if (q_pre->scalar_type() != q.scalar_type()) Fail(op, "q_pre and q must have the same dtype");
+    if (q_pre->sizes() != q.sizes()) {
+      Fail(op, "q_pre must have q's shape " + ShapeText(q) + ", got " + ShapeText(*q_pre));
+    }
+    if (q_pre->stride(2) != 1) Fail(op, "q_pre must be contiguous in its last dim");
+  }
+  // KV cache
+  if (kv_layout != "HND" && kv_layout != "NHD")
+    Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
+  const bool hnd = kv_layout == "HND";
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+    CheckLike(op, *t, name, q, "q");
+    if (t->scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
+    if (t->dim() != 4) Fail(op, std::string(name) + " must have 4 dims, got " + ShapeText(*t));
+    if (t->stride(3) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
+  }
+  if (k_cache.sizes() != v_cache.sizes() || k_cache.strides() != v_cache.strides()) {
+    Fail(op, "k_cache and v_cache must have the same shape and strides");
+  }
+  const int64_t h_dim = hnd ? 1 : 2, t_dim = hnd ? 2 : 1;
+  if (k_cache.size(h_dim) != Hkv || k_cache.size(3) != d) {
+    Fail(op, std::string("k_cache must be ") +
+                 (hnd ? "[num_pages, " + std::to_string(Hkv) + ", page_size, "
+                      : "[num_pages, page_size, " + std::to_string(Hkv) + ", ") +
+                 std::to_string(d) + "] (" + kv_layout + "), got " + ShapeText(k_cache));
+  }
+  const int64_t page_size = k_cache.size(t_dim);
+  // block table, seq lens, dict ids
+  CheckLike(op, block_table, "block_table", q, "q");
+  CheckLike(op, seq_lens, "seq_lens", q, "q");
+  CheckInt32(op, block_table, "block_table", 2);
+  CheckInt32(op, seq_lens, "seq_lens", 1);
+  if (block_table.size(0) != B || block_table.size(1) < 1) {
+    Fail(op, "block_table must be [" + std::to_string(B) + ", max_pages >= 1], got " +
+                 ShapeText(block_table));
+  }
+  if (seq_lens.size(0) != B)
+    Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
+  if (dict_ids) {
+    CheckLike(op, *dict_ids, "dict_ids", q, "q");
+    CheckInt32(op, *dict_ids, "dict_ids", 1);
+    if (dict_ids->size(0) != B)
+      Fail(op, "dict_ids must be [" + std::to_string(B) + "], got " + ShapeText(*dict_ids));
+    if (!q_pre) Fail(op, "dict_ids given without q_pre (the lookup keys)");
+  }
+  if (layer < 0 || layer >= ro.num_layers) {
+    Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
+                 ")");
+  }
+
+  StepConfig step;
+  step.dtype = dtype;
+  step.page_size = int32_t(page_size);
+  step.max_batch = int32_t(B);
+  const int64_t bound = block_table.size(1) * page_size;
+  step.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
+
+  at::Tensor o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+
+  DecodeArgs a;
+  a.batch = int32_t(B);
+  a.q = q.data_ptr();
+  a.q_stride_b = q.stride(0);
+  a.q_stride_h = q.stride(1);
+  if (q_pre) {
+    a.q_pre = q_pre->data_ptr();
+    a.q_pre_stride_b = q_pre->stride(0);
+    a.q_pre_stride_h = q_pre->stride(1);
+  }
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.kv_stride_page = k_cache.stride(0);
+  a.kv_stride_head = k_cache.stride(h_dim);
+  a.kv_stride_token = k_cache.stride(t_dim);
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.block_table_stride = block_table.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.dict_ids = dict_ids ? dict_ids->data_ptr<int32_t>() : nullptr;
+  a.o = o.data_ptr();
+  a.o_stride_b = o.stride(0);
+  a.o_stride_h = o.stride(1);
+  a.lse = lse.data_ptr<float>();
+  a.sm_scale = float(sm_scale);
+
+  if (dev.type == DeviceType::kCpu) {
+    rt->decode(int32_t(layer), step, a, nullptr, 0, nullptr);
+    return {o, lse};
+  }
+#ifdef ASMEM_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(q.device());
+  const size_t ws_bytes = rt->workspace_bytes(step);
+  at::Tensor ws =
+      at::empty({int64_t(std::max<size_t>(ws_bytes, 1)) + 256}, q.options().dtype(at::kByte));
+  // The caching allocator's blocks are 512-byte aligned; align by hand should that change.
+  uint8_t* base = ws.data_ptr<uint8_t>();
+  uint8_t* aligned = base + (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256;
+  rt->decode(int32_t(layer), step, a, aligned, ws_bytes, CurrentStream(dev));
+#endif
+  return {o, lse};
+}
+
+}  // namespace
+}  // namespace torch_ops
+}  // namespace asmem
+
+TORCH_LIBRARY(asmem, m) {
+  using namespace asmem::torch_ops;
+  m.def(
+      "create_runtime(str device, int num_layers, int num_q_heads, int num_kv_heads, "
+      "int head_dim, int max_dicts=8) -> ()",
+      &create_runtime);
+  m.def("release_runtime(str device) -> ()", &release_runtime);
+  m.def(
+      "load_dictionary(str path, str device=\"cpu\", int slot=-1, int top_m=0, "
+      "bool verify_data=True) -> int",
+      &load_dictionary);
+  m.def(
+      "replace_dictionary(int slot, str path, str device=\"cpu\", int top_m=0, "
+      "bool verify_data=True) -> ()",
+      &replace_dictionary);
+  m.def("unload_dictionary(int slot, str device=\"cpu\") -> ()", &unload_dictionary);
+  m.def("dictionary_info(int slot, str device=\"cpu\") -> str", &dictionary_info);
+  m.def(
+      "decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
+      "str kv_layout=\"HND\") -> (Tensor o, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(asmem, CPU, m) { m.impl("decode", &asmem::torch_ops::decode); }
+
+#ifdef ASMEM_TORCH_CUDA
+TORCH_LIBRARY_IMPL(asmem, CUDA, m) { m.impl("decode", &asmem::torch_ops::decode); }
+#endif

@@ -1,0 +1,58 @@
+# Installs asmem (component runtime) into a temporary prefix, then configures, builds and
+# runs examples/consumer against it, as an outside project would.
+#   cmake -DBUILD_DIR= -DSOURCE_DIR= -DWORK_DIR= -DSYNTH= -DGENERATOR= -DCXX= [-DLAUNCHER=]
+#         [-DCUDA_COMPILER=] -P install_consumer_test.cmake
+foreach(v BUILD_DIR SOURCE_DIR WORK_DIR SYNTH GENERATOR CXX)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "install_consumer_test: -D${v}= is required")
+  endif()
+endforeach()
+
+function(run what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+set(prefix "${WORK_DIR}/prefix")
+run("install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}" --component runtime)
+foreach(f lib/cmake/asmem/asmemConfig.cmake lib/cmake/asmem/asmemConfigVersion.cmake
+          lib/cmake/asmem/asmemTargets.cmake include/asmem/runtime.h include/asmem/decode.h
+          lib/libasmem_runtime.a)
+  if(NOT EXISTS "${prefix}/${f}")
+    message(FATAL_ERROR "not installed: ${prefix}/${f}")
+  endif()
+endforeach()
+# Installed public headers must not need torch, protobuf or device code.
+file(GLOB headers "${prefix}/include/asmem/*.h")
+foreach(h ${headers})
+  file(READ "${h}" text)
+  if(text MATCHES "#include [<\"](torch|ATen|c10|google/protobuf)|__global__ +void|\\.pb\\.h")
+    message(FATAL_ERROR "${h} exposes torch / protobuf / device code")
+  endif()
+endforeach()
+
+run("synthetic dictionary" "${SYNTH}" "${WORK_DIR}/test.asmd" 3 6 2 8 11 3 7 1)
+
+set(cfg -S "${SOURCE_DIR}/examples/consumer" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_CXX_COMPILER=${CXX})
+if(LAUNCHER)
+  list(APPEND cfg -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+endif()
+if(CUDA_COMPILER)
+  get_filename_component(cuda_bin "${CUDA_COMPILER}" DIRECTORY)
+  get_filename_component(cuda_root "${cuda_bin}" DIRECTORY)
+  list(APPEND cfg -DCUDAToolkit_ROOT=${cuda_root})
+endif()
+run("configure consumer" ${CMAKE_COMMAND} ${cfg})
+run("build consumer" ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run("run consumer" "${WORK_DIR}/build/asmem_consumer" "${WORK_DIR}/test.asmd")
+message(STATUS "${last_output}")
+if(NOT last_output MATCHES "decode ok")
+  message(FATAL_ERROR "consumer did not print 'decode ok':\n${last_output}")
+endif()
+file(REMOVE_RECURSE "${WORK_DIR}")
