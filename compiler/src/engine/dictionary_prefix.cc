@@ -206,6 +206,8 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
   at::Tensor kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor o = at::empty({N, Hq_, d_}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor lse = at::empty({N, Hq_}, at::TensorOptions().dtype(at::kFloat));
+  if (record_) last_index_ = at::empty({N, Hkv_}, i32);
+  int32_t* ip = record_ ? last_index_.data_ptr<int32_t>() : nullptr;
   const float* kp = keys.data_ptr<float>();
   float* op = o.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
@@ -235,6 +237,7 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
     p.o_stride_b = Hq_ * d_;
     p.o_stride_h = d_;
     p.lse = lp + b0 * Hq_;
+    p.lookup_index = ip ? ip + b0 * Hkv_ : nullptr;
     DecodeAttentionCpu(c, p);
   });
   return {o, lse};
@@ -265,6 +268,8 @@ AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
   at::Tensor lse = at::empty({N, Hq_}, at::TensorOptions().dtype(at::kFloat).device(device));
   at::Tensor ws = at::empty({int64_t(plan.workspace_bytes) + 256}, at::TensorOptions().dtype(at::kByte).device(device));
   const uintptr_t wsp = (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 255) / 256 * 256;
+  at::Tensor index;
+  if (record_) index = at::empty({N, Hkv_}, i32);
   DecodeParams p;
   p.batch = int32_t(N);
   p.q = q.data_ptr();
@@ -286,8 +291,10 @@ AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
   p.o_stride_b = Hq_ * d_;
   p.o_stride_h = d_;
   p.lse = lse.data_ptr<float>();
+  p.lookup_index = record_ ? index.data_ptr<int32_t>() : nullptr;
   DecodeAttention(c, p, reinterpret_cast<void*>(wsp), plan.workspace_bytes,
                   at::cuda::getCurrentCUDAStream(device.index()).stream());
+  if (record_) last_index_ = index.to(at::kCPU);
   return {o.to(at::kFloat), lse};
 #else
   (void)layer;

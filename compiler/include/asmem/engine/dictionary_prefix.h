@@ -63,6 +63,10 @@ class DictionaryPrefix : public AttentionHook {
   int64_t top_m() const { return top_m_; }
   // Requests (token, KV head) looked up so far.
   int64_t lookups() const { return lookups_; }
+  // When set, every prefix_state() keeps the chosen entries: last_lookup_index() is then
+  // [B*T, Hkv] int32 on the CPU (row b*T + t) for the latest call.
+  void set_record_lookups(bool on) { record_ = on; }
+  const at::Tensor& last_lookup_index() const { return last_index_; }
 
  private:
   AttnState lookup_cpu(int64_t layer, const at::Tensor& keys);
@@ -79,6 +83,8 @@ class DictionaryPrefix : public AttentionHook {
   struct Device;                           // device copies (CUDA builds)
   std::unique_ptr<Device> dev_;
   int64_t lookups_ = 0;
+  bool record_ = false;
+  at::Tensor last_index_;
 };
 
 // Checks that `dict` was compiled for this model (DictionaryFile::check_model: the
