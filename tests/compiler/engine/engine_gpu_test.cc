@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "asmem/compiler/compile.h"
@@ -24,6 +25,8 @@ struct Variant {
   bool whitening;
   const char* value_dtype;
 };
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
 
 class EngineGpu : public ::testing::TestWithParam<Variant> {};
 
