@@ -10,5 +10,6 @@ void add_info_command(CLI::App& app);
 void add_inspect_command(CLI::App& app);
 void add_verify_command(CLI::App& app);
 void add_compile_command(CLI::App& app);
+void add_eval_command(CLI::App& app);
 
 }  // namespace asmem::cli

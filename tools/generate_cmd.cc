@@ -1,4 +1,7 @@
-// asmem generate: chat with (or continue text from) a model, streaming tokens.
+// asmem generate: chat with (or continue text from) a model, streaming tokens; with --dict
+// the system prompt is served from a compiled dictionary (asmem/engine/dictionary_prefix.h):
+// only the user's turn and the generated tokens run, and every layer's prefix attention
+// comes from a lookup. --compare also runs the full prefix over the same tokens.
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -9,6 +12,8 @@
 #include <string>
 #include <thread>
 
+#include "asmem/engine/dictionary_prefix.h"
+#include "asmem/engine/fidelity.h"
 #include "asmem/error.h"
 #include "asmem/model/llama.h"
 #include "asmem/model/paths.h"
@@ -47,10 +52,132 @@ struct GenerateArgs {
   int64_t chunk = 512;
   bool raw = false;
   bool quiet_stats = false;
+  std::string dict;   // serve the system prompt from this dictionary
+  int64_t top_m = 0;  // parents probed (0: the dictionary's)
+  bool linear = false;
+  bool compare = false;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Decodes `turn` (already tokenized) from a cache with no prefix KV, the prefix part of
+// every layer's attention served by `hook`. Streams the text; returns the chosen tokens (a
+// stop token, when chosen, last) and, when `rows` is set, each step's logits [V].
+std::vector<int32_t> decode_turn(LlamaModel& model, const Tokenizer& tok, const GenerateArgs& a,
+                                 const std::vector<int32_t>& turn, int64_t base, AttentionHook* hook,
+                                 std::vector<at::Tensor>* rows, double* prefill_s, double* decode_s,
+                                 int64_t* generated) {
+  const int64_t T = int64_t(turn.size());
+  KVCache cache = model.new_cache(1, T + a.max_new_tokens + 1, base);
+  at::Tensor input = at::tensor(std::vector<int64_t>(turn.begin(), turn.end()),
+                                at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  ForwardOptions fo;
+  fo.hook = hook;
+  auto t0 = std::chrono::steady_clock::now();
+  Progress bar("prefill", T, "tok");
+  at::Tensor logits = model.prefill(input, cache, a.chunk, fo, [&](int64_t d, int64_t) { bar.update(d); });
+  logits = logits.reshape({-1}).to(at::kCPU).contiguous();
+  bar.finish();
+  *prefill_s = seconds_since(t0);
+  Sampler sampler({a.temperature, a.top_p, a.top_k, a.seed});
+  StreamDecoder stream(tok);
+  const auto& stops = tok.stop_ids();
+  std::vector<int32_t> chosen;
+  *generated = 0;
+  auto t1 = std::chrono::steady_clock::now();
+  fo.last_logits_only = true;
+  for (int64_t i = 0; i < a.max_new_tokens; ++i) {
+    if (rows) rows->push_back(logits.clone());
+    const int32_t next = sampler.sample(logits.data_ptr<float>(), logits.size(-1));
+    chosen.push_back(next);
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) break;
+    ++*generated;
+    std::string piece = stream.push(next);
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    if (i + 1 == a.max_new_tokens) break;
+    at::Tensor step = at::full({1, 1}, int64_t(next), at::TensorOptions().dtype(at::kLong));
+    logits = model.forward(step, cache, fo).reshape({-1}).to(at::kCPU).contiguous();
+  }
+  std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  *decode_s = seconds_since(t1);
+  return chosen;
+}
+
+void print_fidelity(const char* name, const FidelityStats& s) {
+  std::fprintf(stderr, "  %-22s top-1 agreement %5.1f%% (%lld/%lld), mean KL(full || %s) %.4f nats\n", name,
+               100.0 * s.agreement(), (long long)s.agree, (long long)s.tokens, name, s.mean_kl());
+}
+
+void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const std::string& system,
+                         const at::Device& device, at::ScalarType dtype) {
+  if (!system.empty() && !a.compare) {
+    throw InvalidArgument("--dict serves the system prompt from the dictionary; --system/--system-file "
+                          "apply only with --compare (the prefix text to compare with)");
+  }
+  if (a.compare && system.empty()) {
+    throw InvalidArgument("--compare needs the prefix text the dictionary was compiled from (--system-file)");
+  }
+  if (a.linear && a.top_m != 0) throw InvalidArgument("give at most one of --linear and --top-m");
+  auto t_load = std::chrono::steady_clock::now();
+  DictionaryServing sv = load_dictionary_serving(a.dict, a.model, device, dtype);
+  LlamaModel& model = *sv.model;
+  const DictionaryManifest& m = sv.dict->manifest();
+  const PromptLayout layout = dictionary_prompt_layout(m, *sv.tok);
+  if (a.raw && layout.chat) {
+    throw InvalidArgument("--raw: " + a.dict + " was compiled with the chat format; its turns are chat turns");
+  }
+  // Check the prefix text before any work when comparing.
+  std::vector<int32_t> prefix_ids;
+  if (a.compare) {
+    prefix_ids = verified_prefix_tokens(m, *sv.tok, system, a.system_file.empty() ? "--system" : a.system_file);
+  }
+  const double load_s = seconds_since(t_load);
+  const std::vector<int32_t> turn = layout_turn_tokens(*sv.tok, layout, prompt);
+  if (turn.empty()) throw InvalidArgument("the prompt has no tokens");
+  const int64_t base = served_base_position(m);
+  DictionaryPrefix hook(*sv.dict, model, {a.top_m, a.linear});
+  const ModelConfig& cfg = model.config();
+  if (base + int64_t(turn.size()) + a.max_new_tokens > cfg.max_context) {
+    std::fprintf(stderr, "asmem: warning: served tokens reach position %lld, past the model's context of %lld\n",
+                 (long long)(base + int64_t(turn.size()) + a.max_new_tokens), (long long)cfg.max_context);
+  }
+  std::fprintf(stderr,
+               "model: %s (%s, %s, %s) loaded in %.2f s\ndictionary: %s (K=%lld, prefix %lld tokens served by "
+               "%s lookup%s); prompt: %lld tokens at positions %lld..\n",
+               a.model.c_str(), cfg.summary().c_str(), device.str().c_str(), c10::toString(dtype), load_s,
+               a.dict.c_str(), (long long)m.compile.entries, (long long)m.prefix.n_tokens,
+               hook.top_m() > 0 ? "hierarchical" : "linear",
+               hook.top_m() > 0 ? (", top_m " + std::to_string(hook.top_m())).c_str() : "",
+               (long long)turn.size(), (long long)base);
+  std::vector<at::Tensor> rows;
+  double prefill_s = 0, decode_s = 0;
+  int64_t generated = 0;
+  const std::vector<int32_t> chosen = decode_turn(model, *sv.tok, a, turn, base, &hook, a.compare ? &rows : nullptr,
+                                                  &prefill_s, &decode_s, &generated);
+  if (!a.quiet_stats) {
+    std::fprintf(stderr, "prompt: %lld tokens in %.3f s; decode: %lld tokens in %.3f s (%.1f tok/s); %lld lookups\n",
+                 (long long)turn.size(), prefill_s, (long long)generated, decode_s,
+                 generated > 0 ? double(generated) / decode_s : 0.0, (long long)hook.lookups());
+  }
+  if (!a.compare || chosen.empty()) return;
+  // The same tokens teacher-forced with the full prefix in context, and with no prefix.
+  auto t2 = std::chrono::steady_clock::now();
+  const std::vector<KVCache> parts = prefill_prefix(model, prefix_ids, m.prefix.chunk_tokens, a.chunk);
+  const CacheFactory full = [&](int64_t b, int64_t cap) { return model.share_as_prefix(parts, b, cap); };
+  const CacheFactory none = [&](int64_t b, int64_t cap) { return model.new_cache(b, cap, base); };
+  const at::Tensor ref = predict_continuations(model, full, {&turn}, {&chosen})[0];
+  const at::Tensor bare = predict_continuations(model, none, {&turn}, {&chosen})[0];
+  const at::Tensor served = at::stack(rows, 0);
+  std::fprintf(stderr, "compare (%lld predicted tokens, full prefix of %lld tokens teacher-forced on them, %.2f s):\n",
+               (long long)chosen.size(), (long long)prefix_ids.size(), seconds_since(t2));
+  print_fidelity("dictionary", compare_next_token(ref, served));
+  print_fidelity("no prefix", compare_next_token(ref, bare));
 }
 
 void run_generate(const GenerateArgs& a) {
@@ -67,6 +194,10 @@ void run_generate(const GenerateArgs& a) {
 
   const at::Device device = parse_device(a.device);
   const at::ScalarType dtype = parse_dtype(a.dtype, device);
+  if (!a.dict.empty()) return run_with_dictionary(a, prompt, system, device, dtype);
+  if (a.compare || a.linear || a.top_m != 0) {
+    throw InvalidArgument("--compare, --linear and --top-m apply only with --dict");
+  }
   auto t_load = std::chrono::steady_clock::now();
   std::unique_ptr<WeightSource> weights = open_weights(a.model);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_model_path(a.model);
@@ -161,6 +292,13 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--chunk", args->chunk, "Prefill chunk size in tokens")->capture_default_str();
   cmd->add_flag("--raw", args->raw, "Continue the prompt as plain text (no chat format)");
   cmd->add_flag("--no-stats", args->quiet_stats, "Do not print speed statistics");
+  cmd->add_option("--dict", args->dict, "Serve the system prompt from this compiled dictionary (.asmd)");
+  cmd->add_option("--top-m", args->top_m, "With --dict: parents probed by the lookup (0: the dictionary's)")
+      ->capture_default_str();
+  cmd->add_flag("--linear", args->linear, "With --dict: exact linear lookup over all entries");
+  cmd->add_flag("--compare", args->compare,
+                "With --dict and --system-file (the prefix text): also run the full prefix over the same "
+                "tokens and report top-1 agreement and KL");
   cmd->callback([args] { run_generate(*args); });
 }
 

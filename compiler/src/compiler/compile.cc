@@ -21,7 +21,9 @@
 #include "asmem/atomic_file.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
+#include "asmem/model/batch.h"
 #include "asmem/model/llama.h"
+#include "asmem/model/prompt_layout.h"
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
 #include "asmem/util/progress.h"
@@ -59,21 +61,6 @@ struct TraceTokens {
 
 at::Tensor to_long_tensor(const std::vector<int64_t>& v, int64_t rows, int64_t cols) {
   return at::tensor(v, at::TensorOptions().dtype(at::kLong)).reshape({rows, cols});
-}
-
-// Left-pads token lists into [B, T]; pads repeat the sequence's first token (masked).
-at::Tensor pad_left(const std::vector<const std::vector<int32_t>*>& seqs, int64_t T,
-                    std::vector<int64_t>* start) {
-  std::vector<int64_t> flat;
-  flat.reserve(seqs.size() * T);
-  start->clear();
-  for (const auto* s : seqs) {
-    const int64_t pad = T - int64_t(s->size());
-    start->push_back(pad);
-    for (int64_t i = 0; i < pad; ++i) flat.push_back(s->empty() ? 0 : (*s)[0]);
-    for (int32_t t : *s) flat.push_back(t);
-  }
-  return to_long_tensor(flat, int64_t(seqs.size()), T);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -140,9 +127,7 @@ void generate_responses(LlamaModel& model, const std::vector<KVCache>& prefix, s
     }
     KVCache cache = model.share_as_prefix(prefix, B, T + max_new + 1);
     at::Tensor toks = pad_left(seqs, T, &cache.start);
-    at::Tensor start = at::tensor(cache.start, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
-    CaptureHook hook(cap, (at::arange(T, at::TensorOptions().dtype(at::kLong)).unsqueeze(0) >= start).to(dev),
-                     half_values);
+    CaptureHook hook(cap, real_token_mask(cache.start, T, dev), half_values);
     ForwardOptions fo;
     fo.hook = &hook;
     fo.last_logits_only = true;
@@ -215,9 +200,7 @@ int64_t collect(LlamaModel& model, const std::vector<KVCache>& prefix, std::vect
     const int64_t B = int64_t(j - i);
     KVCache cache = model.share_as_prefix(prefix, B, T);
     at::Tensor toks = pad_left(seqs, T, &cache.start);
-    at::Tensor start = at::tensor(cache.start, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
-    at::Tensor valid = (at::arange(T, at::TensorOptions().dtype(at::kLong)).unsqueeze(0) >= start).to(dev);
-    CaptureHook hook(out, valid, half_values);
+    CaptureHook hook(out, real_token_mask(cache.start, T, dev), half_values);
     ForwardOptions fo;
     fo.hook = &hook;
     fo.logits = false;
@@ -440,8 +423,7 @@ void compile_dictionary(const CompileOptions& opt) {
   std::string prefix_text;
   std::vector<int32_t> prefix_ids;
   const bool chat = !opt.raw && opt.prefix_tokens_path.empty();
-  ChatFormat format = ChatFormat::kChatML;
-  if (chat) format = detect_chat_format(*tok);
+  const PromptLayout layout = make_prompt_layout(*tok, chat);
   if (!opt.prefix_tokens_path.empty()) {
     prefix_ids = read_token_file(opt.prefix_tokens_path);
     for (int32_t t : prefix_ids) {
@@ -453,9 +435,7 @@ void compile_dictionary(const CompileOptions& opt) {
   } else {
     prefix_text = read_text(opt.prefix_path, "prefix");
     if (prefix_text.empty()) throw InvalidArgument(opt.prefix_path + ": the prefix is empty");
-    const std::string rendered = chat ? split_chat(format, prefix_text, {}, false).prefix : prefix_text;
-    if (!chat && tok->add_bos() && tok->bos_id() >= 0) prefix_ids.push_back(tok->bos_id());
-    for (int32_t t : tok->encode(rendered, /*parse_special=*/chat)) prefix_ids.push_back(t);
+    prefix_ids = layout_prefix_tokens(*tok, layout, prefix_text);
   }
   const int64_t P = int64_t(prefix_ids.size());
   TraceFileStats tstats;
@@ -464,22 +444,13 @@ void compile_dictionary(const CompileOptions& opt) {
     std::fprintf(stderr, "compile: skipped %lld malformed trace lines (first: %s)\n",
                  (long long)tstats.skipped, tstats.first_skip.c_str());
   }
-  const int32_t eot = chat ? tok->token_id(end_of_turn_text(format)) : tok->eos_id();
-  if (eot < 0) throw UnsupportedError("the tokenizer has no end-of-turn token");
+  const int32_t eot = layout_end_of_turn(*tok, layout);
   std::vector<TraceTokens> tt(traces.size());
   int64_t max_trace = 0;
   for (size_t i = 0; i < traces.size(); ++i) {
     tt[i].prompt = traces[i].prompt;
-    if (chat) {
-      ChatSplit s = split_chat(format, "", {{"user", traces[i].prompt}}, true);
-      tt[i].turn = tok->encode(s.turns, true);
-    } else {
-      tt[i].turn = tok->encode(traces[i].prompt, false);
-    }
-    if (traces[i].response) {
-      tt[i].response = tok->encode(*traces[i].response, false);
-      tt[i].response.push_back(eot);
-    }
+    tt[i].turn = layout_turn_tokens(*tok, layout, traces[i].prompt);
+    if (traces[i].response) tt[i].response = layout_response_tokens(*tok, layout, *traces[i].response);
     max_trace = std::max<int64_t>(max_trace, int64_t(tt[i].turn.size()) +
                                                  (traces[i].response ? int64_t(tt[i].response.size())
                                                                      : opt.max_response_tokens + 1));

@@ -1,0 +1,390 @@
+#include "asmem/engine/dictionary_prefix.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "asmem/compiler/fingerprint.h"
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "asmem/model/tokenizer.h"
+#include "asmem/model/weights.h"
+#include "xxhash.h"
+
+// The CUDA path needs both our CUDA kernels (ASMEM_WITH_CUDA) and a CUDA build of torch
+// (ASMEM_TORCH_CUDA), as the forward pass's own CUDA path does.
+#if defined(ASMEM_TORCH_CUDA) && defined(ASMEM_WITH_CUDA)
+#define ASMEM_ENGINE_CUDA 1
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace asmem {
+namespace {
+
+std::string hex64(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+// Dummy paged KV for the op: every request has seq_lens = 0, so it is never read, but the
+// contract wants valid, aligned buffers.
+constexpr int32_t kPageSize = 16;
+
+}  // namespace
+
+#ifdef ASMEM_ENGINE_CUDA
+struct DictionaryPrefix::Device {
+  std::vector<at::Tensor> blobs;  // device copies of every section tensor
+  at::Tensor views;               // [L * Hkv] DictLayerView (bytes) in device memory
+  at::Tensor kv;                  // one page of zeros, kernel dtype
+  at::ScalarType scalar = at::kBFloat16;
+  KernelDType dtype = KernelDType::kBF16;
+};
+#else
+struct DictionaryPrefix::Device {};
+#endif
+
+DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel& model,
+                                   const DictPrefixOptions& options)
+    : dict_(dict), model_(model) {
+  const DictionaryManifest& m = dict.manifest();
+  const ModelConfig& cfg = model.config();
+  Hq_ = cfg.n_heads;
+  Hkv_ = cfg.n_kv_heads;
+  d_ = cfg.head_dim;
+  L_ = cfg.n_layers;
+  const int64_t G = cfg.group_size();
+  const std::string& path = dict.path();
+  if (m.model.n_layers != L_ || m.model.n_heads != Hq_ || m.model.n_kv_heads != Hkv_ ||
+      m.model.head_dim != d_ || int64_t(m.sections.size()) != L_ * Hkv_) {
+    throw InvalidArgument(path + ": dictionary shapes (L=" + std::to_string(m.model.n_layers) +
+                          " Hq=" + std::to_string(m.model.n_heads) + " Hkv=" +
+                          std::to_string(m.model.n_kv_heads) + " d=" + std::to_string(m.model.head_dim) +
+                          ") do not fit the model (" + cfg.summary() + ")");
+  }
+  if (m.compile.key_mode == "rope_unified") {
+    unified_ = true;
+    rope_position_ = m.compile.rope_unified_position;
+    if (rope_position_ < 0) {
+      throw FormatError(path + ": compile.rope_unified_position is negative (" +
+                        std::to_string(rope_position_) + ")");
+    }
+  } else if (m.compile.key_mode != "pre_rope" && !m.compile.key_mode.empty()) {
+    throw UnsupportedError(path + ": unknown compile.key_mode '" + m.compile.key_mode + "'");
+  }
+  if (options.linear) {
+    top_m_ = 0;
+  } else {
+    top_m_ = options.top_m > 0 ? options.top_m : m.compile.top_m;
+    if (top_m_ <= 0) top_m_ = 1;
+    if (top_m_ > std::numeric_limits<int32_t>::max()) throw InvalidArgument("top_m is too large");
+  }
+  bool any_hierarchy = false;
+  host_views_.reserve(m.sections.size());
+  for (int64_t l = 0; l < L_; ++l) {
+    for (int64_t h = 0; h < Hkv_; ++h) {
+      const DictSection& s = dict.section(int32_t(l), int32_t(h));
+      const std::string where = path + ": layer " + std::to_string(l) + " kv_head " + std::to_string(h);
+      if (s.group_size != G || s.head_dim != d_) {
+        throw InvalidArgument(where + ": group_size " + std::to_string(s.group_size) + " / head_dim " +
+                              std::to_string(s.head_dim) + " do not fit the model (G=" +
+                              std::to_string(G) + ", d=" + std::to_string(d_) + ")");
+      }
+      DictLayerView v = host_layer_view(s, int32_t(std::max<int64_t>(top_m_, 1)));
+      int64_t rows = v.K;
+      if (options.linear || v.C1 == 0) {
+        v.C1 = 0;
+        v.parent_keys = nullptr;
+        v.child_offsets = nullptr;
+        v.top_m = 0;
+      } else {
+        any_hierarchy = true;
+        int64_t widest = 0;
+        for (int64_t p = 0; p < v.C1; ++p) {
+          widest = std::max<int64_t>(widest, v.child_offsets[p + 1] - v.child_offsets[p]);
+        }
+        rows = std::min<int64_t>(v.C1 + std::min<int64_t>(top_m_, v.C1) * widest, v.C1 + v.K);
+      }
+      ValidateDictLayerView(v, int32_t(G), int32_t(d_), /*host_memory=*/true, where);
+      max_lookup_rows_ = std::max(max_lookup_rows_, rows);
+      whitening_ = whitening_ || v.whitening != nullptr;
+      host_views_.push_back(v);
+    }
+  }
+  if (!any_hierarchy) top_m_ = 0;
+
+  if (model.device().is_cuda()) {
+#ifdef ASMEM_ENGINE_CUDA
+    dev_ = std::make_unique<Device>();
+    const at::ScalarType mt = model.dtype();
+    dev_->scalar = mt == at::kHalf ? at::kHalf : at::kBFloat16;
+    dev_->dtype = mt == at::kHalf ? KernelDType::kF16 : KernelDType::kBF16;
+    const at::Device device = model.device();
+    auto upload = [&](const void* p, uint64_t nbytes) -> const void* {
+      if (p == nullptr) return nullptr;
+      at::Tensor t = at::from_blob(const_cast<void*>(p), {int64_t(nbytes)},
+                                   at::TensorOptions().dtype(at::kByte))
+                         .to(device);
+      dev_->blobs.push_back(t);
+      return t.data_ptr();
+    };
+    std::vector<DictLayerView> dv = host_views_;
+    for (int64_t l = 0; l < L_; ++l) {
+      for (int64_t h = 0; h < Hkv_; ++h) {
+        const DictSection& s = dict.section(int32_t(l), int32_t(h));
+        DictLayerView& v = dv[l * Hkv_ + h];
+        v.keys = upload(s.keys.data, s.keys.nbytes);
+        v.values_o = upload(s.values_o.data, s.values_o.nbytes);
+        v.values_lse = static_cast<const float*>(upload(s.values_lse.data, s.values_lse.nbytes));
+        if (v.C1 > 0) {
+          v.parent_keys = upload(s.parent_keys.data, s.parent_keys.nbytes);
+          v.child_offsets = static_cast<const int32_t*>(upload(s.child_offsets.data, s.child_offsets.nbytes));
+        }
+        if (v.whitening) {
+          v.whitening = static_cast<const float*>(upload(s.whitening.data, s.whitening.nbytes));
+          v.whitening_mean = static_cast<const float*>(upload(s.whitening_mean.data, s.whitening_mean.nbytes));
+        }
+      }
+    }
+    dev_->views = at::from_blob(dv.data(), {int64_t(dv.size() * sizeof(DictLayerView))},
+                                at::TensorOptions().dtype(at::kByte))
+                      .to(device);
+    dev_->kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(dev_->scalar).device(device));
+#else
+    throw UnsupportedError(
+        "dictionary serving on CUDA needs a build with CUDA kernels and a CUDA build of torch");
+#endif
+  }
+}
+
+DictionaryPrefix::~DictionaryPrefix() = default;
+
+at::Tensor DictionaryPrefix::lookup_keys(const at::Tensor& q_pre) const {
+  at::Tensor x = q_pre.to(at::kFloat).reshape({-1, Hq_, d_});
+  if (unified_) {
+    // As the compiler's lookup_keys: every query rotated as if it sat at rope_position_.
+    at::Tensor pos = at::full({x.size(0)}, rope_position_, at::TensorOptions().dtype(at::kLong));
+    x = model_.apply_rope(x.unsqueeze(0), pos).squeeze(0).to(at::kFloat);
+  }
+  return x.contiguous();
+}
+
+AttnState DictionaryPrefix::prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor&,
+                                         const at::Tensor&, const AttnState&) {
+  if (layer < 0 || layer >= L_) throw InvalidArgument("DictionaryPrefix: layer " + std::to_string(layer));
+  if (q_pre.dim() != 4 || q_pre.size(2) != Hq_ || q_pre.size(3) != d_) {
+    throw InvalidArgument("DictionaryPrefix: q_pre must be [B, T, Hq, d]");
+  }
+  const int64_t B = q_pre.size(0), T = q_pre.size(1);
+  if (B * T == 0) return AttnState();
+  at::Tensor keys = lookup_keys(q_pre);
+  AttnState st = q_pre.is_cuda() ? lookup_cuda(layer, keys) : lookup_cpu(layer, keys);
+  lookups_ += B * T * Hkv_;
+  return {st.o.reshape({B, T, Hq_, d_}), st.lse.reshape({B, T, Hq_})};
+}
+
+AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
+  const int64_t N = keys.size(0);
+  if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
+  DecodeConfig c;
+  c.batch = int32_t(N);
+  c.num_q_heads = int32_t(Hq_);
+  c.num_kv_heads = int32_t(Hkv_);
+  c.head_dim = int32_t(d_);
+  c.dtype = KernelDType::kF32;  // the CPU reference reads fp32 queries
+  c.page_size = kPageSize;
+  c.max_seq_len = 0;
+  c.use_dictionaries = true;
+  c.max_lookup_rows = max_lookup_rows_;
+  c.whitening = whitening_;
+  auto i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor zeros = at::zeros({N}, i32);  // seq_lens, dict_ids (dictionary 0) and block table
+  at::Tensor kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor o = at::empty({N, Hq_, d_}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor lse = at::empty({N, Hq_}, at::TensorOptions().dtype(at::kFloat));
+  if (record_) last_index_ = at::empty({N, Hkv_}, i32);
+  int32_t* ip = record_ ? last_index_.data_ptr<int32_t>() : nullptr;
+  const float* kp = keys.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const int32_t* zp = zeros.data_ptr<int32_t>();
+  const DictLayerView* views = host_views_.data() + layer * Hkv_;
+  // One request per (token, KV head); tokens split over torch's intra-op threads.
+  at::parallel_for(0, N, 8, [&](int64_t b0, int64_t b1) {
+    DecodeParams p;
+    p.batch = int32_t(b1 - b0);
+    // The post-RoPE query is only read for non-prefix tokens, of which there are none.
+    p.q = kp + b0 * Hq_ * d_;
+    p.q_stride_b = Hq_ * d_;
+    p.q_stride_h = d_;
+    p.q_pre = p.q;
+    p.q_pre_stride_b = p.q_stride_b;
+    p.q_pre_stride_h = p.q_stride_h;
+    p.k_cache = kv.data_ptr<float>();
+    p.v_cache = kv.data_ptr<float>();
+    DecodeKvStrides(c, &p);
+    p.block_table = zp;
+    p.block_table_stride = 1;
+    p.seq_lens = zp;
+    p.dict_ids = zp;
+    p.dict_views = views;
+    p.num_dicts = 1;
+    p.o = op + b0 * Hq_ * d_;
+    p.o_stride_b = Hq_ * d_;
+    p.o_stride_h = d_;
+    p.lse = lp + b0 * Hq_;
+    p.lookup_index = ip ? ip + b0 * Hkv_ : nullptr;
+    DecodeAttentionCpu(c, p);
+  });
+  return {o, lse};
+}
+
+AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
+#ifdef ASMEM_ENGINE_CUDA
+  if (!dev_) throw InvalidArgument("DictionaryPrefix: CUDA queries, but the model is not on CUDA");
+  const int64_t N = keys.size(0);
+  if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
+  const at::Device device = keys.device();
+  DecodeConfig c;
+  c.batch = int32_t(N);
+  c.num_q_heads = int32_t(Hq_);
+  c.num_kv_heads = int32_t(Hkv_);
+  c.head_dim = int32_t(d_);
+  c.dtype = dev_->dtype;
+  c.page_size = kPageSize;
+  c.max_seq_len = 0;
+  c.use_dictionaries = true;
+  c.max_lookup_rows = max_lookup_rows_;
+  c.whitening = whitening_;
+  const DecodePlan plan = PlanDecode(c);  // throws UnsupportedError for shapes the op lacks
+  at::Tensor q = keys.to(dev_->scalar).contiguous();
+  auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
+  at::Tensor zeros = at::zeros({N}, i32);
+  at::Tensor o = at::empty({N, Hq_, d_}, at::TensorOptions().dtype(dev_->scalar).device(device));
+  at::Tensor lse = at::empty({N, Hq_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor ws = at::empty({int64_t(plan.workspace_bytes) + 256}, at::TensorOptions().dtype(at::kByte).device(device));
+  const uintptr_t wsp = (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 255) / 256 * 256;
+  at::Tensor index;
+  if (record_) index = at::empty({N, Hkv_}, i32);
+  DecodeParams p;
+  p.batch = int32_t(N);
+  p.q = q.data_ptr();
+  p.q_stride_b = Hq_ * d_;
+  p.q_stride_h = d_;
+  p.q_pre = q.data_ptr();
+  p.q_pre_stride_b = p.q_stride_b;
+  p.q_pre_stride_h = p.q_stride_h;
+  p.k_cache = dev_->kv.data_ptr();
+  p.v_cache = dev_->kv.data_ptr();
+  DecodeKvStrides(c, &p);
+  p.block_table = zeros.data_ptr<int32_t>();
+  p.block_table_stride = 1;
+  p.seq_lens = zeros.data_ptr<int32_t>();
+  p.dict_ids = zeros.data_ptr<int32_t>();
+  p.dict_views = reinterpret_cast<const DictLayerView*>(dev_->views.data_ptr()) + layer * Hkv_;
+  p.num_dicts = 1;
+  p.o = o.data_ptr();
+  p.o_stride_b = Hq_ * d_;
+  p.o_stride_h = d_;
+  p.lse = lse.data_ptr<float>();
+  p.lookup_index = record_ ? index.data_ptr<int32_t>() : nullptr;
+  DecodeAttention(c, p, reinterpret_cast<void*>(wsp), plan.workspace_bytes,
+                  at::cuda::getCurrentCUDAStream(device.index()).stream());
+  if (record_) last_index_ = index.to(at::kCPU);
+  return {o.to(at::kFloat), lse};
+#else
+  (void)layer;
+  (void)keys;
+  throw UnsupportedError("dictionary serving on CUDA needs a build with CUDA kernels and a CUDA build of torch");
+#endif
+}
+
+DictionaryServing load_dictionary_serving(const std::string& dict_path, const std::string& model_path,
+                                          const at::Device& device, at::ScalarType dtype) {
+  DictionaryServing s;
+  s.dict = DictionaryFile::open(dict_path);
+  std::unique_ptr<WeightSource> weights = open_weights(model_path);
+  s.dict->check_model(fingerprint_of(*weights));
+  s.tok = Tokenizer::from_model_path(model_path);
+  check_dictionary_tokenizer(*s.dict, *s.tok);
+  s.model = std::make_unique<LlamaModel>(*weights, device, dtype);
+  return s;
+}
+
+void check_dictionary_tokenizer(const DictionaryFile& dict, const Tokenizer& tok) {
+  const uint64_t want = dict.manifest().tokenizer_hash;
+  const uint64_t have = tok.fingerprint();
+  if (want != 0 && want != have) {
+    throw InvalidArgument(dict.path() + ": tokenizer mismatch: dictionary was compiled with tokenizer hash " +
+                          hex64(want) + ", the model's tokenizer has " + hex64(have));
+  }
+}
+
+void check_dictionary(const DictionaryFile& dict, const ModelFingerprint& model, const Tokenizer& tok) {
+  dict.check_model(model);
+  check_dictionary_tokenizer(dict, tok);
+}
+
+int64_t served_base_position(const DictionaryManifest& m) {
+  return m.prefix.chunk_tokens > 0 ? m.prefix.chunk_tokens : m.prefix.n_tokens;
+}
+
+PromptLayout dictionary_prompt_layout(const DictionaryManifest& m, const Tokenizer& tok) {
+  bool chat = true;
+  if (!m.compile.extra_json.empty()) {
+    nlohmann::json j = nlohmann::json::parse(m.compile.extra_json, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object()) {
+      auto it = j.find("chat_format");
+      if (it != j.end() && it->is_boolean()) chat = it->get<bool>();
+    }
+  }
+  return make_prompt_layout(tok, chat);
+}
+
+std::vector<int32_t> verified_prefix_tokens(const DictionaryManifest& m, const Tokenizer& tok,
+                                            const std::string& text, const std::string& what) {
+  if (m.prefix.text_hash != 0) {
+    const uint64_t h = XXH64(text.data(), text.size(), 0);
+    if (h != m.prefix.text_hash) {
+      throw InvalidArgument("prefix mismatch: " + what + " (" + std::to_string(text.size()) +
+                            " bytes, text hash " + hex64(h) +
+                            ") is not the text the dictionary was compiled from (text hash " +
+                            hex64(m.prefix.text_hash) + ")");
+    }
+  }
+  std::vector<int32_t> ids = layout_prefix_tokens(tok, dictionary_prompt_layout(m, tok), text);
+  const uint64_t th = XXH64(ids.data(), ids.size() * sizeof(int32_t), 0);
+  if (int64_t(ids.size()) != m.prefix.n_tokens || th != m.prefix.token_hash) {
+    throw InvalidArgument("prefix mismatch: " + what + " gives " + std::to_string(ids.size()) +
+                          " tokens (token hash " + hex64(th) + "), the dictionary's prefix has " +
+                          std::to_string(m.prefix.n_tokens) + " (token hash " +
+                          hex64(m.prefix.token_hash) + ")");
+  }
+  return ids;
+}
+
+std::vector<KVCache> prefill_prefix(LlamaModel& model, const std::vector<int32_t>& ids,
+                                    int64_t chunk_tokens, int64_t chunk) {
+  const int64_t P = int64_t(ids.size());
+  if (P == 0) throw InvalidArgument("prefill_prefix: empty prefix");
+  const bool chunked = chunk_tokens > 0 && chunk_tokens < P;
+  const int64_t step = chunked ? chunk_tokens : P;
+  std::vector<KVCache> parts;
+  ForwardOptions fo;
+  fo.logits = false;
+  for (int64_t s0 = 0; s0 < P; s0 += step) {
+    const int64_t n = std::min(step, P - s0);
+    parts.push_back(model.new_cache(1, n));
+    at::Tensor t = at::tensor(std::vector<int64_t>(ids.begin() + s0, ids.begin() + s0 + n),
+                              at::TensorOptions().dtype(at::kLong))
+                       .unsqueeze(0);
+    model.prefill(t, parts.back(), chunk, fo);
+  }
+  return parts;
+}
+
+}  // namespace asmem
