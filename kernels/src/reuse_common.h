@@ -50,7 +50,8 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 // ---------------------------------------------------------------------------------------
 // Decode plan: after the match, one CTA divides the step's KV work (every group's sink,
 // band and tail) into chunks of `per` tokens, per = max(kMinChunk, ceil(total /
-// kTargetChunks)) rounded up to kChunkAlign, each segment chunked on its own (a chunk
+// kTargetChunks), ceil(largest group / kMaxGroupChunks)) rounded up to kChunkAlign, each
+// segment chunked on its own (a chunk
 // never straddles segments). Hence at most kTargetChunks + 3 * B * Hkv chunks; the
 // attention grid has that many CTAs and the unused ones exit at once. An all-miss step
 // gets full attention's split; a mixed step spreads the few long groups over many CTAs.
@@ -58,6 +59,7 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 constexpr int32_t kTargetChunks = 16 * 132;
 constexpr int32_t kMinChunk = 128;
 constexpr int32_t kChunkAlign = 64;
+constexpr int32_t kMaxGroupChunks = 128;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
@@ -68,8 +70,13 @@ constexpr int32_t kFillMaxSplits = 128;
 
 ASMEM_HOST_DEVICE int32_t CeilDiv(int64_t a, int64_t b) { return int32_t((a + b - 1) / b); }
 
-ASMEM_HOST_DEVICE int32_t ChunkTokens(int64_t total) {
+// `total`: tokens of the whole step; `most`: tokens of its largest group (which gets at most
+// kMaxGroupChunks chunks, as decode attention's kMaxKvSplits: fewer, longer chunks cost less
+// to combine than many short ones once the machine is full anyway).
+ASMEM_HOST_DEVICE int32_t ChunkTokens(int64_t total, int64_t most) {
   int64_t per = (total + kTargetChunks - 1) / kTargetChunks;
+  const int64_t by_group = (most + kMaxGroupChunks - 1) / kMaxGroupChunks;
+  if (per < by_group) per = by_group;
   if (per < kMinChunk) per = kMinChunk;
   per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
   return per > (int64_t(1) << 30) ? (1 << 30) : int32_t(per);

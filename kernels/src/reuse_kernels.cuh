@@ -107,9 +107,9 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 
   // Total tokens of the step, then the chunk size.
   const int nu = a.batch * a.hkv;
-  __shared__ long long sm_tok[kWarps];
+  __shared__ long long sm_tok[kWarps], sm_most[kWarps];
   __shared__ int32_t sm_scan[kWarps];
-  long long tok = 0;
+  long long tok = 0, most = 0;
   for (int u = tid; u < nu; u += kThreads) {
     const int b = u / a.hkv, h = u % a.hkv;
     const int32_t T = p.seq_lens[b];
@@ -117,16 +117,28 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
     int32_t lo = T;
     for (int g = 0; g < G; ++g) lo = min(lo, a.heads[b * a.hq + h * G + g].band_start);
     const UnitRanges R = GroupRanges(a.front_sink, a.band, T, lo);
-    tok += R.sink_end + (R.end - R.band_lo);
+    const long long t = R.sink_end + (R.end - R.band_lo);
+    tok += t;
+    most = t > most ? t : most;
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) tok += __shfl_xor_sync(0xffffffffu, tok, o);
-  if (lane == 0) sm_tok[warp] = tok;
+  for (int o = 16; o > 0; o >>= 1) {
+    tok += __shfl_xor_sync(0xffffffffu, tok, o);
+    const long long y = __shfl_xor_sync(0xffffffffu, most, o);
+    most = y > most ? y : most;
+  }
+  if (lane == 0) {
+    sm_tok[warp] = tok;
+    sm_most[warp] = most;
+  }
   __syncthreads();
-  long long total = 0;
+  long long total = 0, largest = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
-  const int32_t per = ChunkTokens(total);
+  for (int w = 0; w < kWarps; ++w) {
+    total += sm_tok[w];
+    largest = sm_most[w] > largest ? sm_most[w] : largest;
+  }
+  const int32_t per = ChunkTokens(total, largest);
 
   // Chunks per group, their offsets, and the chunk -> group map.
   int32_t carry = 0;
