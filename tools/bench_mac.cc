@@ -57,6 +57,7 @@ struct Shape {
 
 struct Options {
   bool quick = false;
+  bool pdl = true;
   std::string out, commit;
   int iters = 30, warmup = 10;
   int max_offset = -1;  // -1: W - 2
@@ -215,9 +216,9 @@ int Run(const Options& opt) {
   const MacConfig& mc = opt.mac;
   const int W = mc.window;
   const int max_off = opt.max_offset < 0 ? std::max(0, W - 2) : std::min(opt.max_offset, std::max(0, W - 2));
-  std::printf("asmem_bench_mac on %s (%d SMs), commit %s; MAC tau %.2f W %d r %d F %d min_context %d%s\n",
+  std::printf("asmem_bench_mac on %s (%d SMs), commit %s; MAC tau %.2f W %d r %d F %d min_context %d%s%s\n",
               prop.name, prop.multiProcessorCount, commit.empty() ? "?" : commit.c_str(), mc.tau, W, mc.band,
-              mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)");
+              mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)", opt.pdl ? "" : ", no PDL");
 
   std::vector<Shape> shapes;
   for (const std::string& n : opt.shapes) {
@@ -253,7 +254,7 @@ int Run(const Options& opt) {
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
-                     {"flush_mb", opt.flush_mb}, {"max_offset", max_off},
+                     {"flush_mb", opt.flush_mb}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
                      {"mac", {{"enable", mc.enable}, {"tau", mc.tau}, {"window", W}, {"band", mc.band},
                               {"front_sink", mc.front_sink}, {"min_context", mc.min_context}}}};
   out["full"] = json::array();
@@ -289,8 +290,11 @@ int Run(const Options& opt) {
       mcfg.page_size = kPageSize;
       mcfg.num_slots = B;
       mcfg.mac = mc;
+      mcfg.programmatic_launch = opt.pdl;
       DevMem ring(MacLayerStateBytes(mcfg)), ws(MacWorkspaceBytes(mcfg));
       const MacLayerState state = MacBindLayerState(mcfg, ring.p);
+      MacInitLayerState(mcfg, state, stream);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       std::vector<MacSlot> slots_host(B, MacSlot{0, 1});
       DevMem slots = Upload(slots_host);
       DevMem ddec_ws(1 << 20);
@@ -518,6 +522,7 @@ int main(int argc, char** argv) {
   app.add_option("--layouts", opt.layouts, "independent (per head) and/or clustered (per KV group)");
   app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
   app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
+  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
   asmem::AddMacFlags(app, &opt.mac);
   try {
     app.parse(argc, argv);

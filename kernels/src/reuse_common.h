@@ -106,11 +106,12 @@ struct UnitPlan {
   int32_t sink_end, band_lo, band_end, end;
 };
 
-// Best candidate of one match split.
-struct MatchPartial {
-  float dist;    // +inf: none
-  int32_t pos;   // -1: none
-};
+// A match candidate as one u64 whose unsigned order is the tie rule: distance (a
+// non-negative float's bits order like the float), then position. kNoCandidate: none.
+constexpr unsigned long long kNoCandidate = ~0ull;
+ASMEM_HOST_DEVICE unsigned long long CandidateKey(uint32_t dist_bits, int32_t pos) {
+  return (static_cast<unsigned long long>(dist_bits) << 32) | static_cast<uint32_t>(pos);
+}
 
 // Per query head after the match.
 struct HeadDecision {
@@ -137,13 +138,12 @@ void CheckParams(const MacDecodeConfig& config, const MacParams& params, const c
 void CheckFillParams(const MacDecodeConfig& config, const MacFillParams& params, const char* fn);
 // Ring byte offsets inside one layer's state block.
 struct StateLayout {
-  size_t ring_q = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, total = 0;
+  size_t ring_q = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, match_done = 0, total = 0;
 };
 StateLayout LayoutState(const MacDecodeConfig& config);
 
 struct WorkspaceLayout {
-  size_t counter = 0;     // uint32 [4]: finished match CTAs, chunk tokens, chunks, unused
-  size_t match_part = 0;  // [B, Hq, match_splits] MatchPartial
+  size_t plan_info = 0;   // uint32 [2]: chunk tokens, chunks
   size_t heads = 0;       // [B, Hq] HeadDecision
   size_t units = 0;       // [B, Hkv] UnitPlan
   size_t chunk_unit = 0;  // [MaxChunks] int32: the group of each chunk

@@ -179,6 +179,10 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
   off = AlignUp(off + S * Hq * W * sizeof(float));
   L.ring_tag = off;
   off = AlignUp(off + S * W * sizeof(MacTag));
+  L.match_best = off;
+  off = AlignUp(off + S * Hq * sizeof(unsigned long long));
+  L.match_done = off;
+  off = AlignUp(off + sizeof(uint32_t));
   L.total = off;
   return L;
 }
@@ -187,13 +191,10 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   WorkspaceLayout w;
   const size_t B = size_t(c.batch), Hq = size_t(c.num_q_heads), Hkv = size_t(c.num_kv_heads);
   const size_t d = size_t(c.head_dim), G = Hq / Hkv;
-  const size_t splits = size_t(MatchSplits(1, c.num_q_heads, c.mac.window));  // most at B = 1
   const size_t chunks = size_t(MaxChunks(c.batch, c.num_kv_heads));
   size_t off = 0;
-  w.counter = off;
-  off = AlignUp(off + 4 * sizeof(uint32_t));
-  w.match_part = off;
-  off = AlignUp(off + B * Hq * splits * sizeof(MatchPartial));
+  w.plan_info = off;
+  off = AlignUp(off + 2 * sizeof(uint32_t));
   w.heads = off;
   off = AlignUp(off + B * Hq * sizeof(HeadDecision));
   w.units = off;
@@ -309,6 +310,8 @@ MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base) {
   s.ring_o = reinterpret_cast<float*>(p + L.ring_o);
   s.ring_lse = reinterpret_cast<float*>(p + L.ring_lse);
   s.ring_tag = reinterpret_cast<MacTag*>(p + L.ring_tag);
+  s.match_best = reinterpret_cast<unsigned long long*>(p + L.match_best);
+  s.match_done = reinterpret_cast<uint32_t*>(p + L.match_done);
   return s;
 }
 
@@ -317,6 +320,11 @@ void MacInitLayerStateCpu(const MacDecodeConfig& config, const MacLayerState& st
   if (state.ring_tag == nullptr) throw InvalidArgument("MacInitLayerStateCpu: state.ring_tag is null");
   const int64_t n = int64_t(config.num_slots) * config.mac.window;
   for (int64_t i = 0; i < n; ++i) state.ring_tag[i] = MacTag{-1, -1};
+  if (state.match_best) {
+    const int64_t nb = int64_t(config.num_slots) * config.num_q_heads;
+    for (int64_t i = 0; i < nb; ++i) state.match_best[i] = mac::kNoCandidate;
+  }
+  if (state.match_done) *state.match_done = 0;
 }
 
 void MacUpdateSlotsCpu(MacSlot* slots, int32_t num_slots, const int32_t* slot_ids, int32_t n,

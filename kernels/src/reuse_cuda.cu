@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -111,20 +112,38 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   const WorkspaceLayout L = LayoutWorkspace(c);
   CheckWorkspace(workspace, workspace_bytes, L.total, fn, "MacWorkspaceBytes");
   char* ws = static_cast<char*>(workspace);
+  if (p.state.match_best == nullptr || p.state.match_done == nullptr) {
+    throw InvalidArgument(std::string(fn) + ": state.match_best / match_done are null (lay the state out with "
+                          "MacBindLayerState and initialize it with MacInitLayerState)");
+  }
   LaunchArgs a = CommonArgs(c, p.sm_scale);
   a.p = p;
   a.fill = false;
   a.batch = p.batch;
+  a.q = p.q;
+  a.q_stride_h = p.q_stride_h;
+  a.k = p.k_cache;
+  a.v = p.v_cache;
+  a.kv_stride_page = p.kv_stride_page;
+  a.kv_stride_head = p.kv_stride_head;
+  a.kv_stride_token = p.kv_stride_token;
+  a.block_table = p.block_table;
+  a.bt_stride = p.block_table_stride;
   a.match_splits = MatchSplits(p.batch, c.num_q_heads, c.mac.window);
-  a.counter = reinterpret_cast<uint32_t*>(ws + L.counter);
-  a.match_part = reinterpret_cast<MatchPartial*>(ws + L.match_part);
+  a.plan_info = reinterpret_cast<uint32_t*>(ws + L.plan_info);
   a.heads = reinterpret_cast<HeadDecision*>(ws + L.heads);
   a.units = reinterpret_cast<UnitPlan*>(ws + L.units);
   a.chunk_unit = reinterpret_cast<int32_t*>(ws + L.chunk_unit);
   a.max_chunks = MaxChunks(p.batch, c.num_kv_heads);
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
-  ASMEM_CUDA_CHECK(cudaMemsetAsync(a.counter, 0, 4 * sizeof(uint32_t), stream));
+  a.pdl = c.programmatic_launch;
+  // Measurement knob: ASMEM_MAC_ATTEND_CAP=0 runs the uncapped G <= 4 attend variant.
+  static const bool cap = [] {
+    const char* e = std::getenv("ASMEM_MAC_ATTEND_CAP");
+    return !(e && e[0] == '0');
+  }();
+  a.attend_cap = cap;
   Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
@@ -148,6 +167,15 @@ void MacFill(const MacDecodeConfig& c, const MacFillParams& f, void* workspace, 
   a.f = f;
   a.fill = true;
   a.batch = f.batch;
+  a.q = f.q;
+  a.q_stride_h = f.q_stride_h;
+  a.k = f.k_cache;
+  a.v = f.v_cache;
+  a.kv_stride_page = f.kv_stride_page;
+  a.kv_stride_head = f.kv_stride_head;
+  a.kv_stride_token = f.kv_stride_token;
+  a.block_table = f.block_table;
+  a.bt_stride = f.block_table_stride;
   a.fill_n = f.num_positions;
   a.fill_splits = FillSplits(c, f.batch, f.num_positions);
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
@@ -168,6 +196,11 @@ void MacInitLayerState(const MacDecodeConfig& c, const MacLayerState& state, cud
   if (state.ring_tag == nullptr) throw InvalidArgument("MacInitLayerState: state.ring_tag is null");
   ASMEM_CUDA_CHECK(cudaMemsetAsync(state.ring_tag, 0xff,
                                    size_t(c.num_slots) * size_t(c.mac.window) * sizeof(MacTag), stream));
+  if (state.match_best) {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_best, 0xff,
+                                     size_t(c.num_slots) * size_t(c.num_q_heads) * sizeof(unsigned long long), stream));
+  }
+  if (state.match_done) ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_done, 0, sizeof(uint32_t), stream));
 }
 
 void MacUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch, int32_t ready,

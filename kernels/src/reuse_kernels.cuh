@@ -1,26 +1,31 @@
 // MAC reuse device code (contracts: asmem/reuse.h; ranges and plan: reuse_common.h).
 //
-// A step is three kernels after a 16-byte workspace memset:
+// A step is three kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query in registers
 //    (8 dims per lane), the split's candidate rows of the query ring streamed with 16-byte
 //    loads (d/8 lanes per row, 4 rows per lane in flight), tags checked, fp32 squared
-//    distances, the best (distance, position) by the tie rule. The last CTA to finish (an
-//    atomic counter) turns the partials into per-head decisions and plans the KV work:
-//    per-group ranges, one global chunk size, chunk -> group map (reuse_common.h).
-//  * Attend, one CTA per planned chunk: a token range of one group's sink, band or tail,
-//    streamed once for the G heads through a 3-stage cp.async pipeline (as decode
-//    attention does), each head masking tokens before its own band start; writes one
-//    normalized partial state per head.
+//    distances, the best candidate by the tie rule folded into a per-head u64 with one
+//    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
+//    the keys into per-head decisions (resetting them) and plans the KV work: per-group
+//    ranges, one global chunk size, the chunk -> group map (reuse_common.h).
+//  * Attend: resident CTAs loop over the planned chunks; a chunk is a token range of one
+//    group's sink, band or tail, streamed once for the G heads through a 3-stage cp.async
+//    pipeline (as decode attention does), heads masking tokens before their own band
+//    start (only tiles below the largest start pay for the mask); one normalized partial
+//    state per head and chunk.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
 //    then the ring writes (query, entry, tag). Every merge is state.cuh's.
-// MacFill reuses Attend (one static split per (request, position, KV head)) and a fill
-// combine that writes the entries.
+// With programmatic launch, attend and combine start while their predecessor drains and
+// wait (griddepcontrol.wait) before reading anything it wrote.
+// MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
+// fill combine that writes the entries.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "asmem/cuda_check.cuh"
@@ -42,7 +47,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // (d1, p1) beats (d2, p2): a candidate at all, smaller distance, ties to the earlier position.
 __device__ __forceinline__ bool Better(float d1, int32_t p1, float d2, int32_t p2) {
-  if (p1 < 0) return false;
+  if (p1 < 0 || isnan(d1)) return false;  // a NaN distance is no candidate (as on the CPU)
   if (p2 < 0) return true;
   return d1 < d2 || (d1 == d2 && p1 < p2);
 }
@@ -77,49 +82,47 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total,
   return before + incl - x;
 }
 
+// Programmatic dependent launch (sm_90): no-ops when the kernel was launched without it.
+__device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 __device__ inline void PlanStep(const LaunchArgs& a) {
   const MacParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int S = a.match_splits, G = a.group;
-  const int nh = a.batch * a.hq;
-  // Decisions per query head.
-  for (int i = tid; i < nh; i += kThreads) {
-    const int b = i / a.hq;
-    float bd = INFINITY;
-    int32_t bp = -1;
-    for (int s = 0; s < S; ++s) {
-      const MatchPartial* mp = a.match_part + int64_t(i) * S + s;
-      const float d = __ldcg(&mp->dist);
-      const int32_t x = __ldcg(&mp->pos);
-      if (Better(d, x, bd, bp)) {
-        bd = d;
-        bp = x;
-      }
-    }
-    const int32_t T = p.seq_lens[b];
-    const int32_t hit = (bp >= 0 && bd < a.threshold) ? bp : -1;
-    HeadDecision hd;
-    hd.hit_pos = hit;
-    hd.band_start = T > 0 ? BandStart(a.front_sink, a.band, T - 1, hit) : 0;
-    a.heads[i] = hd;
-  }
-  __syncthreads();  // the decisions are visible to the whole CTA
-
-  // Total tokens of the step, then the chunk size.
+  const int G = a.group;
   const int nu = a.batch * a.hkv;
   __shared__ long long sm_tok[kWarps], sm_most[kWarps];
   __shared__ int32_t sm_scan[kWarps];
+  // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
   long long tok = 0, most = 0;
   for (int u = tid; u < nu; u += kThreads) {
     const int b = u / a.hkv, h = u % a.hkv;
     const int32_t T = p.seq_lens[b];
-    if (T <= 0) continue;
+    const int32_t slot = p.slot_ids ? p.slot_ids[b] : b;
     int32_t lo = T;
-    for (int g = 0; g < G; ++g) lo = min(lo, a.heads[b * a.hq + h * G + g].band_start);
-    const UnitRanges R = GroupRanges(a.front_sink, a.band, T, lo);
-    const long long t = R.sink_end + (R.end - R.band_lo);
-    tok += t;
-    most = t > most ? t : most;
+    for (int g = 0; g < G; ++g) {
+      const int hq = h * G + g;
+      const unsigned long long key = atomicExch(p.state.match_best + int64_t(slot) * a.hq + hq, kNoCandidate);
+      const int32_t pos = key == kNoCandidate ? -1 : int32_t(uint32_t(key & 0xffffffffull));
+      const float dist = __uint_as_float(uint32_t(key >> 32));
+      HeadDecision hd;
+      hd.hit_pos = (T > 0 && pos >= 0 && dist < a.threshold) ? pos : -1;
+      hd.band_start = T > 0 ? BandStart(a.front_sink, a.band, T - 1, hd.hit_pos) : 0;
+      a.heads[b * a.hq + hq] = hd;
+      lo = min(lo, hd.band_start);
+    }
+    UnitPlan up{};
+    if (T > 0) {
+      const UnitRanges R = GroupRanges(a.front_sink, a.band, T, lo);
+      up.sink_end = R.sink_end;
+      up.band_lo = R.band_lo;
+      up.band_end = R.band_end;
+      up.end = R.end;
+      const long long t = R.sink_end + (R.end - R.band_lo);
+      tok += t;
+      most = t > most ? t : most;
+    }
+    a.units[u] = up;  // ranges now, chunk counts below (read back by this thread only)
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -147,19 +150,11 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
     UnitPlan up{};
     int32_t cnt = 0;
     if (u < nu) {
-      const int b = u / a.hkv, h = u % a.hkv;
-      const int32_t T = p.seq_lens[b];
-      if (T > 0) {
-        int32_t lo = T;
-        for (int g = 0; g < G; ++g) lo = min(lo, a.heads[b * a.hq + h * G + g].band_start);
-        const UnitRanges R = GroupRanges(a.front_sink, a.band, T, lo);
-        up.sink_end = R.sink_end;
-        up.band_lo = R.band_lo;
-        up.band_end = R.band_end;
-        up.end = R.end;
-        up.n_sink = CeilDiv(R.sink_end, per);
-        up.n_band = CeilDiv(R.band_end - R.band_lo, per);
-        up.n_tail = CeilDiv(R.end - R.band_end, per);
+      up = a.units[u];
+      if (up.end > 0) {
+        up.n_sink = CeilDiv(up.sink_end, per);
+        up.n_band = CeilDiv(up.band_end - up.band_lo, per);
+        up.n_tail = CeilDiv(up.end - up.band_end, per);
         cnt = up.n_sink + up.n_band + up.n_tail;
       }
     }
@@ -173,8 +168,9 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
     carry += tile_total;
   }
   if (tid == 0) {
-    a.counter[1] = uint32_t(per);
-    a.counter[2] = uint32_t(carry);
+    a.plan_info[0] = uint32_t(per);
+    a.plan_info[1] = uint32_t(carry);
+    *p.state.match_done = 0;  // every match CTA has counted: ready for the next step
   }
 }
 
@@ -190,6 +186,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kUnroll = 4;
   constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
   using P = Pack<DType>;
+  LaunchDependents();  // the attend CTAs may launch once every match CTA runs
   const MacParams& p = a.p;
   const int S = a.match_splits;
   const int cta = int(blockIdx.x);
@@ -205,8 +202,8 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   float bd = INFINITY;
   int32_t bp = -1;
   const int32_t T = p.seq_lens[b];
+  const int32_t slot = SlotOfDev(p.slot_ids, b);
   if (a.enable && T > 0 && T >= a.min_context) {
-    const int32_t slot = SlotOfDev(p.slot_ids, b);
     const MacSlot st = p.slots[slot];
     if (st.ready) {
       const int32_t m = T - 1, W = a.window;
@@ -280,11 +277,9 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
         bp = sm_p[w];
       }
     }
-    MatchPartial* out = a.match_part + int64_t(bhq) * S + s;
-    out->dist = bd;
-    out->pos = bp;
-    __threadfence();  // the partial is visible before the count says so
-    sm_last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+    if (bp >= 0) atomicMin(p.state.match_best + int64_t(slot) * a.hq + hq, CandidateKey(__float_as_uint(bd), bp));
+    __threadfence();  // the key is in place before the count says so
+    sm_last = atomicAdd(p.state.match_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!sm_last) return;
@@ -296,59 +291,59 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
 // Attend: one chunk of one group's KV for its G heads
 // ---------------------------------------------------------------------------------------
 
-template <int GROUP>
-struct Chunk {
-  int32_t t0 = 0, t1 = 0;   // tokens [t0, t1)
-  int32_t lo[GROUP];        // head g attends tokens >= lo[g] only
-  const void* q = nullptr;  // post-RoPE q of the group's first head
-  int64_t q_stride_h = 0;
-  const void* k = nullptr;  // K / V of the group's KV head (head offset applied)
-  const void* v = nullptr;
-  int64_t stride_page = 0, stride_token = 0;
-  const int32_t* bt = nullptr;  // the request's block table row
-  int64_t out_row = 0;          // partial row of head 0: part_o + out_row * d
+// Where a chunk is: request, KV head, tokens [t0, t1), the q offset (elements) of the
+// group's first head, the partial row of head 0.
+struct ChunkPos {
+  int32_t b = 0, h = 0, t0 = 0, t1 = 0;
+  int64_t q_off = 0;
+  int64_t out_row = 0;
 };
 
+// Decode chunk c of the plan. Head g attends tokens >= s_lo[g] (shared, written here by
+// thread g; read after the attend's first barrier); *max_lo = max_g s_lo[g].
 template <int GROUP>
-__device__ __forceinline__ bool LocateDecodeChunk(const LaunchArgs& a, int c, Chunk<GROUP>& ch) {
-  const uint32_t n_chunks = a.counter[2];
-  if (uint32_t(c) >= n_chunks) return false;
-  const int32_t per = int32_t(a.counter[1]);
+__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int32_t per, int32_t* s_lo,
+                                                      int32_t* max_lo) {
   const int u = a.chunk_unit[c];
   const UnitPlan up = a.units[u];
-  const int b = u / a.hkv, h = u % a.hkv;
-  const MacParams& p = a.p;
+  ChunkPos cp;
+  cp.b = u / a.hkv;
+  cp.h = u % a.hkv;
   int32_t local = c - up.first_chunk;
   bool band = false;
   if (local < up.n_sink) {
-    ch.t0 = local * per;
-    ch.t1 = min(up.sink_end, ch.t0 + per);
+    cp.t0 = local * per;
+    cp.t1 = min(up.sink_end, cp.t0 + per);
   } else if ((local -= up.n_sink) < up.n_band) {
-    ch.t0 = up.band_lo + local * per;
-    ch.t1 = min(up.band_end, ch.t0 + per);
+    cp.t0 = up.band_lo + local * per;
+    cp.t1 = min(up.band_end, cp.t0 + per);
     band = true;
   } else {
     local -= up.n_band;
-    ch.t0 = up.band_end + local * per;
-    ch.t1 = min(up.end, ch.t0 + per);
+    cp.t0 = up.band_end + local * per;
+    cp.t1 = min(up.end, cp.t0 + per);
   }
+  int32_t mx = cp.t0;
+  if (band) {
+    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    ch.lo[g] = band ? max(ch.t0, a.heads[b * a.hq + h * GROUP + g].band_start) : ch.t0;
+    for (int g = 0; g < GROUP; ++g) {
+      const int32_t lo = max(cp.t0, hd[g].band_start);
+      mx = max(mx, lo);
+      if (threadIdx.x == g) s_lo[g] = lo;
+    }
+  } else if (threadIdx.x < GROUP) {
+    s_lo[threadIdx.x] = cp.t0;
   }
-  ch.q = static_cast<const char*>(p.q) + 2 * (b * p.q_stride_b + int64_t(h) * GROUP * p.q_stride_h);
-  ch.q_stride_h = p.q_stride_h;
-  ch.k = static_cast<const char*>(p.k_cache) + 2 * (h * p.kv_stride_head);
-  ch.v = static_cast<const char*>(p.v_cache) + 2 * (h * p.kv_stride_head);
-  ch.stride_page = p.kv_stride_page;
-  ch.stride_token = p.kv_stride_token;
-  ch.bt = p.block_table + b * p.block_table_stride;
-  ch.out_row = int64_t(c) * GROUP;
-  return true;
+  *max_lo = mx;
+  cp.q_off = cp.b * a.p.q_stride_b + int64_t(cp.h) * GROUP * a.q_stride_h;
+  cp.out_row = int64_t(c) * GROUP;
+  return cp;
 }
 
+// Fill chunk c: split c % S of (request, position, KV head) c / S; false if there is none.
 template <int GROUP>
-__device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, Chunk<GROUP>& ch) {
+__device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, ChunkPos* cp) {
   const MacFillParams& f = a.f;
   const int S = a.fill_splits, N = a.fill_n;
   const int unit = c / S, s = c % S;
@@ -358,28 +353,23 @@ __device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, Chun
   if (x < 0 || x >= f.seq_lens[b]) return false;
   const int32_t lo = SinkEnd(a.front_sink, x), hi = EntryEnd(a.front_sink, a.band, x);
   const int32_t per = FillChunkTokens(hi - lo, S);
-  ch.t0 = lo + s * per;
-  if (ch.t0 >= hi) return false;
-  ch.t1 = min(hi, ch.t0 + per);
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) ch.lo[g] = ch.t0;
-  ch.q = static_cast<const char*>(f.q) +
-         2 * (b * f.q_stride_b + n * f.q_stride_n + int64_t(h) * GROUP * f.q_stride_h);
-  ch.q_stride_h = f.q_stride_h;
-  ch.k = static_cast<const char*>(f.k_cache) + 2 * (h * f.kv_stride_head);
-  ch.v = static_cast<const char*>(f.v_cache) + 2 * (h * f.kv_stride_head);
-  ch.stride_page = f.kv_stride_page;
-  ch.stride_token = f.kv_stride_token;
-  ch.bt = f.block_table + b * f.block_table_stride;
-  ch.out_row = int64_t(c) * GROUP;
+  cp->t0 = lo + s * per;
+  if (cp->t0 >= hi) return false;
+  cp->t1 = min(hi, cp->t0 + per);
+  cp->b = b;
+  cp->h = h;
+  cp->q_off = b * f.q_stride_b + n * f.q_stride_n + int64_t(h) * GROUP * a.q_stride_h;
+  cp->out_row = int64_t(c) * GROUP;
   return true;
 }
 
 // Exact attention of the group's heads over the chunk (the split-KV attention CTA of
 // decode_kernels.cuh with per-head lower bounds): fp32 online softmax in base 2 per lane
-// group, merged across lane groups and warps with state.cuh's merge.
+// group, merged across lane groups and warps with state.cuh's merge. Ends with the shared
+// memory still in use (callers looping over chunks sync first).
 template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GROUP>& ch, float* smem) {
+__device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos& cp, int32_t max_lo,
+                                            const int32_t* s_lo, float* smem) {
   using Cfg = Tile<HEAD_DIM>;
   constexpr int kVec = 8;
   constexpr int kLanes = HEAD_DIM / kVec;
@@ -392,16 +382,16 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
   static_assert(kChunks % kThreads == 0, "tile chunks must split evenly over the CTA");
   using P = Pack<DType>;
 
-  const int t0 = ch.t0, t1 = ch.t1;
+  const int t0 = cp.t0, t1 = cp.t1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % kLanes, grp = lane / kLanes;
 
   float q[GROUP][kVec];
   {
-    const DType* qb = static_cast<const DType*>(ch.q) + sub * kVec;
+    const DType* qb = static_cast<const DType*>(a.q) + cp.q_off + sub * kVec;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      P::ToFloat(*reinterpret_cast<const uint4*>(qb + g * ch.q_stride_h), q[g]);
+      P::ToFloat(*reinterpret_cast<const uint4*>(qb + g * a.q_stride_h), q[g]);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) q[g][i] *= a.scale_log2;
     }
@@ -416,9 +406,9 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
   }
 
   DType* tiles = reinterpret_cast<DType*>(smem);
-  const int32_t* bt = ch.bt;
-  const DType* kb = static_cast<const DType*>(ch.k);
-  const DType* vb = static_cast<const DType*>(ch.v);
+  const int32_t* bt = a.block_table + cp.b * a.bt_stride;
+  const DType* kb = static_cast<const DType*>(a.k) + cp.h * a.kv_stride_head;
+  const DType* vb = static_cast<const DType*>(a.v) + cp.h * a.kv_stride_head;
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
@@ -434,8 +424,8 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
         const bool valid = t < t1;
         int64_t off = 0;
         if (valid) {
-          off = int64_t(__ldg(bt + (t >> shift))) * ch.stride_page +
-                int64_t(t & slot_mask) * ch.stride_token + piece * kVec;
+          off = int64_t(__ldg(bt + (t >> shift))) * a.kv_stride_page +
+                int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
         }
         CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
         CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
@@ -453,6 +443,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
     const DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
     const DType* vt = kt + kBlockN * HEAD_DIM;
     const int tbase = t0 + tile * kBlockN + warp * kWarpTokens;
+    const bool masked = t0 + tile * kBlockN < max_lo;  // some head starts inside this tile
     float s[kUnroll][GROUP];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -475,9 +466,14 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
         for (int o = kLanes / 2; o > 0; o >>= 1) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
       }
       const int t = tbase + u * kGroups + grp;
+      if (t >= t1) {
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        if (t >= t1 || t < ch.lo[g]) s[u][g] = -INFINITY;
+        for (int g = 0; g < GROUP; ++g) s[u][g] = -INFINITY;
+      } else if (masked) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          if (t < s_lo[g]) s[u][g] = -INFINITY;
+        }
       }
     }
 #pragma unroll
@@ -558,26 +554,44 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const Chunk<GRO
     for (int w = 1; w < kWarps; ++w) {
       merge_state_inplace(&o, &lw, &sm_o[(w * GROUP + g) * HEAD_DIM + c], sm_l[w * GROUP + g], 1);
     }
-    const int64_t row = ch.out_row + g;
+    const int64_t row = cp.out_row + g;
     a.part_o[row * HEAD_DIM + c] = o;
     if (c == 0) a.part_lse[row] = lw;
   }
 }
 
-// G <= 4 is held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel does
-// without a cap; the chunk bookkeeping would otherwise take it to 144).
-template <int GROUP>
-constexpr int AttendMinBlocks() { return GROUP <= 4 ? 4 : 1; }
+// CAP: G <= 4 held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel is
+// without a cap; here it spills a few bytes); uncapped it takes ~140 and 3 CTAs fit.
+template <int GROUP, bool CAP>
+constexpr int AttendMinBlocks() { return CAP && GROUP <= 4 ? 4 : 1; }
 
+// MacFill: one chunk per CTA.
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP>()) MacAttendKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads) MacFillAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
+  __shared__ int32_t s_lo[GROUP];
+  ChunkPos cp;
+  if (!LocateFillChunk<GROUP>(a, int(blockIdx.x), &cp)) return;
+  if (threadIdx.x < GROUP) s_lo[threadIdx.x] = cp.t0;
+  AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, cp.t0, s_lo, reinterpret_cast<float*>(mac_smem));
+}
+
+// Decode: resident CTAs loop over the planned chunks.
+template <typename DType, int HEAD_DIM, int GROUP, bool CAP>
+__global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP, CAP>()) MacAttendKernel(const LaunchArgs a) {
+  extern __shared__ float4 mac_smem[];
+  __shared__ int32_t s_lo[GROUP];
   float* smem = reinterpret_cast<float*>(mac_smem);
-  Chunk<GROUP> ch;
-  const bool ok = a.fill ? LocateFillChunk<GROUP>(a, int(blockIdx.x), ch)
-                         : LocateDecodeChunk<GROUP>(a, int(blockIdx.x), ch);
-  if (!ok) return;
-  AttendChunk<DType, HEAD_DIM, GROUP>(a, ch, smem);
+  GridDependencyWait();  // the plan is complete and visible
+  LaunchDependents();
+  // The plan's sizes are re-read per chunk (cached loads) rather than held in registers
+  // across the attention, which has none to spare at G = 4.
+  for (int c = int(blockIdx.x); c < int(__ldg(a.plan_info + 1)); c += int(gridDim.x)) {
+    __syncthreads();  // the previous chunk is done with shared memory
+    int32_t max_lo;
+    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
+    AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, max_lo, s_lo, smem);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -666,6 +680,7 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   constexpr int kBatch = 8;
   __shared__ __align__(16) float sm_o[2 * kWarps * HEAD_DIM];
   __shared__ float sm_l[2 * kWarps];
+  GridDependencyWait();  // the attend partials (and the plan before them) are visible
   const MacParams& p = a.p;
   const int bhq = int(blockIdx.x);
   const int b = bhq / a.hq, hq = bhq % a.hq;
@@ -699,7 +714,13 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
         }
       }
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) st[band[k] ? 0 : 1].merge(o2[k], l2[k]);
+      for (int k = 0; k < kBatch; ++k) {
+        if (band[k]) {
+          st[0].merge(o2[k], l2[k]);
+        } else {
+          st[1].merge(o2[k], l2[k]);
+        }
+      }
     }
   }
   MergeWarps<HEAD_DIM, kPer>(st, sm_o, sm_l);
@@ -804,6 +825,22 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Launch functions (instantiated in reuse_attn_*.cu)
 // ---------------------------------------------------------------------------------------
 
+// Launches `kernel` with the PDL attribute when `pdl`.
+template <typename Kernel>
+void LaunchMaybePdl(Kernel kernel, unsigned grid, size_t smem, bool pdl, const LaunchArgs& a, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
@@ -811,17 +848,41 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
+// Fill: `ctas` CTAs, one chunk each. Decode: as many CTAs as fit on the device at once
+// (at most `ctas`), looping over the planned chunks.
+template <typename DType, int HEAD_DIM, int GROUP, bool CAP>
+void LaunchAttendAs(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
+  auto kernel = MacAttendKernel<DType, HEAD_DIM, GROUP, CAP>;
+  constexpr size_t kSmem = Tile<HEAD_DIM>::kBytes;
+  static const int per_sm = [&] {
+    int n = 0;
+    ASMEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
+    return n < 1 ? 1 : n;
+  }();
+  int dev = 0, sms = 0;
+  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
+  ASMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t grid = std::min<int64_t>(ctas, int64_t(per_sm) * sms);
+  LaunchMaybePdl(kernel, unsigned(grid), kSmem, a.pdl, a, stream);
+}
+
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
-  MacAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, Tile<HEAD_DIM>::kBytes, stream>>>(a);
-  ASMEM_CUDA_CHECK_LAUNCH();
+  if (a.fill) {
+    MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, Tile<HEAD_DIM>::kBytes, stream>>>(a);
+    ASMEM_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  if constexpr (GROUP <= 4) {
+    if (!a.attend_cap) return LaunchAttendAs<DType, HEAD_DIM, GROUP, false>(a, ctas, stream);
+  }
+  LaunchAttendAs<DType, HEAD_DIM, GROUP, true>(a, ctas, stream);
 }
 
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
-  MacCombineKernel<DType, HEAD_DIM><<<unsigned(int64_t(a.batch) * a.hq), kThreads, 0, stream>>>(a);
-  ASMEM_CUDA_CHECK_LAUNCH();
+  LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM>, unsigned(int64_t(a.batch) * a.hq), 0, a.pdl, a, stream);
 }
 
 template <typename DType, int HEAD_DIM>

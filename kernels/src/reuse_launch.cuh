@@ -30,10 +30,17 @@ struct LaunchArgs {
   float threshold = 0.f;     // MacThreshold
   int32_t page_shift = 0;    // log2(page_size)
   float scale_log2 = 0.f;    // sm_scale * log2(e)
+  // What the attention CTAs read, from p or f.
+  const void* q = nullptr;   // post-RoPE queries
+  int64_t q_stride_h = 0;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;
+  const int32_t* block_table = nullptr;
+  int64_t bt_stride = 0;
   // Decode workspace.
   int32_t match_splits = 1;
-  uint32_t* counter = nullptr;  // [0]: finished match CTAs, [1]: chunk tokens, [2]: chunks
-  MatchPartial* match_part = nullptr;
+  uint32_t* plan_info = nullptr;  // [0]: chunk tokens, [1]: chunks
   HeadDecision* heads = nullptr;
   UnitPlan* units = nullptr;
   int32_t* chunk_unit = nullptr;  // [max_chunks] group of each planned chunk
@@ -43,6 +50,8 @@ struct LaunchArgs {
   float* part_lse = nullptr;
   // Fill: positions per request and splits per (request, position, KV head).
   int32_t fill_n = 0, fill_splits = 1;
+  bool pdl = false;  // attend and combine launched as programmatic dependents
+  bool attend_cap = true;  // G <= 4: the 128-register attend variant (4 CTAs per SM)
 };
 
 // KV tiles of the attention CTAs: kBlockN tokens of K and V per stage, kStages stages (48 KB).

@@ -326,6 +326,16 @@ std::vector<MacCase> GpuCases() {
   c.d = 64;
   c.dtype = KernelDType::kF16;
   v.push_back(c);
+
+  c = v[0];  // plain stream order instead of programmatic launches
+  c.name = "base-no-pdl";
+  c.programmatic_launch = false;
+  v.push_back(c);
+  c = v[5];
+  c.name = "llama8b-heads-bf16-no-pdl";
+  c.programmatic_launch = false;
+  c.steps = 64;
+  v.push_back(c);
   return v;
 }
 

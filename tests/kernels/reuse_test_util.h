@@ -53,6 +53,7 @@ struct MacCase {
   float sm_scale = 0.f;
   int32_t reset_step = -1;         // request 0's slot gets a new epoch before this step
   int32_t unready_from = -1, unready_to = -1;  // the last request not ready in [from, to)
+  bool programmatic_launch = true;  // MacDecodeConfig::programmatic_launch (CUDA op only)
 };
 
 inline std::string DescribeMac(const MacCase& c) {
@@ -63,7 +64,8 @@ inline std::string DescribeMac(const MacCase& c) {
      << (c.mac.enable ? "" : " disabled") << " T0={";
   for (size_t i = 0; i < c.T0.size(); ++i) os << (i ? "," : "") << c.T0[i];
   os << "} steps=" << c.steps << " p_hit=" << c.p_hit << (c.clustered ? " clustered" : "")
-     << (c.with_prefix ? " prefix" : "") << (c.constant_q ? " constant-q" : "");
+     << (c.with_prefix ? " prefix" : "") << (c.constant_q ? " constant-q" : "")
+     << (c.programmatic_launch ? "" : " no-pdl");
   return os.str();
 }
 
@@ -112,6 +114,7 @@ inline void BuildMacProblem(const MacCase& cs, std::mt19937_64& rng, MacProblem*
   c.page_size = cs.page_size;
   c.num_slots = int32_t(B) + cs.extra_slots;
   c.mac = cs.mac;
+  c.programmatic_launch = cs.programmatic_launch;
   std::normal_distribution<float> nd;
   int64_t total_pages = 0, max_pages = 1;
   for (int64_t b = 0; b < B; ++b) {

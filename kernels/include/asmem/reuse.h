@@ -58,14 +58,18 @@
 //   hit_pos      [B, Hq] int32: the reused position p, or -1 on a miss (may be null).
 // Ring (MacLayerState, one per layer; MacLayerStateBytes / MacBindLayerState lay it out):
 //   ring_q [num_slots, Hq, W, d] DType, ring_o [num_slots, Hq, W, d] f32,
-//   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag. Initialize once with
-//   MacInitLayerState (every tag empty).
+//   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
+//   own bookkeeping: match_best [num_slots, Hq] u64, match_done [1] u32 (left initialized
+//   after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
+//   state serves one step at a time.
 // Outputs must not alias inputs. Only the first params.batch requests are read or written.
 //
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
-// epochs, ready flags, prefix states). Launches: a workspace memset, match (+ the plan, in
-// its last CTA), attention over the planned KV chunks, combine (+ ring writes).
+// epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
+// attention over the planned KV chunks (a grid of resident CTAs looping over the chunks),
+// combine (+ ring writes); with config.programmatic_launch the last two are launched as
+// programmatic dependents (Hopper PDL) so their launch overlaps the previous kernel's tail.
 #pragma once
 
 #include <cstddef>
@@ -103,6 +107,8 @@ struct MacDecodeConfig {
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
   MacConfig mac;
+  bool programmatic_launch = true;  // CUDA op: overlap kernel launches (PDL); false: plain
+                                    // stream order (same results)
 };
 
 // Ring tag: the position held and the epoch it was written under; position -1: empty.
@@ -123,13 +129,16 @@ struct MacLayerState {
   float* ring_o = nullptr;
   float* ring_lse = nullptr;
   MacTag* ring_tag = nullptr;
+  unsigned long long* match_best = nullptr;  // CUDA op only
+  uint32_t* match_done = nullptr;            // CUDA op only
 };
 
 // Bytes of one layer's rings laid out by MacBindLayerState (each array 256-byte aligned).
 size_t MacLayerStateBytes(const MacDecodeConfig& config);
 // Points the rings at `base` (256-byte aligned, MacLayerStateBytes(config) bytes).
 MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base);
-// Marks every ring slot empty (tags to position -1), on the device / on the host.
+// Marks every ring slot empty (tags to position -1) and resets the bookkeeping, on the
+// device / on the host.
 void MacInitLayerState(const MacDecodeConfig& config, const MacLayerState& state,
                        cudaStream_t stream);
 void MacInitLayerStateCpu(const MacDecodeConfig& config, const MacLayerState& state);
