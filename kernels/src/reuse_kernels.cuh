@@ -850,10 +850,20 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
 
 // Fill: `ctas` CTAs, one chunk each. Decode: as many CTAs as fit on the device at once
 // (at most `ctas`), looping over the planned chunks.
+// The attend kernels take 48 KB of dynamic shared memory (the tile pipeline) plus a few
+// bytes of static: past the 48 KB a kernel gets without opting in.
+template <typename Kernel>
+bool AllowTileSmem(Kernel kernel, size_t bytes) {
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return true;
+}
+
 template <typename DType, int HEAD_DIM, int GROUP, bool CAP>
 void LaunchAttendAs(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   auto kernel = MacAttendKernel<DType, HEAD_DIM, GROUP, CAP>;
   constexpr size_t kSmem = Tile<HEAD_DIM>::kBytes;
+  static const bool smem_ok = AllowTileSmem(kernel, kSmem);
+  (void)smem_ok;
   static const int per_sm = [&] {
     int n = 0;
     ASMEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
@@ -870,6 +880,8 @@ template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
   if (a.fill) {
+    static const bool smem_ok = AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, Tile<HEAD_DIM>::kBytes);
+    (void)smem_ok;
     MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, Tile<HEAD_DIM>::kBytes, stream>>>(a);
     ASMEM_CUDA_CHECK_LAUNCH();
     return;
