@@ -57,7 +57,7 @@ struct Shape {
 
 struct Options {
   bool quick = false;
-  bool pdl = true;
+  bool pdl = false;
   std::string out, commit;
   int iters = 30, warmup = 10;
   int max_offset = -1;  // -1: W - 2
@@ -218,7 +218,7 @@ int Run(const Options& opt) {
   const int max_off = opt.max_offset < 0 ? std::max(0, W - 2) : std::min(opt.max_offset, std::max(0, W - 2));
   std::printf("asmem_bench_mac on %s (%d SMs), commit %s; MAC tau %.2f W %d r %d F %d min_context %d%s%s\n",
               prop.name, prop.multiProcessorCount, commit.empty() ? "?" : commit.c_str(), mc.tau, W, mc.band,
-              mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)", opt.pdl ? "" : ", no PDL");
+              mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)", opt.pdl ? ", PDL" : "");
 
   std::vector<Shape> shapes;
   for (const std::string& n : opt.shapes) {
@@ -522,7 +522,7 @@ int main(int argc, char** argv) {
   app.add_option("--layouts", opt.layouts, "independent (per head) and/or clustered (per KV group)");
   app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
   app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
-  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
+  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default off)");
   asmem::AddMacFlags(app, &opt.mac);
   try {
     app.parse(argc, argv);

@@ -4,7 +4,6 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -138,12 +137,6 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.pdl = c.programmatic_launch;
-  // Measurement knob: ASMEM_MAC_ATTEND_CAP=0 runs the uncapped G <= 4 attend variant.
-  static const bool cap = [] {
-    const char* e = std::getenv("ASMEM_MAC_ATTEND_CAP");
-    return !(e && e[0] == '0');
-  }();
-  a.attend_cap = cap;
   Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

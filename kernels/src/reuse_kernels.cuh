@@ -8,16 +8,26 @@
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
 //    ranges, one global chunk size, the chunk -> group map (reuse_common.h).
-//  * Attend: resident CTAs loop over the planned chunks; a chunk is a token range of one
-//    group's sink, band or tail, streamed once for the G heads through a 3-stage cp.async
-//    pipeline (as decode attention does), heads masking tokens before their own band
-//    start (only tiles below the largest start pay for the mask); one normalized partial
-//    state per head and chunk.
+//  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
+//    CTAs past the plan exit at once): a token range of one group's sink, band or tail,
+//    streamed once for the G heads through a 3-stage cp.async pipeline (as decode
+//    attention does), heads masking tokens before their own band start (only tiles below
+//    the largest start pay for the mask); one normalized partial state per head and chunk.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
 //    then the ring writes (query, entry, tag). Every merge is state.cuh's.
-// With programmatic launch, attend and combine start while their predecessor drains and
-// wait (griddepcontrol.wait) before reading anything it wrote.
+// With programmatic launch (off by default), attend and combine start while their
+// predecessor drains and wait (griddepcontrol.wait) before reading anything it wrote.
+//
+// Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json), and why so:
+//  * A grid of resident CTAs looping over the chunks (c += gridDim.x) was slower than one
+//    CTA per chunk: all-miss LLaMA-8B B=64 32K 4316 vs 2806 us. Static round-robin gives
+//    some CTAs several long chunks; the hardware's dynamic CTA dispatch balances them.
+//  * Programmatic dependent launch made the B=1 all-hit step slower (43.2 vs 38.9 us) and
+//    did not change B=32 (140 vs 138 us): early-launched CTAs sit on SMs waiting.
+//  * All-hit cost: ~38 us at B=1 (three dependent kernels of little work each) plus ~4 us
+//    per request at W = 512 for ~7 MB read (the 4 MB query ring scan of 32 heads and
+//    ~2.7 MB of band and tail KV): ~1.7 TB/s, well under HBM speed.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -560,10 +570,11 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   }
 }
 
-// CAP: G <= 4 held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel is
-// without a cap; here it spills a few bytes); uncapped it takes ~140 and 3 CTAs fit.
-template <int GROUP, bool CAP>
-constexpr int AttendMinBlocks() { return CAP && GROUP <= 4 ? 4 : 1; }
+// G <= 4 is held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel is
+// without a cap; this one spills ~24 bytes). Measured (H200, LLaMA-8B heads, all-miss): the
+// uncapped variant (148 registers, 3 CTAs per SM) was slower, B=32 32K 1818 vs 1525 us.
+template <int GROUP>
+constexpr int AttendMinBlocks() { return GROUP <= 4 ? 4 : 1; }
 
 // MacFill: one chunk per CTA.
 template <typename DType, int HEAD_DIM, int GROUP>
@@ -576,9 +587,9 @@ __global__ void __launch_bounds__(kThreads) MacFillAttendKernel(const LaunchArgs
   AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, cp.t0, s_lo, reinterpret_cast<float*>(mac_smem));
 }
 
-// Decode: resident CTAs loop over the planned chunks.
-template <typename DType, int HEAD_DIM, int GROUP, bool CAP>
-__global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP, CAP>()) MacAttendKernel(const LaunchArgs a) {
+// Decode: CTA c attends planned chunks c, c + gridDim.x, ... (one chunk per CTA as launched).
+template <typename DType, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP>()) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
   __shared__ int32_t s_lo[GROUP];
   float* smem = reinterpret_cast<float*>(mac_smem);
@@ -858,38 +869,23 @@ bool AllowTileSmem(Kernel kernel, size_t bytes) {
   return true;
 }
 
-template <typename DType, int HEAD_DIM, int GROUP, bool CAP>
-void LaunchAttendAs(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
-  auto kernel = MacAttendKernel<DType, HEAD_DIM, GROUP, CAP>;
-  constexpr size_t kSmem = Tile<HEAD_DIM>::kBytes;
-  static const bool smem_ok = AllowTileSmem(kernel, kSmem);
-  (void)smem_ok;
-  static const int per_sm = [&] {
-    int n = 0;
-    ASMEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
-    return n < 1 ? 1 : n;
-  }();
-  int dev = 0, sms = 0;
-  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
-  ASMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t grid = std::min<int64_t>(ctas, int64_t(per_sm) * sms);
-  LaunchMaybePdl(kernel, unsigned(grid), kSmem, a.pdl, a, stream);
-}
-
+// Fill: one CTA per static split. Decode: `ctas` = the most chunks a plan can have, so every
+// chunk gets its own CTA and the hardware hands chunks to SMs as they free up (the kernel's
+// loop then runs at most once per CTA; the unused CTAs exit at once).
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
+  constexpr size_t kSmem = Tile<HEAD_DIM>::kBytes;
   if (a.fill) {
-    static const bool smem_ok = AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, Tile<HEAD_DIM>::kBytes);
+    static const bool smem_ok = AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);
     (void)smem_ok;
-    MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, Tile<HEAD_DIM>::kBytes, stream>>>(a);
+    MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, kSmem, stream>>>(a);
     ASMEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  if constexpr (GROUP <= 4) {
-    if (!a.attend_cap) return LaunchAttendAs<DType, HEAD_DIM, GROUP, false>(a, ctas, stream);
-  }
-  LaunchAttendAs<DType, HEAD_DIM, GROUP, true>(a, ctas, stream);
+  static const bool smem_ok = AllowTileSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);
+  (void)smem_ok;
+  LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP>, unsigned(ctas), kSmem, a.pdl, a, stream);
 }
 
 template <typename DType, int HEAD_DIM>

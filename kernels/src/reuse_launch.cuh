@@ -51,7 +51,6 @@ struct LaunchArgs {
   // Fill: positions per request and splits per (request, position, KV head).
   int32_t fill_n = 0, fill_splits = 1;
   bool pdl = false;  // attend and combine launched as programmatic dependents
-  bool attend_cap = true;  // G <= 4: the 128-register attend variant (4 CTAs per SM)
 };
 
 // KV tiles of the attention CTAs: kBlockN tokens of K and V per stage, kStages stages (48 KB).

@@ -327,14 +327,13 @@ std::vector<MacCase> GpuCases() {
   c.dtype = KernelDType::kF16;
   v.push_back(c);
 
-  c = v[0];  // plain stream order instead of programmatic launches
-  c.name = "base-no-pdl";
-  c.programmatic_launch = false;
+  c = v[0];  // programmatic dependent launches instead of plain stream order
+  c.name = "base-pdl";
+  c.programmatic_launch = true;
   v.push_back(c);
   c = v[5];
-  c.name = "llama8b-heads-bf16-no-pdl";
-  c.programmatic_launch = false;
-  c.steps = 64;
+  c.name = "llama8b-heads-bf16-pdl";
+  c.programmatic_launch = true;
   v.push_back(c);
   return v;
 }

@@ -53,7 +53,7 @@ struct MacCase {
   float sm_scale = 0.f;
   int32_t reset_step = -1;         // request 0's slot gets a new epoch before this step
   int32_t unready_from = -1, unready_to = -1;  // the last request not ready in [from, to)
-  bool programmatic_launch = true;  // MacDecodeConfig::programmatic_launch (CUDA op only)
+  bool programmatic_launch = false;  // MacDecodeConfig::programmatic_launch (CUDA op only)
 };
 
 inline std::string DescribeMac(const MacCase& c) {
@@ -65,7 +65,7 @@ inline std::string DescribeMac(const MacCase& c) {
   for (size_t i = 0; i < c.T0.size(); ++i) os << (i ? "," : "") << c.T0[i];
   os << "} steps=" << c.steps << " p_hit=" << c.p_hit << (c.clustered ? " clustered" : "")
      << (c.with_prefix ? " prefix" : "") << (c.constant_q ? " constant-q" : "")
-     << (c.programmatic_launch ? "" : " no-pdl");
+     << (c.programmatic_launch ? " pdl" : "");
   return os.str();
 }
 

@@ -67,9 +67,8 @@
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
 // epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
-// attention over the planned KV chunks (a grid of resident CTAs looping over the chunks),
-// combine (+ ring writes); with config.programmatic_launch the last two are launched as
-// programmatic dependents (Hopper PDL) so their launch overlaps the previous kernel's tail.
+// attention over the planned KV chunks (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two are launched as
+// programmatic dependents (Hopper PDL).
 #pragma once
 
 #include <cstddef>
@@ -107,8 +106,9 @@ struct MacDecodeConfig {
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
   MacConfig mac;
-  bool programmatic_launch = true;  // CUDA op: overlap kernel launches (PDL); false: plain
-                                    // stream order (same results)
+  bool programmatic_launch = false;  // CUDA op: launch attend and combine as programmatic
+                                     // dependents (Hopper PDL; same results). Off: measured
+                                     // slower at B = 1 on an H200 (see reuse_kernels.cuh)
 };
 
 // Ring tag: the position held and the epoch it was written under; position -1: empty.
