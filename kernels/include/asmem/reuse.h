@@ -1,0 +1,229 @@
+// In-request attention reuse, "MAC" (match, amend, complete), over the paged non-prefix KV.
+// Host API: raw pointers, cudaStream_t, no torch, no __global__.
+//
+// Positions. For request b (of B) the paged KV holds its T = seq_lens[b] non-prefix tokens at
+// positions 0..T-1; the step decodes position m = T - 1 (its K/V is already in the cache).
+// With a dictionary the prefix lives outside the paged KV; its state is an input (below).
+// Settings (MacConfig): W window, r band, F front sink, tau, min_context. For a position x:
+//   F_x = min(F, x + 1),   e(x) = max(F_x, x + 1 - r)      (so F_x <= e(x) <= x + 1)
+//   entry(x)  = the attention state of x's own query over [F_x, e(x))   (sink and the last r
+//               tokens left out); natural-log lse, f32, the state.cuh convention.
+//
+// Per request slot and layer (MacLayerState): a ring of the last W pre-RoPE queries per query
+// head and a ring of their entries; ring slot w holds position x with x % W == w, tagged
+// (x, epoch). Per request slot (MacSlot, shared by all layers): epoch and ready.
+//
+// One step (MacAttention), per request b and query head hq = h*G + g:
+//  Match.   Candidates p: positions m-W .. m-1 (>= 0) whose ring slot holds a tag equal to
+//           (p, slots[slot].epoch). dist(p) = sum_i (q_pre[b,hq,i] - ring_q[p,hq,i])^2 over the
+//           raw (dtype-rounded) pre-RoPE values. The best candidate has the smallest
+//           distance, ties to the earlier position. Hit iff mac.enable, slots[slot].ready != 0,
+//           T >= mac.min_context, a candidate exists and dist < MacThreshold(mac, d)
+//           = float(2 d (1 - tau)^2) (strict). Otherwise miss.
+//  Complete. Hit at p: band start bs = max(F_m, e(p));
+//             entry'  = merge(entry(p), exact over [bs, e(m)))      (built by construction)
+//           Miss:   entry' = exact over [F_m, e(m)).
+//             out     = merge(prefix, exact over [0, F_m), entry', exact over [e(m), m])
+//           exact = attention of the post-RoPE q[b,hq] with s_t = sm_scale * q.k_t; every
+//           merge is asmem/state.cuh's; nothing is ever subtracted.
+//  Amend.   ring slot m % W of the request's slot gets q_pre[b,hq], entry' (this is entry(m)),
+//           and the tag (m, epoch). Written whatever the decision (also when ready == 0), so
+//           a ring warms up during decode; read only when ready != 0.
+//  GQA. The G heads of a KV group decide independently (all-hit, mixed or all-miss). The
+//  group's KV is streamed once: tokens [0, F_m) and [min_g bs_g, m] (misses: bs = F_m), each
+//  head masking what it does not need. Hits and misses are decided before the attention work
+//  is divided, so an all-miss step costs what full attention costs (plus the match scan).
+//  T == 0: nothing is attended or written; out = prefix state (or (0, -inf)).
+//
+// Staleness. A ring entry is served only when its tag matches the slot's current epoch and
+// the wanted position, and the slot is ready. Handing a slot to a new request: bump its epoch
+// (MacUpdateSlots, or write the MacSlot array directly), which invalidates its rings in every
+// layer at once with no clearing; graphs captured earlier read the new epoch on replay.
+//
+// Dictionary. The prefix state (o, lse per query head: e.g. DecodeAttention's outputs for
+// seq_lens = 0, or any state) is merged into out only; entries cover non-prefix tokens, and
+// the decision's context is T (non-prefix tokens). Null prefix pointers: no prefix.
+//
+// Prefill. MacFill builds entry(x) exactly from the KV for given positions x (e.g. the last W
+// prompt tokens) and writes them with their pre-RoPE queries and tags into the ring.
+//
+// Tensors (device memory for the CUDA ops, host memory for the *Cpu references):
+//   q, q_pre     [B, Hq, d] DType (post-RoPE / pre-RoPE); strides q_stride_b, q_stride_h
+//                (elements, multiples of 8); the d values of a head contiguous, 16-byte aligned.
+//   k_cache, v_cache, block_table, seq_lens: exactly as DecodeParams (asmem/decode.h).
+//   slot_ids     [B] int32 ring slot of each request, distinct, in [0, num_slots); null: b.
+//   slots        [num_slots] MacSlot.
+//   prefix_o     [B, Hq, d] DType with strides, prefix_lse [B, Hq] f32; both null or both set.
+//   o            [B, Hq, d] DType with strides; lse [B, Hq] f32 (may be null);
+//   hit_pos      [B, Hq] int32: the reused position p, or -1 on a miss (may be null).
+// Ring (MacLayerState, one per layer; MacLayerStateBytes / MacBindLayerState lay it out):
+//   ring_q [num_slots, Hq, W, d] DType, ring_o [num_slots, Hq, W, d] f32,
+//   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
+//   own bookkeeping: match_best [num_slots, Hq] u64, match_done [1] u32 (left initialized
+//   after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
+//   state serves one step at a time.
+// Outputs must not alias inputs. Only the first params.batch requests are read or written.
+//
+// CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
+// a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
+// epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
+// attention over the planned KV chunks (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two are launched as
+// programmatic dependents (Hopper PDL).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "asmem/cuda_fwd.h"
+#include "asmem/decode.h"  // KernelDType and the 16-bit conversions
+
+namespace asmem {
+
+// MAC settings: one struct, every field with its default and its command-line flag (the
+// engine's flags use exactly these names).
+struct MacConfig {
+  bool enable = true;          // --mac / --no-mac: reuse at all (off: every head misses)
+  float tau = 0.45f;           // --mac-tau: hit when dist < 2 d (1 - tau)^2; in [0, 1]
+  int32_t window = 512;        // --mac-window: W, candidate positions m-W .. m-1; >= 1
+  int32_t band = 256;          // --mac-band: r, tokens before m left out of entries; >= 0
+  int32_t front_sink = 0;      // --mac-front-sink: F, first tokens always attended exactly
+  int32_t min_context = 2048;  // --mac-min-context: no reuse while T < min_context; >= 0
+};
+
+// The match threshold float(2 d (1 - tau)^2) both paths compare against.
+float MacThreshold(const MacConfig& mac, int32_t head_dim);
+// Throws InvalidArgument naming the field unless the settings are in range.
+void ValidateMacConfig(const MacConfig& mac);
+
+// Static description of the steps a MAC op serves. Host-side.
+struct MacDecodeConfig {
+  int32_t batch = 0;         // B: most requests per step
+  int32_t num_q_heads = 0;   // Hq
+  int32_t num_kv_heads = 0;  // Hkv; G = Hq / Hkv in [1, 8]
+  int32_t head_dim = 0;      // d: 64 or 128
+  KernelDType dtype = KernelDType::kBF16;  // q, q_pre, KV, prefix_o, o, ring_q: bf16 or f16
+  int32_t page_size = 16;    // tokens per KV page: power of two in [1, 1024]
+  int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
+  int32_t num_slots = 0;     // request slots the rings hold, >= 1
+  MacConfig mac;
+  bool programmatic_launch = false;  // CUDA op: launch attend and combine as programmatic
+                                     // dependents (Hopper PDL; same results). Off: measured
+                                     // slower at B = 1 on an H200 (see reuse_kernels.cuh)
+};
+
+// Ring tag: the position held and the epoch it was written under; position -1: empty.
+struct MacTag {
+  int32_t position;
+  int32_t epoch;
+};
+
+// Per request slot, shared by all layers.
+struct MacSlot {
+  int32_t epoch = 0;  // bumped when the slot gets a new request
+  int32_t ready = 0;  // 0: the slot's rings are not read (every head misses)
+};
+
+// One layer's rings (see the layout above).
+struct MacLayerState {
+  void* ring_q = nullptr;
+  float* ring_o = nullptr;
+  float* ring_lse = nullptr;
+  MacTag* ring_tag = nullptr;
+  unsigned long long* match_best = nullptr;  // CUDA op only
+  uint32_t* match_done = nullptr;            // CUDA op only
+};
+
+// Bytes of one layer's rings laid out by MacBindLayerState (each array 256-byte aligned).
+size_t MacLayerStateBytes(const MacDecodeConfig& config);
+// Points the rings at `base` (256-byte aligned, MacLayerStateBytes(config) bytes).
+MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base);
+// Marks every ring slot empty (tags to position -1) and resets the bookkeeping, on the
+// device / on the host.
+void MacInitLayerState(const MacDecodeConfig& config, const MacLayerState& state,
+                       cudaStream_t stream);
+void MacInitLayerStateCpu(const MacDecodeConfig& config, const MacLayerState& state);
+
+// For the n slots slot_ids[0..n): epoch += 1 when `new_epoch`, then ready = `ready`.
+// Device arrays (one small launch, capturable) / host arrays.
+void MacUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch,
+                    int32_t ready, cudaStream_t stream);
+void MacUpdateSlotsCpu(MacSlot* slots, int32_t num_slots, const int32_t* slot_ids, int32_t n,
+                       bool new_epoch, int32_t ready);
+
+// Per-step arguments. Pointers: see the contract at the top of this file.
+struct MacParams {
+  int32_t batch = 0;  // requests this step, 1..config.batch
+  const void* q = nullptr;
+  int64_t q_stride_b = 0, q_stride_h = 0;
+  const void* q_pre = nullptr;
+  int64_t q_pre_stride_b = 0, q_pre_stride_h = 0;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  const int32_t* seq_lens = nullptr;
+  const int32_t* slot_ids = nullptr;  // null: request b uses slot b
+  const MacSlot* slots = nullptr;
+  MacLayerState state;
+  const void* prefix_o = nullptr;     // null: no prefix state
+  int64_t prefix_stride_b = 0, prefix_stride_h = 0;
+  const float* prefix_lse = nullptr;
+  void* o = nullptr;
+  int64_t o_stride_b = 0, o_stride_h = 0;
+  float* lse = nullptr;        // optional
+  int32_t* hit_pos = nullptr;  // optional
+  float sm_scale = 0.f;        // <= 0: 1/sqrt(d)
+};
+
+// Sets the KV strides of the default [num_pages, Hkv, page_size, d] layout.
+void MacKvStrides(const MacDecodeConfig& config, MacParams* params);
+
+// Whether the CUDA op supports the config (dims, group size, dtype, page size, settings).
+bool MacSupported(const MacDecodeConfig& config);
+// Device workspace MacAttention needs (256-byte aligned, not shared with a concurrent op).
+size_t MacWorkspaceBytes(const MacDecodeConfig& config);
+
+// The CUDA step. Throws UnsupportedError / InvalidArgument; asmem::Error without CUDA.
+void MacAttention(const MacDecodeConfig& config, const MacParams& params, void* workspace,
+                  size_t workspace_bytes, cudaStream_t stream);
+// The CPU reference: naive loops, double accumulation, the same arguments and results
+// (distances in double; the CUDA op's fp32 distances agree except within fp32 rounding of a
+// tie or of the threshold). Accepts any head dim and group size.
+void MacAttentionCpu(const MacDecodeConfig& config, const MacParams& params);
+
+// Prefill: entries for given positions, computed exactly from the KV.
+struct MacFillParams {
+  int32_t batch = 0;          // requests, 1..config.batch
+  int32_t num_positions = 0;  // N per request, 1..W
+  const int32_t* positions = nullptr;  // [B, N] int32: x in [0, seq_lens[b]), or -1 (skip);
+                                       // a request's positions distinct modulo W
+  const void* q = nullptr;             // [B, N, Hq, d] post-RoPE queries of those positions
+  int64_t q_stride_b = 0, q_stride_n = 0, q_stride_h = 0;
+  const void* q_pre = nullptr;         // [B, N, Hq, d] pre-RoPE queries
+  int64_t q_pre_stride_b = 0, q_pre_stride_n = 0, q_pre_stride_h = 0;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  const int32_t* seq_lens = nullptr;   // tokens in the cache (only x < seq_lens[b] is valid)
+  const int32_t* slot_ids = nullptr;   // null: b
+  const MacSlot* slots = nullptr;      // the tags get slots[slot].epoch
+  MacLayerState state;
+  float sm_scale = 0.f;
+};
+void MacFillKvStrides(const MacDecodeConfig& config, MacFillParams* params);
+// Workspace of MacFill for N positions per request.
+size_t MacFillWorkspaceBytes(const MacDecodeConfig& config, int32_t num_positions);
+// Cost: one pass over [F_x, e(x)) of the KV per position and KV head (split over CTAs).
+void MacFill(const MacDecodeConfig& config, const MacFillParams& params, void* workspace,
+             size_t workspace_bytes, cudaStream_t stream);
+void MacFillCpu(const MacDecodeConfig& config, const MacFillParams& params);
+
+// The KV tokens one KV group streams at a step (the sink plus [min_g bs_g, m]), given the
+// group's hit positions (-1: miss) and T; full attention streams T.
+int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit_pos,
+                       int32_t group_size);
+
+}  // namespace asmem

@@ -1,0 +1,166 @@
+// MAC reuse: the range rules and the work plan shared by the CUDA kernels, the launcher and
+// the CPU reference (host and device code). Private to kernels/src. Contracts: asmem/reuse.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
+
+namespace asmem {
+namespace mac {
+
+// ---------------------------------------------------------------------------------------
+// Ranges (reuse.h: F_x, e(x), band start)
+// ---------------------------------------------------------------------------------------
+
+ASMEM_HOST_DEVICE int32_t Min32(int32_t a, int32_t b) { return a < b ? a : b; }
+ASMEM_HOST_DEVICE int32_t Max32(int32_t a, int32_t b) { return a > b ? a : b; }
+
+// F_x = min(F, x + 1): the sink of position x.
+ASMEM_HOST_DEVICE int32_t SinkEnd(int32_t F, int32_t x) { return Min32(F, x + 1); }
+// e(x) = max(F_x, x + 1 - r): entry(x) covers [F_x, e(x)). int64 math: r may be large.
+ASMEM_HOST_DEVICE int32_t EntryEnd(int32_t F, int32_t r, int32_t x) {
+  const int64_t e = int64_t(x) + 1 - r;
+  const int32_t f = SinkEnd(F, x);
+  return e > f ? int32_t(e) : f;
+}
+// Where head's exact band starts at step m: F_m on a miss (p < 0), max(F_m, e(p)) on a hit.
+ASMEM_HOST_DEVICE int32_t BandStart(int32_t F, int32_t r, int32_t m, int32_t p) {
+  const int32_t fm = SinkEnd(F, m);
+  return p < 0 ? fm : Max32(fm, EntryEnd(F, r, p));
+}
+
+// Token ranges of one KV group at step m: sink [0, sink_end), band [band_lo, band_end),
+// tail [band_end, end). band_lo = min over the group's heads of their band starts.
+struct UnitRanges {
+  int32_t sink_end = 0, band_lo = 0, band_end = 0, end = 0;
+};
+ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_t band_lo) {
+  UnitRanges u;
+  if (T <= 0) return u;
+  const int32_t m = T - 1;
+  u.sink_end = SinkEnd(F, m);
+  u.band_end = EntryEnd(F, r, m);
+  u.band_lo = band_lo;
+  u.end = T;
+  return u;
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode plan: after the match, one CTA divides the step's KV work (every group's sink,
+// band and tail) into chunks of `per` tokens, per = max(kMinChunk, ceil(total /
+// kTargetChunks), ceil(largest group / kMaxGroupChunks)) rounded up to kChunkAlign, each
+// segment chunked on its own (a chunk
+// never straddles segments). Hence at most kTargetChunks + 3 * B * Hkv chunks; the
+// attention grid has that many CTAs and the unused ones exit at once. An all-miss step
+// gets full attention's split; a mixed step spreads the few long groups over many CTAs.
+// ---------------------------------------------------------------------------------------
+constexpr int32_t kTargetChunks = 16 * 132;
+constexpr int32_t kMinChunk = 128;
+constexpr int32_t kChunkAlign = 64;
+constexpr int32_t kMaxGroupChunks = 128;
+// Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
+// each scanning at least kMinMatchRows candidates.
+constexpr int32_t kMatchTargetCtas = 264;
+constexpr int32_t kMinMatchRows = 64;
+// MacFill: static split of each (request, position, KV head) like DecodeAttention's.
+constexpr int32_t kFillTargetCtas = 16 * 132;
+constexpr int32_t kFillMaxSplits = 128;
+
+ASMEM_HOST_DEVICE int32_t CeilDiv(int64_t a, int64_t b) { return int32_t((a + b - 1) / b); }
+
+// `total`: tokens of the whole step; `most`: tokens of its largest group (which gets at most
+// kMaxGroupChunks chunks, as decode attention's kMaxKvSplits: fewer, longer chunks cost less
+// to combine than many short ones once the machine is full anyway).
+ASMEM_HOST_DEVICE int32_t ChunkTokens(int64_t total, int64_t most) {
+  int64_t per = (total + kTargetChunks - 1) / kTargetChunks;
+  const int64_t by_group = (most + kMaxGroupChunks - 1) / kMaxGroupChunks;
+  if (per < by_group) per = by_group;
+  if (per < kMinChunk) per = kMinChunk;
+  per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  return per > (int64_t(1) << 30) ? (1 << 30) : int32_t(per);
+}
+
+// MacFill chunk of a range of `len` tokens over `splits` CTAs.
+ASMEM_HOST_DEVICE int32_t FillChunkTokens(int32_t len, int32_t splits) {
+  int64_t per = len <= 0 ? 1 : (int64_t(len) + splits - 1) / splits;
+  if (per < kMinChunk) per = kMinChunk;
+  return int32_t((per + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
+}
+
+inline int32_t MaxChunks(int32_t batch, int32_t hkv) { return kTargetChunks + 3 * batch * hkv; }
+
+inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
+  const int64_t rows = int64_t(batch) * hq;
+  int64_t s = (kMatchTargetCtas + rows - 1) / rows;
+  const int64_t by_rows = window / kMinMatchRows > 1 ? window / kMinMatchRows : 1;
+  if (s > by_rows) s = by_rows;
+  return s < 1 ? 1 : int32_t(s);
+}
+
+// The plan of one group (written by the match kernel's last CTA).
+struct UnitPlan {
+  int32_t first_chunk;  // global index of its first chunk
+  int32_t n_sink, n_band, n_tail;  // chunks per segment
+  int32_t sink_end, band_lo, band_end, end;
+};
+
+// A match candidate as one u64 whose unsigned order is the tie rule: distance (a
+// non-negative float's bits order like the float), then position. kNoCandidate: none.
+constexpr unsigned long long kNoCandidate = ~0ull;
+ASMEM_HOST_DEVICE unsigned long long CandidateKey(uint32_t dist_bits, int32_t pos) {
+  return (static_cast<unsigned long long>(dist_bits) << 32) | static_cast<uint32_t>(pos);
+}
+
+// Per query head after the match.
+struct HeadDecision {
+  int32_t hit_pos;     // -1: miss
+  int32_t band_start;  // BandStart(...)
+};
+
+}  // namespace mac
+}  // namespace asmem
+
+// ---------------------------------------------------------------------------------------
+// Host side: checks and workspace layouts, shared by the CUDA launcher and the CPU reference
+// (defined in reuse_cpu.cc).
+// ---------------------------------------------------------------------------------------
+#include "asmem/reuse.h"
+
+namespace asmem {
+namespace mac {
+
+// Throws UnsupportedError / InvalidArgument naming `fn` unless the config is usable;
+// `cuda`: also the CUDA op's limits (dims, group size, dtype, page size).
+void CheckConfig(const MacDecodeConfig& config, const char* fn, bool cuda);
+void CheckParams(const MacDecodeConfig& config, const MacParams& params, const char* fn);
+void CheckFillParams(const MacDecodeConfig& config, const MacFillParams& params, const char* fn);
+// Ring byte offsets inside one layer's state block.
+struct StateLayout {
+  size_t ring_q = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, match_done = 0, total = 0;
+};
+StateLayout LayoutState(const MacDecodeConfig& config);
+
+struct WorkspaceLayout {
+  size_t plan_info = 0;   // uint32 [2]: chunk tokens, chunks
+  size_t heads = 0;       // [B, Hq] HeadDecision
+  size_t units = 0;       // [B, Hkv] UnitPlan
+  size_t chunk_unit = 0;  // [MaxChunks] int32: the group of each chunk
+  size_t part_o = 0;      // [MaxChunks, G, d] f32
+  size_t part_lse = 0;    // [MaxChunks, G] f32
+  size_t total = 0;
+};
+WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& config);
+
+// MacFill: splits per (request, position, KV head) and the partial states.
+int32_t FillSplits(const MacDecodeConfig& config, int32_t batch, int32_t num_positions);
+struct FillLayout {
+  size_t part_o = 0;    // [B, N, Hkv, S, G, d] f32
+  size_t part_lse = 0;  // [B, N, Hkv, S, G] f32
+  size_t total = 0;
+};
+FillLayout LayoutFill(const MacDecodeConfig& config, int32_t batch, int32_t num_positions);
+
+}  // namespace mac
+}  // namespace asmem

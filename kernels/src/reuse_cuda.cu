@@ -1,0 +1,209 @@
+// MAC reuse launchers: checks, workspace, and the one dispatch over (dtype, head dim, group
+// size). Contracts: asmem/reuse.h; device code: reuse_kernels.cuh.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "asmem/cuda_check.cuh"
+#include "asmem/error.h"
+#include "asmem/reuse.h"
+#include "reuse_common.h"
+#include "reuse_launch.cuh"
+
+namespace asmem {
+namespace mac {
+namespace {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <int N>
+using IntTag = std::integral_constant<int, N>;
+
+template <typename F, typename DT, typename HD, int GROUP>
+void DispatchGroupFrom(int group, F&& f, DT dt, HD hd) {
+  if constexpr (GROUP <= kDecodeMaxGroup) {
+    if (group == GROUP) {
+      f(dt, hd, IntTag<GROUP>{});
+      return;
+    }
+    DispatchGroupFrom<F, DT, HD, GROUP + 1>(group, std::forward<F>(f), dt, hd);
+  } else {
+    throw UnsupportedError("MAC attention: group size " + std::to_string(group) + " is not supported");
+  }
+}
+
+template <typename F, typename DT>
+void DispatchHeadDim(int head_dim, int group, F&& f, DT dt) {
+  switch (head_dim) {
+    case 64: return DispatchGroupFrom<F, DT, IntTag<64>, 1>(group, std::forward<F>(f), dt, IntTag<64>{});
+    case 128: return DispatchGroupFrom<F, DT, IntTag<128>, 1>(group, std::forward<F>(f), dt, IntTag<128>{});
+    default:
+      throw UnsupportedError("MAC attention: head_dim " + std::to_string(head_dim) + " is not supported");
+  }
+}
+
+// The one place that maps (dtype, head dim, group size) to an instantiation:
+// f(TypeTag<DType>, IntTag<HEAD_DIM>, IntTag<GROUP>). The set matches MacSupported.
+template <typename F>
+void Dispatch(KernelDType dtype, int head_dim, int group, F&& f) {
+  switch (dtype) {
+    case KernelDType::kBF16:
+      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__nv_bfloat16>{});
+    case KernelDType::kF16:
+      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__half>{});
+    default:
+      throw UnsupportedError(std::string("MAC attention: dtype ") + KernelDTypeName(dtype) + " is not supported");
+  }
+}
+
+int Log2(int x) {
+  int s = 0;
+  while ((1 << s) < x) ++s;
+  return s;
+}
+
+void CheckWorkspace(void* ws, size_t have, size_t need, const char* fn, const char* sizer) {
+  if (have < need) {
+    throw InvalidArgument(std::string(fn) + ": workspace has " + std::to_string(have) + " bytes, needs " +
+                          std::to_string(need) + " (" + sizer + ")");
+  }
+  if (ws == nullptr || reinterpret_cast<uintptr_t>(ws) % 256 != 0) {
+    throw InvalidArgument(std::string(fn) + ": workspace is null or not 256-byte aligned");
+  }
+}
+
+LaunchArgs CommonArgs(const MacDecodeConfig& c, float sm_scale) {
+  LaunchArgs a;
+  a.hq = c.num_q_heads;
+  a.hkv = c.num_kv_heads;
+  a.group = c.num_q_heads / c.num_kv_heads;
+  a.head_dim = c.head_dim;
+  a.window = c.mac.window;
+  a.front_sink = c.mac.front_sink;
+  a.band = c.mac.band;
+  a.min_context = c.mac.min_context;
+  a.enable = c.mac.enable ? 1 : 0;
+  a.threshold = MacThreshold(c.mac, c.head_dim);
+  a.page_shift = Log2(c.page_size);
+  const float scale = sm_scale > 0.f ? sm_scale : 1.f / std::sqrt(float(c.head_dim));
+  a.scale_log2 = scale * 1.4426950408889634f;
+  return a;
+}
+
+}  // namespace
+
+void LaunchUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch, int32_t ready,
+                       cudaStream_t stream);
+
+}  // namespace mac
+
+void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream) {
+  using namespace mac;
+  const char* fn = "MacAttention";
+  CheckConfig(c, fn, true);
+  CheckParams(c, p, fn);
+  const WorkspaceLayout L = LayoutWorkspace(c);
+  CheckWorkspace(workspace, workspace_bytes, L.total, fn, "MacWorkspaceBytes");
+  char* ws = static_cast<char*>(workspace);
+  if (p.state.match_best == nullptr || p.state.match_done == nullptr) {
+    throw InvalidArgument(std::string(fn) + ": state.match_best / match_done are null (lay the state out with "
+                          "MacBindLayerState and initialize it with MacInitLayerState)");
+  }
+  LaunchArgs a = CommonArgs(c, p.sm_scale);
+  a.p = p;
+  a.fill = false;
+  a.batch = p.batch;
+  a.q = p.q;
+  a.q_stride_h = p.q_stride_h;
+  a.k = p.k_cache;
+  a.v = p.v_cache;
+  a.kv_stride_page = p.kv_stride_page;
+  a.kv_stride_head = p.kv_stride_head;
+  a.kv_stride_token = p.kv_stride_token;
+  a.block_table = p.block_table;
+  a.bt_stride = p.block_table_stride;
+  a.match_splits = MatchSplits(p.batch, c.num_q_heads, c.mac.window);
+  a.plan_info = reinterpret_cast<uint32_t*>(ws + L.plan_info);
+  a.heads = reinterpret_cast<HeadDecision*>(ws + L.heads);
+  a.units = reinterpret_cast<UnitPlan*>(ws + L.units);
+  a.chunk_unit = reinterpret_cast<int32_t*>(ws + L.chunk_unit);
+  a.max_chunks = MaxChunks(p.batch, c.num_kv_heads);
+  a.part_o = reinterpret_cast<float*>(ws + L.part_o);
+  a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
+  a.pdl = c.programmatic_launch;
+  Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+    using DType = typename decltype(dt)::type;
+    constexpr int HEAD_DIM = decltype(hd)::value;
+    constexpr int GROUP = decltype(gs)::value;
+    LaunchMatch<DType, HEAD_DIM>(a, stream);
+    LaunchAttend<DType, HEAD_DIM, GROUP>(a, a.max_chunks, stream);
+    LaunchCombine<DType, HEAD_DIM>(a, stream);
+  });
+}
+
+void MacFill(const MacDecodeConfig& c, const MacFillParams& f, void* workspace, size_t workspace_bytes,
+             cudaStream_t stream) {
+  using namespace mac;
+  const char* fn = "MacFill";
+  CheckConfig(c, fn, true);
+  CheckFillParams(c, f, fn);
+  const FillLayout L = LayoutFill(c, f.batch, f.num_positions);
+  CheckWorkspace(workspace, workspace_bytes, L.total, fn, "MacFillWorkspaceBytes");
+  char* ws = static_cast<char*>(workspace);
+  LaunchArgs a = CommonArgs(c, f.sm_scale);
+  a.f = f;
+  a.fill = true;
+  a.batch = f.batch;
+  a.q = f.q;
+  a.q_stride_h = f.q_stride_h;
+  a.k = f.k_cache;
+  a.v = f.v_cache;
+  a.kv_stride_page = f.kv_stride_page;
+  a.kv_stride_head = f.kv_stride_head;
+  a.kv_stride_token = f.kv_stride_token;
+  a.block_table = f.block_table;
+  a.bt_stride = f.block_table_stride;
+  a.fill_n = f.num_positions;
+  a.fill_splits = FillSplits(c, f.batch, f.num_positions);
+  a.part_o = reinterpret_cast<float*>(ws + L.part_o);
+  a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
+  const int64_t ctas = int64_t(f.batch) * f.num_positions * c.num_kv_heads * a.fill_splits;
+  if (ctas > int64_t(1) << 31) throw InvalidArgument(std::string(fn) + ": too many positions");
+  Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+    using DType = typename decltype(dt)::type;
+    constexpr int HEAD_DIM = decltype(hd)::value;
+    constexpr int GROUP = decltype(gs)::value;
+    LaunchAttend<DType, HEAD_DIM, GROUP>(a, int32_t(ctas), stream);
+    LaunchFillCombine<DType, HEAD_DIM>(a, stream);
+  });
+}
+
+void MacInitLayerState(const MacDecodeConfig& c, const MacLayerState& state, cudaStream_t stream) {
+  mac::CheckConfig(c, "MacInitLayerState", false);
+  if (state.ring_tag == nullptr) throw InvalidArgument("MacInitLayerState: state.ring_tag is null");
+  ASMEM_CUDA_CHECK(cudaMemsetAsync(state.ring_tag, 0xff,
+                                   size_t(c.num_slots) * size_t(c.mac.window) * sizeof(MacTag), stream));
+  if (state.match_best) {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_best, 0xff,
+                                     size_t(c.num_slots) * size_t(c.num_q_heads) * sizeof(unsigned long long), stream));
+  }
+  if (state.match_done) ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_done, 0, sizeof(uint32_t), stream));
+}
+
+void MacUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch, int32_t ready,
+                    cudaStream_t stream) {
+  if (slots == nullptr) throw InvalidArgument("MacUpdateSlots: slots is null");
+  if (n < 0 || (n > 0 && slot_ids == nullptr)) {
+    throw InvalidArgument("MacUpdateSlots: n = " + std::to_string(n) + " needs slot_ids");
+  }
+  if (n == 0) return;
+  mac::LaunchUpdateSlots(slots, slot_ids, n, new_epoch, ready, stream);
+}
+
+}  // namespace asmem

@@ -1,0 +1,406 @@
+// MAC reuse on the GPU (label gpu; skipped without a CUDA device): the CUDA op runs the same
+// chained sequences as the CPU reference (reuse_test_util.h) with its own rings in device
+// memory. Every step: hit decisions identical to the reference's, outputs within relative
+// L2 1e-2 (and per-element tolerances) of the FP64 oracle; at the end the device's rings
+// equal the reference's (tags and queries exactly, entries within fp32 noise). Also run
+// through one captured CUDA graph replayed every step (epochs and ready flags change between
+// replays), and over contexts long enough for multi-chunk plans. Prints pass counts.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "asmem/cuda_check.cuh"
+#include "asmem/error.h"
+#include "asmem/reuse.h"
+#include "kernels/reuse_test_util.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+using test::MacCase;
+using test::MacSeqStats;
+
+struct Counts {
+  int64_t sequences = 0, steps = 0, decisions = 0, hits = 0, ties = 0, mixed = 0, mismatches = 0;
+  double max_rel_l2 = 0;
+};
+Counts g_counts;
+
+class CountsReporter : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::printf(
+        "[mac gpu] %lld sequences, %lld steps, %lld decisions (%lld hits, %lld ties, %lld mixed groups): "
+        "%lld decisions differ from the CPU reference; max relative L2 vs oracle %.3e\n",
+        (long long)g_counts.sequences, (long long)g_counts.steps, (long long)g_counts.decisions,
+        (long long)g_counts.hits, (long long)g_counts.ties, (long long)g_counts.mixed,
+        (long long)g_counts.mismatches, g_counts.max_rel_l2);
+  }
+};
+const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
+
+bool HaveCuda() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define ASMEM_SKIP_WITHOUT_GPU() \
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device"
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t n = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : n(bytes) {
+    if (bytes) ASMEM_CUDA_CHECK(cudaMalloc(&p, bytes));
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(n, o.n);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (p) cudaFree(p);
+  }
+  // Copies in `s`'s order (kernels on a non-blocking stream are not ordered after a plain
+  // cudaMemcpy from pageable memory, whose DMA may still be in flight when it returns).
+  void Put(const void* host, size_t bytes, cudaStream_t s) {
+    if (bytes > n) throw Error("DeviceBuffer::Put: too large");
+    ASMEM_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, s));
+  }
+  void Get(void* host, size_t bytes, cudaStream_t s) const {
+    ASMEM_CUDA_CHECK(cudaMemcpyAsync(host, p, bytes, cudaMemcpyDeviceToHost, s));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+};
+
+// The CUDA op behind test::MacDevice. With `graph`, the first step is captured in a CUDA
+// graph and every later step only refreshes the device inputs and replays it.
+class CudaMac : public test::MacDevice {
+ public:
+  explicit CudaMac(bool graph) : graph_(graph) {}
+  ~CudaMac() override {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  void Setup(const test::MacProblem& pb) override {
+    c_ = pb.config;
+    B_ = pb.B;
+    ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    k_ = Up(pb.k_cache.data(), pb.k_cache.nbytes());
+    v_ = Up(pb.v_cache.data(), pb.v_cache.nbytes());
+    bt_ = Up(pb.block_table.data(), pb.block_table.size() * 4);
+    slot_ids_ = Up(pb.slot_ids.data(), pb.slot_ids.size() * 4);
+    slots_ = DeviceBuffer(size_t(c_.num_slots) * sizeof(MacSlot));
+    ring_bytes_ = MacLayerStateBytes(c_);
+    ring_ = DeviceBuffer(ring_bytes_);
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(ring_.p, 0, ring_bytes_, stream_));
+    state_ = MacBindLayerState(c_, ring_.p);
+    MacInitLayerState(c_, state_, stream_);
+    ws_ = DeviceBuffer(MacWorkspaceBytes(c_));
+    const size_t qb = size_t(B_) * c_.num_q_heads * c_.head_dim * 2;
+    q_ = DeviceBuffer(qb);
+    qp_ = DeviceBuffer(qb);
+    po_ = DeviceBuffer(qb);
+    o_ = DeviceBuffer(qb);
+    plse_ = DeviceBuffer(size_t(B_) * c_.num_q_heads * 4);
+    lse_ = DeviceBuffer(size_t(B_) * c_.num_q_heads * 4);
+    hit_ = DeviceBuffer(size_t(B_) * c_.num_q_heads * 4);
+    seq_ = DeviceBuffer(size_t(B_) * 4);
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void Fill(const MacFillParams& h) override {
+    MacFillParams f = h;
+    const size_t n = size_t(h.batch) * h.num_positions;
+    const size_t qb = n * c_.num_q_heads * c_.head_dim * 2;
+    DeviceBuffer pos = Up(h.positions, n * 4), q = Up(h.q, qb), qp = Up(h.q_pre, qb),
+                 seq = Up(h.seq_lens, size_t(h.batch) * 4);
+    slots_.Put(h.slots, size_t(c_.num_slots) * sizeof(MacSlot), stream_);
+    f.positions = static_cast<const int32_t*>(pos.p);
+    f.q = q.p;
+    f.q_pre = qp.p;
+    f.k_cache = k_.p;
+    f.v_cache = v_.p;
+    f.block_table = static_cast<const int32_t*>(bt_.p);
+    f.seq_lens = static_cast<const int32_t*>(seq.p);
+    f.slot_ids = static_cast<const int32_t*>(slot_ids_.p);
+    f.slots = static_cast<const MacSlot*>(slots_.p);
+    f.state = state_;
+    DeviceBuffer ws(MacFillWorkspaceBytes(c_, h.num_positions));
+    MacFill(c_, f, ws.p, ws.n, stream_);
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void Step(const MacParams& h) override {
+    const size_t qb = size_t(B_) * c_.num_q_heads * c_.head_dim * 2, hb = size_t(B_) * c_.num_q_heads * 4;
+    q_.Put(h.q, qb, stream_);
+    qp_.Put(h.q_pre, qb, stream_);
+    seq_.Put(h.seq_lens, size_t(B_) * 4, stream_);
+    slots_.Put(h.slots, size_t(c_.num_slots) * sizeof(MacSlot), stream_);
+    if (h.prefix_o) {
+      po_.Put(h.prefix_o, qb, stream_);
+      plse_.Put(h.prefix_lse, hb, stream_);
+    }
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(o_.p, 0xff, qb, stream_));  // NaN
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(lse_.p, 0xff, hb, stream_));
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(hit_.p, 0x7f, hb, stream_));
+    MacParams p = h;
+    p.q = q_.p;
+    p.q_pre = qp_.p;
+    p.k_cache = k_.p;
+    p.v_cache = v_.p;
+    p.block_table = static_cast<const int32_t*>(bt_.p);
+    p.seq_lens = static_cast<const int32_t*>(seq_.p);
+    p.slot_ids = static_cast<const int32_t*>(slot_ids_.p);
+    p.slots = static_cast<const MacSlot*>(slots_.p);
+    p.state = state_;
+    p.prefix_o = h.prefix_o ? po_.p : nullptr;
+    p.prefix_lse = h.prefix_o ? static_cast<const float*>(plse_.p) : nullptr;
+    p.o = o_.p;
+    p.lse = static_cast<float*>(lse_.p);
+    p.hit_pos = static_cast<int32_t*>(hit_.p);
+    if (!graph_) {
+      MacAttention(c_, p, ws_.p, ws_.n, stream_);
+    } else {
+      if (!exec_) {
+        cudaGraph_t g;
+        ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        MacAttention(c_, p, ws_.p, ws_.n, stream_);
+        ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+        ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec_, g, 0));
+        ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
+      }
+      ASMEM_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    }
+    o_.Get(h.o, qb, stream_);
+    lse_.Get(h.lse, hb, stream_);
+    hit_.Get(h.hit_pos, hb, stream_);
+  }
+
+  void ReadRing(void* host) override { ring_.Get(host, ring_bytes_, stream_); }
+
+ private:
+  DeviceBuffer Up(const void* host, size_t bytes) {
+    DeviceBuffer b(bytes);
+    b.Put(host, bytes, stream_);
+    return b;
+  }
+
+  bool graph_;
+  MacDecodeConfig c_;
+  int64_t B_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  DeviceBuffer k_, v_, bt_, slot_ids_, slots_, ring_, ws_, q_, qp_, po_, o_, plse_, lse_, hit_, seq_;
+  size_t ring_bytes_ = 0;
+  MacLayerState state_;
+};
+
+MacConfig Mac(int32_t W, int32_t r, int32_t F, int32_t min_ctx, float tau = 0.45f) {
+  MacConfig m;
+  m.window = W;
+  m.band = r;
+  m.front_sink = F;
+  m.min_context = min_ctx;
+  m.tau = tau;
+  return m;
+}
+
+void Record(const MacSeqStats& st) {
+  ++g_counts.sequences;
+  g_counts.steps += st.steps;
+  g_counts.decisions += st.decisions;
+  g_counts.hits += st.hits;
+  g_counts.ties += st.ties;
+  g_counts.mixed += st.groups_mixed;
+  g_counts.mismatches += st.dev_hit_mismatch;
+  g_counts.max_rel_l2 = std::max(g_counts.max_rel_l2, st.max_dev_rel_l2);
+}
+
+// The CPU test's sweep plus larger shapes (LLaMA-8B and GQA-8 heads, long prompts).
+std::vector<MacCase> GpuCases() {
+  std::vector<MacCase> v;
+  MacCase c;
+  c.name = "base";
+  c.mac = Mac(16, 8, 0, 0);
+  c.T0 = {40, 5, 100};
+  c.steps = 70;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g3-f16-d128-short-contexts-sink";
+  c.Hq = 6;
+  c.Hkv = 2;
+  c.d = 128;
+  c.dtype = KernelDType::kF16;
+  c.mac = Mac(33, 40, 4, 10);
+  c.T0 = {3, 20};
+  c.fill = {1, 0};
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g8-clustered-sink";
+  c.Hq = 16;
+  c.Hkv = 2;
+  c.mac = Mac(24, 16, 2, 0);
+  c.T0 = {50, 150};
+  c.clustered = true;
+  c.p_hit = 0.6;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g1-page1-tiny-window";
+  c.Hq = 3;
+  c.Hkv = 3;
+  c.page_size = 1;
+  c.mac = Mac(7, 1, 0, 0);
+  c.T0 = {12};
+  c.steps = 80;
+  c.p_exact = 0.3;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "nhd-prefix-sink-longer-than-context";
+  c.Hq = 8;
+  c.Hkv = 4;
+  c.page_size = 8;
+  c.nhd = true;
+  c.mac = Mac(20, 6, 10, 0);
+  c.T0 = {6, 30, 9};
+  c.with_prefix = true;
+  c.sm_scale = 0.2f;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "llama8b-heads-bf16";
+  c.Hq = 32;
+  c.Hkv = 8;
+  c.d = 128;
+  c.mac = Mac(40, 32, 4, 0);
+  c.T0 = {500, 1100, 90};
+  c.p_hit = 0.85;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "gqa8-f16-clustered-prefix";
+  c.Hq = 32;
+  c.Hkv = 4;
+  c.d = 128;
+  c.dtype = KernelDType::kF16;
+  c.mac = Mac(48, 64, 0, 0);
+  c.T0 = {800, 300};
+  c.clustered = true;
+  c.with_prefix = true;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "d64-g5-page32";
+  c.Hq = 10;
+  c.Hkv = 2;
+  c.d = 64;
+  c.page_size = 32;
+  c.mac = Mac(40, 20, 8, 0);
+  c.T0 = {2000};
+  c.p_hit = 0.9;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g6-g7-min-context";
+  c.Hq = 12;
+  c.Hkv = 2;
+  c.d = 128;
+  c.mac = Mac(30, 10, 0, 400);
+  c.T0 = {380, 200};
+  v.push_back(c);
+  c.name = "g7";
+  c.Hq = 7;
+  c.Hkv = 1;
+  c.d = 64;
+  c.dtype = KernelDType::kF16;
+  v.push_back(c);
+
+  c = v[0];  // programmatic dependent launches instead of plain stream order
+  c.name = "base-pdl";
+  c.programmatic_launch = true;
+  v.push_back(c);
+  c = v[5];
+  c.name = "llama8b-heads-bf16-pdl";
+  c.programmatic_launch = true;
+  v.push_back(c);
+  return v;
+}
+
+TEST(MacGpu, ChainedSequencesMatchReferenceAndOracle) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(601);
+  SCOPED_TRACE(test::seed_trace(seed));
+  int i = 0;
+  for (const MacCase& c : GpuCases()) {
+    CudaMac dev(false);
+    const MacSeqStats st = test::RunMacSequence(c, seed + 31 * i++, &dev);
+    Record(st);
+    EXPECT_EQ(st.dev_hit_mismatch, 0) << c.name;
+    EXPECT_GT(st.hits, 0) << c.name;
+    if (HasFailure()) break;
+  }
+}
+
+// One captured graph per sequence, replayed every step; the slot's epoch is bumped and its
+// ready flag toggled between replays, which must never serve a stale ring.
+TEST(MacGpu, CapturedGraphReplaysWithEpochsAndReady) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(602);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "graph-epoch-reset-and-not-ready";
+  c.Hq = 8;
+  c.Hkv = 2;
+  c.d = 128;
+  c.mac = Mac(32, 12, 1, 0);
+  c.T0 = {64, 300};
+  c.steps = 72;
+  c.reset_step = 30;
+  c.unready_from = 10;
+  c.unready_to = 25;
+  c.with_prefix = true;
+  CudaMac dev(true);
+  const MacSeqStats st = test::RunMacSequence(c, seed, &dev);
+  Record(st);
+  EXPECT_EQ(st.dev_hit_mismatch, 0);
+  EXPECT_GT(st.hits, 0);
+}
+
+// Contexts long enough that the plan's chunk size exceeds its minimum (total tokens above
+// kTargetChunks * 128) and one group spans many chunks; few steps (the reference is slow).
+TEST(MacGpu, LongContextsSplitOverManyChunks) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(603);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "long";
+  c.Hq = 16;
+  c.Hkv = 8;
+  c.d = 128;
+  c.mac = Mac(16, 256, 4, 2048);
+  c.T0 = {20000, 15000};
+  c.steps = 6;
+  c.p_hit = 0.8;
+  c.fill = {1, 0};
+  CudaMac dev(false);
+  const MacSeqStats st = test::RunMacSequence(c, seed, &dev);
+  Record(st);
+  EXPECT_EQ(st.dev_hit_mismatch, 0);
+  EXPECT_GT(st.hits, 0);
+  EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+}
+
+}  // namespace
+}  // namespace asmem

@@ -1,0 +1,764 @@
+// MAC reuse, CPU reference: chained decode sequences against the independent oracle
+// (reuse_test_util.h), the decision rules one by one (threshold, ties, window, min_context,
+// epochs, ready, enable, stale tags), equivalences (a constant query makes MAC equal full
+// attention; disabled MAC is full attention), prefill entries, and argument checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "asmem/reuse.h"
+#include "kernels/reuse_test_util.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+using test::MacCase;
+using test::MacSeqStats;
+
+MacConfig Mac(int32_t W, int32_t r, int32_t F, int32_t min_ctx, float tau = 0.45f) {
+  MacConfig m;
+  m.window = W;
+  m.band = r;
+  m.front_sink = F;
+  m.min_context = min_ctx;
+  m.tau = tau;
+  return m;
+}
+
+// The sweep: >= 64 chained steps each, ring wrap-around (W < steps), ties (exact copies),
+// contexts shorter than r, F > 0 (also F > T), mixed and clustered groups, G 1/2/3/8,
+// d 64/128, bf16/f16, page sizes 1/8/16, both KV layouts, prefix states, epoch resets,
+// not-ready stretches, min_context gating.
+std::vector<MacCase> SweepCases() {
+  std::vector<MacCase> v;
+  MacCase c;
+  c.name = "base";
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.d = 64;
+  c.mac = Mac(16, 8, 0, 0);
+  c.T0 = {40, 5, 100};
+  c.steps = 70;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g3-f16-d128-short-contexts-sink";
+  c.Hq = 6;
+  c.Hkv = 2;
+  c.d = 128;
+  c.dtype = KernelDType::kF16;
+  c.mac = Mac(33, 40, 4, 10);
+  c.T0 = {3, 20};
+  c.fill = {1, 0};
+  c.steps = 64;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g8-clustered";
+  c.Hq = 16;
+  c.Hkv = 2;
+  c.d = 64;
+  c.mac = Mac(24, 16, 2, 0);
+  c.T0 = {50, 150};
+  c.clustered = true;
+  c.p_hit = 0.6;
+  c.steps = 64;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g1-page1-tiny-window";
+  c.Hq = 3;
+  c.Hkv = 3;
+  c.d = 64;
+  c.page_size = 1;
+  c.mac = Mac(7, 1, 0, 0);
+  c.T0 = {12};
+  c.steps = 80;
+  c.p_exact = 0.3;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "nhd-prefix-sink-longer-than-context";
+  c.Hq = 8;
+  c.Hkv = 4;
+  c.d = 64;
+  c.page_size = 8;
+  c.nhd = true;
+  c.mac = Mac(20, 6, 10, 0);
+  c.T0 = {6, 30, 9};
+  c.with_prefix = true;
+  c.steps = 64;
+  c.sm_scale = 0.2f;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "epoch-reset-and-not-ready";
+  c.Hq = 4;
+  c.Hkv = 1;
+  c.d = 128;
+  c.mac = Mac(32, 12, 1, 0);
+  c.T0 = {64, 70};
+  c.steps = 72;
+  c.reset_step = 30;
+  c.unready_from = 10;
+  c.unready_to = 25;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "band-0-min-context-gates-half";
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.d = 64;
+  c.dtype = KernelDType::kF16;
+  c.mac = Mac(16, 0, 0, 60);
+  c.T0 = {28};
+  c.steps = 64;
+  v.push_back(c);
+  return v;
+}
+
+TEST(MacCpu, ChainedSequencesMatchOracle) {
+  const uint64_t seed = test::test_seed(501);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacSeqStats all;
+  int i = 0;
+  for (const MacCase& c : SweepCases()) {
+    const MacSeqStats st = test::RunMacSequence(c, seed + 17 * i++);
+    EXPECT_GE(st.steps, 64) << c.name;
+    EXPECT_GT(st.hits, 0) << c.name;
+    EXPECT_LT(st.hits, st.decisions) << c.name;
+    all.steps += st.steps;
+    all.decisions += st.decisions;
+    all.hits += st.hits;
+    all.ties += st.ties;
+    all.wraps += st.wraps;
+    all.short_steps += st.short_steps;
+    all.groups_all_hit += st.groups_all_hit;
+    all.groups_mixed += st.groups_mixed;
+    all.groups_all_miss += st.groups_all_miss;
+    all.max_rel_l2 = std::max(all.max_rel_l2, st.max_rel_l2);
+    if (HasFailure()) break;
+  }
+  // The sweep covers what it claims to.
+  EXPECT_GT(all.ties, 0);
+  EXPECT_GT(all.wraps, 0);
+  EXPECT_GT(all.short_steps, 0);
+  EXPECT_GT(all.groups_all_hit, 0);
+  EXPECT_GT(all.groups_mixed, 0);
+  EXPECT_GT(all.groups_all_miss, 0);
+  std::printf(
+      "[mac cpu] %lld steps, %lld decisions, %lld hits, %lld ties, %lld wrapped steps, %lld short; "
+      "groups all-hit %lld mixed %lld all-miss %lld; max rel L2 vs oracle %.2e\n",
+      (long long)all.steps, (long long)all.decisions, (long long)all.hits, (long long)all.ties,
+      (long long)all.wraps, (long long)all.short_steps, (long long)all.groups_all_hit,
+      (long long)all.groups_mixed, (long long)all.groups_all_miss, all.max_rel_l2);
+}
+
+// ---------------------------------------------------------------------------------------
+// Decision rules on a hand-built ring: one request, one head, d = 64, T tokens.
+// ---------------------------------------------------------------------------------------
+
+struct Tiny {
+  MacDecodeConfig c;
+  test::HostRing ring;
+  std::vector<MacSlot> slots;
+  test::Buffer k, v, q, qp, o;
+  std::vector<int32_t> bt, seq;
+  float lse = 0;
+  int32_t hit = -7;
+  int32_t slot = 1;
+
+  Tiny(int32_t T, const MacConfig& mac) {
+    c.batch = 1;
+    c.num_q_heads = 1;
+    c.num_kv_heads = 1;
+    c.head_dim = 64;
+    c.page_size = 16;
+    c.max_seq_len = 64;
+    c.num_slots = 3;
+    c.mac = mac;
+    ring.Init(c);
+    slots.assign(3, MacSlot{});
+    for (auto& s : slots) {
+      s.epoch = 5;
+      s.ready = 1;
+    }
+    std::mt19937_64 rng(9);
+    std::normal_distribution<float> nd;
+    k.resize(KernelDType::kBF16, 4 * 16 * 64);
+    v.resize(KernelDType::kBF16, 4 * 16 * 64);
+    for (int64_t i = 0; i < 4 * 16 * 64; ++i) {
+      k.set(i, nd(rng));
+      v.set(i, nd(rng));
+    }
+    q.resize(KernelDType::kBF16, 64);
+    qp.resize(KernelDType::kBF16, 64);
+    o.resize(KernelDType::kBF16, 64);
+    for (int i = 0; i < 64; ++i) q.set(i, nd(rng));
+    bt = {2, 0, 3, 1};
+    seq = {T};
+  }
+  // Writes ring entry x (query `val + delta on the first k dims`, entry state 0.25 / lse 1).
+  void Put(int32_t x, float val, int32_t n_delta = 0, float delta = 1.f, int32_t epoch = 5, int32_t tag_pos = -2) {
+    const int64_t W = c.mac.window, row = int64_t(slot) * W + x % W;
+    for (int i = 0; i < 64; ++i) {
+      StoreFromFloat(ring.state.ring_q, KernelDType::kBF16, row * 64 + i, val + (i < n_delta ? delta : 0.f));
+      ring.state.ring_o[row * 64 + i] = 0.25f;
+    }
+    ring.state.ring_lse[row] = 1.f;
+    ring.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{tag_pos == -2 ? x : tag_pos, epoch};
+  }
+  MacParams Params() {
+    MacParams p;
+    p.batch = 1;
+    p.q = q.data();
+    p.q_stride_h = 64;
+    p.q_stride_b = 64;
+    p.q_pre = qp.data();
+    p.q_pre_stride_h = 64;
+    p.q_pre_stride_b = 64;
+    p.k_cache = k.data();
+    p.v_cache = v.data();
+    MacKvStrides(c, &p);
+    p.block_table = bt.data();
+    p.block_table_stride = 4;
+    p.seq_lens = seq.data();
+    p.slot_ids = &slot;
+    p.slots = slots.data();
+    p.state = ring.state;
+    p.o = o.data();
+    p.o_stride_h = 64;
+    p.o_stride_b = 64;
+    p.lse = &lse;
+    p.hit_pos = &hit;
+    return p;
+  }
+  // Runs a step with q_pre = val everywhere; returns the decision.
+  int32_t Run(float val) {
+    for (int i = 0; i < 64; ++i) qp.set(i, val);
+    MacAttentionCpu(c, Params());
+    return hit;
+  }
+};
+
+TEST(MacCpuDecision, ThresholdIsStrict) {
+  // tau 0.5, d 64: threshold 2 * 64 * 0.25 = 32; bf16 values 0.5 and 1.5 are exact.
+  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  EXPECT_EQ(MacThreshold(mac, 64), 32.f);
+  {
+    Tiny t(21, mac);
+    t.Put(15, 0.5f, 32);  // distance exactly 32
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(15, 0.5f, 31);  // 31
+    EXPECT_EQ(t.Run(0.5f), 15);
+  }
+}
+
+TEST(MacCpuDecision, TiesGoToTheSmallerDistanceThenTheEarlierPosition) {
+  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  {
+    Tiny t(21, mac);  // candidates 12..19
+    t.Put(13, 0.5f, 3);
+    t.Put(17, 0.5f, 3);
+    t.Put(18, 0.5f, 3, -1.f);  // the same distance from the other side
+    EXPECT_EQ(t.Run(0.5f), 13);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(13, 0.5f, 3);
+    t.Put(17, 0.5f, 2);  // later but nearer
+    EXPECT_EQ(t.Run(0.5f), 17);
+  }
+}
+
+TEST(MacCpuDecision, OnlyTheLastWindowPositionsOfTheCurrentEpochAreCandidates) {
+  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  {
+    Tiny t(21, mac);  // m = 20: candidates 12..19; 12 = m - W is the oldest
+    t.Put(12, 0.5f);
+    EXPECT_EQ(t.Run(0.5f), 12);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(11, 0.5f);  // m - W - 1, in ring slot 3 (stale from the previous lap)
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(19, 0.5f, 0, 1.f, 5, 27);  // slot 3 holds a later position (after a rollback)
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(19, 0.5f, 0, 1.f, 4);  // an older epoch: another request's ring
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(19, 0.5f, 0, 1.f, -1, -1);  // empty
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(21, mac);  // the current position's own slot is not a candidate before it is written
+    t.Put(20, 0.5f, 0, 1.f, 5, 20);
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+}
+
+TEST(MacCpuDecision, GatesMinContextReadyEnable) {
+  for (int32_t min_ctx : {20, 21, 22}) {
+    Tiny t(21, Mac(8, 2, 0, min_ctx, 0.5f));
+    t.Put(16, 0.5f);
+    EXPECT_EQ(t.Run(0.5f), min_ctx <= 21 ? 16 : -1) << "min_context " << min_ctx;
+  }
+  {
+    Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+    t.Put(16, 0.5f);
+    t.slots[1].ready = 0;
+    EXPECT_EQ(t.Run(0.5f), -1);
+    // The step still wrote its entry; a new epoch makes every entry stale.
+    EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 20 % 8].position, 20);
+    t.slots[1].ready = 1;
+    const int32_t s = 1;
+    MacUpdateSlotsCpu(t.slots.data(), 3, &s, 1, true, 1);
+    EXPECT_EQ(t.slots[1].epoch, 6);
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+    mac.enable = false;
+    Tiny t(21, mac);
+    t.Put(16, 0.5f);
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+  {
+    Tiny t(1, Mac(8, 2, 0, 0, 0.5f));  // m = 0: no candidates
+    EXPECT_EQ(t.Run(0.5f), -1);
+  }
+}
+
+// The step's ring write and its output, by hand: a hit merges the stored entry with the band
+// [e(p), e(m)), the tail [e(m), m] and nothing else.
+TEST(MacCpuDecision, HitOutputAndAmendByHand) {
+  const MacConfig mac = Mac(8, 3, 0, 0, 0.5f);
+  Tiny t(21, mac);  // m = 20, e(m) = 18; hit p = 15: e(p) = 13, band [13, 18), tail [18, 21)
+  t.Put(15, 0.5f);
+  ASSERT_EQ(t.Run(0.5f), 15);
+  // Expected by direct sums: the entry (0.25 everywhere, lse 1) as one pseudo-token.
+  const int64_t d = 64;
+  auto score = [&](int32_t tok) {
+    const int64_t page = t.bt[tok / 16];
+    double s = 0;
+    for (int i = 0; i < d; ++i) s += double(t.q.get(i)) * t.k.get(page * 16 * 64 + (tok % 16) * 64 + i);
+    return s / 8.0;
+  };
+  auto value = [&](int32_t tok, int i) { return double(t.v.get(t.bt[tok / 16] * 16 * 64 + (tok % 16) * 64 + i)); };
+  double mx = 1.0;
+  for (int32_t tok = 13; tok < 21; ++tok) mx = std::max(mx, score(tok));
+  std::vector<double> o(d, 0.0), eo(d, 0.0);
+  double z = std::exp(1.0 - mx), ez = std::exp(1.0 - mx);
+  for (int i = 0; i < d; ++i) o[i] = eo[i] = z * 0.25;
+  for (int32_t tok = 13; tok < 21; ++tok) {
+    const double w = std::exp(score(tok) - mx);
+    z += w;
+    if (tok < 18) ez += w;
+    for (int i = 0; i < d; ++i) {
+      o[i] += w * value(tok, i);
+      if (tok < 18) eo[i] += w * value(tok, i);
+    }
+  }
+  const test::Tolerance tol = test::OutputTolerance(KernelDType::kBF16);
+  for (int i = 0; i < d; ++i) {
+    EXPECT_NEAR(t.o.get(i), o[i] / z, tol.atol + tol.rtol * std::abs(o[i] / z)) << i;
+    EXPECT_NEAR(t.ring.state.ring_o[(1 * 8 + 4) * 64 + i], eo[i] / ez, 1e-5) << i;  // slot 20 % 8
+  }
+  EXPECT_NEAR(t.lse, mx + std::log(z), 1e-5);
+  EXPECT_NEAR(t.ring.state.ring_lse[1 * 8 + 4], mx + std::log(ez), 1e-5);
+  EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].position, 20);
+  EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].epoch, 5);
+  for (int i = 0; i < d; ++i) {
+    EXPECT_EQ(LoadAsFloat(t.ring.state.ring_q, KernelDType::kBF16, (1 * 8 + 4) * 64 + i), 0.5f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Equivalences
+// ---------------------------------------------------------------------------------------
+
+// With one post-RoPE query per head for the whole sequence, every entry is exact attention
+// of that query, so MAC must equal full attention (DecodeAttentionCpu) whatever it decides.
+TEST(MacCpu, ConstantQueryEqualsFullAttention) {
+  const uint64_t seed = test::test_seed(502);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "constant-q";
+  c.Hq = 6;
+  c.Hkv = 3;
+  c.d = 64;
+  c.mac = Mac(12, 5, 3, 0);
+  c.T0 = {30, 4};
+  c.steps = 64;
+  c.constant_q = true;
+  const MacSeqStats st = test::RunMacSequence(c, seed);
+  EXPECT_GT(st.hits, 0);
+  // Directly against DecodeAttentionCpu at the end state: rebuild the last step by hand.
+  std::mt19937_64 rng(seed + 1);
+  test::MacProblem pb;
+  test::BuildMacProblem(c, rng, &pb);
+  test::HostRing ring;
+  ring.Init(pb.config);
+  std::vector<MacSlot> slots(pb.config.num_slots, MacSlot{0, 1});
+  const int64_t B = pb.B, Hq = c.Hq, d = c.d;
+  test::Buffer q, qp, o, o_full;
+  q.resize(c.dtype, B * Hq * d);
+  qp.resize(c.dtype, B * Hq * d);
+  o.resize(c.dtype, B * Hq * d);
+  o_full.resize(c.dtype, B * Hq * d);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < B * Hq * d; ++i) q.set(i, nd(rng));
+  std::vector<int32_t> seq(B), hit(B * Hq);
+  std::vector<float> lse(B * Hq), lse_full(B * Hq);
+  int64_t hits = 0;
+  for (int32_t k = 0; k < c.steps; ++k) {
+    for (int64_t b = 0; b < B; ++b) seq[b] = c.T0[b] + k + 1;
+    // q_pre: the same vector every step, so every step after the first hits its predecessor.
+    for (int64_t i = 0; i < B * Hq * d; ++i) qp.set(i, 0.25f);
+    MacParams p;
+    p.batch = int32_t(B);
+    p.q = q.data();
+    p.q_stride_h = d;
+    p.q_stride_b = Hq * d;
+    p.q_pre = qp.data();
+    p.q_pre_stride_h = d;
+    p.q_pre_stride_b = Hq * d;
+    p.k_cache = pb.k_cache.data();
+    p.v_cache = pb.v_cache.data();
+    p.kv_stride_page = pb.kv_stride_page;
+    p.kv_stride_head = pb.kv_stride_head;
+    p.kv_stride_token = pb.kv_stride_token;
+    p.block_table = pb.block_table.data();
+    p.block_table_stride = pb.bt_stride;
+    p.seq_lens = seq.data();
+    p.slot_ids = pb.slot_ids.data();
+    p.slots = slots.data();
+    p.state = ring.state;
+    p.o = o.data();
+    p.o_stride_h = d;
+    p.o_stride_b = Hq * d;
+    p.lse = lse.data();
+    p.hit_pos = hit.data();
+    MacAttentionCpu(pb.config, p);
+    for (int32_t x : hit) hits += x >= 0;
+
+    DecodeConfig dc;
+    dc.batch = int32_t(B);
+    dc.num_q_heads = c.Hq;
+    dc.num_kv_heads = c.Hkv;
+    dc.head_dim = c.d;
+    dc.dtype = c.dtype;
+    dc.page_size = c.page_size;
+    dc.max_seq_len = pb.config.max_seq_len;
+    DecodeParams dp;
+    dp.batch = int32_t(B);
+    dp.q = q.data();
+    dp.q_stride_h = d;
+    dp.q_stride_b = Hq * d;
+    dp.k_cache = pb.k_cache.data();
+    dp.v_cache = pb.v_cache.data();
+    dp.kv_stride_page = pb.kv_stride_page;
+    dp.kv_stride_head = pb.kv_stride_head;
+    dp.kv_stride_token = pb.kv_stride_token;
+    dp.block_table = pb.block_table.data();
+    dp.block_table_stride = pb.bt_stride;
+    dp.seq_lens = seq.data();
+    dp.o = o_full.data();
+    dp.o_stride_h = d;
+    dp.o_stride_b = Hq * d;
+    dp.lse = lse_full.data();
+    DecodeAttentionCpu(dc, dp);
+    ASSERT_TRUE(test::AllClose(
+        "MAC vs full attention o, step " + std::to_string(k), B * Hq * d, [&](int64_t i) { return double(o.get(i)); },
+        [&](int64_t i) { return double(o_full.get(i)); }, test::OutputTolerance(c.dtype)));
+    ASSERT_TRUE(test::AllClose(
+        "MAC vs full attention lse", B * Hq, [&](int64_t i) { return double(lse[i]); },
+        [&](int64_t i) { return double(lse_full[i]); }, test::LseTolerance()));
+  }
+  EXPECT_GT(hits, (c.steps - 2) * B * Hq);  // nearly every step reused
+}
+
+TEST(MacCpu, DisabledNeverHits) {
+  const uint64_t seed = test::test_seed(503);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "disabled";
+  c.mac = Mac(16, 4, 1, 0);
+  c.mac.enable = false;
+  c.T0 = {20, 33};
+  c.steps = 64;
+  const MacSeqStats st = test::RunMacSequence(c, seed);
+  EXPECT_EQ(st.hits, 0);
+  EXPECT_EQ(st.steps, 64);
+}
+
+// MacFill writes exact entries (checked against the oracle's), the queries and the tags;
+// position -1 is skipped.
+TEST(MacCpu, FillWritesExactEntries) {
+  const uint64_t seed = test::test_seed(504);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.d = 64;
+  c.mac = Mac(8, 5, 2, 0);
+  c.T0 = {30, 3};
+  c.steps = 0;
+  std::mt19937_64 rng(seed);
+  test::MacProblem pb;
+  test::BuildMacProblem(c, rng, &pb);
+  test::HostRing ring;
+  ring.Init(pb.config);
+  std::vector<MacSlot> slots(pb.config.num_slots, MacSlot{7, 0});
+  test::MacOracle oracle(pb);
+  const int64_t B = 2, N = 4, Hq = 4, d = 64;
+  std::vector<int32_t> positions = {26, 27, -1, 29, 0, 1, 2, -1};
+  test::Buffer q, qp;
+  q.resize(c.dtype, B * N * Hq * d);
+  qp.resize(c.dtype, B * N * Hq * d);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < B * N * Hq * d; ++i) {
+    q.set(i, nd(rng));
+    qp.set(i, nd(rng));
+  }
+  std::vector<int32_t> seq = {30, 3};
+  MacFillParams f;
+  f.batch = 2;
+  f.num_positions = int32_t(N);
+  f.positions = positions.data();
+  f.q = q.data();
+  f.q_stride_h = d;
+  f.q_stride_n = Hq * d;
+  f.q_stride_b = N * Hq * d;
+  f.q_pre = qp.data();
+  f.q_pre_stride_h = d;
+  f.q_pre_stride_n = Hq * d;
+  f.q_pre_stride_b = N * Hq * d;
+  f.k_cache = pb.k_cache.data();
+  f.v_cache = pb.v_cache.data();
+  f.kv_stride_page = pb.kv_stride_page;
+  f.kv_stride_head = pb.kv_stride_head;
+  f.kv_stride_token = pb.kv_stride_token;
+  f.block_table = pb.block_table.data();
+  f.block_table_stride = pb.bt_stride;
+  f.seq_lens = seq.data();
+  f.slot_ids = pb.slot_ids.data();
+  f.slots = slots.data();
+  f.state = ring.state;
+  MacFillCpu(pb.config, f);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t x = positions[b * N + n];
+      const int32_t slot = pb.slot_ids[b];
+      if (x < 0) continue;
+      std::vector<std::vector<double>> qq(Hq, std::vector<double>(d)), qq_pre(Hq, std::vector<double>(d));
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        for (int64_t i = 0; i < d; ++i) {
+          qq[hq][i] = q.get(((b * N + n) * Hq + hq) * d + i);
+          qq_pre[hq][i] = qp.get(((b * N + n) * Hq + hq) * d + i);
+        }
+      }
+      oracle.Fill(b, x, qq, qq_pre, slots.data());
+      const auto& e = oracle.RingEntry(slot, x % 8);
+      EXPECT_EQ(ring.state.ring_tag[slot * 8 + x % 8].position, x);
+      EXPECT_EQ(ring.state.ring_tag[slot * 8 + x % 8].epoch, 7);
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        std::vector<double> eo;
+        double el;
+        oracle.EntryState(b, e, hq, &eo, &el);
+        const int64_t row = (int64_t(slot) * Hq + hq) * 8 + x % 8;
+        EXPECT_TRUE(test::AllClose(
+            "fill entry", d, [&](int64_t i) { return double(ring.state.ring_o[row * d + i]); },
+            [&](int64_t i) { return eo[i]; }, test::Tolerance{1e-5, 1e-4}));
+        if (std::isinf(el)) {
+          EXPECT_EQ(ring.state.ring_lse[row], -INFINITY);  // x = 0, 1, 2 with F = 2, r = 5: empty
+        } else {
+          EXPECT_NEAR(ring.state.ring_lse[row], el, 1e-5);
+        }
+        for (int64_t i = 0; i < d; ++i) {
+          EXPECT_EQ(LoadAsFloat(ring.state.ring_q, c.dtype, row * d + i), float(qq_pre[hq][i]));
+        }
+      }
+    }
+  }
+  // The skipped position's ring slot stays empty (28 % 8 = 4 for request 0).
+  EXPECT_EQ(ring.state.ring_tag[pb.slot_ids[0] * 8 + 4].position, -1);
+}
+
+TEST(MacCpu, GroupTokens) {
+  MacConfig mac = Mac(512, 256, 4, 0);
+  const int32_t miss[2] = {-1, -1}, hits[2] = {9000, 9990}, mixed[2] = {9990, -1};
+  EXPECT_EQ(MacGroupTokens(mac, 10000, miss, 2), 10000);
+  // hit at 9000: e(p) = 8745; hit at 9990: e(p) = 9735: lo = 8745, tokens 4 + (10000 - 8745)
+  EXPECT_EQ(MacGroupTokens(mac, 10000, hits, 2), 4 + 10000 - 8745);
+  EXPECT_EQ(MacGroupTokens(mac, 10000, mixed, 2), 10000);
+  EXPECT_EQ(MacGroupTokens(mac, 0, miss, 2), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Argument checks
+// ---------------------------------------------------------------------------------------
+
+TEST(MacConfigCheck, SettingsNameTheField) {
+  auto bad = [](auto edit, const char* field) {
+    MacConfig m;
+    edit(m);
+    test::expect_error<InvalidArgument>([&] { ValidateMacConfig(m); }, {"MacConfig", field});
+  };
+  bad([](MacConfig& m) { m.tau = -0.1f; }, "tau");
+  bad([](MacConfig& m) { m.tau = 1.5f; }, "tau");
+  bad([](MacConfig& m) { m.tau = std::numeric_limits<float>::quiet_NaN(); }, "tau");
+  bad([](MacConfig& m) { m.window = 0; }, "window");
+  bad([](MacConfig& m) { m.band = -1; }, "band");
+  bad([](MacConfig& m) { m.front_sink = -1; }, "front_sink");
+  bad([](MacConfig& m) { m.min_context = -5; }, "min_context");
+  MacConfig d;
+  EXPECT_NO_THROW(ValidateMacConfig(d));
+  EXPECT_EQ(d.tau, 0.45f);
+  EXPECT_EQ(d.window, 512);
+  EXPECT_EQ(d.band, 256);
+  EXPECT_EQ(d.front_sink, 0);
+  EXPECT_EQ(d.min_context, 2048);
+  EXPECT_TRUE(d.enable);
+  EXPECT_NEAR(MacThreshold(d, 128), 2 * 128 * 0.55 * 0.55, 1e-4);
+}
+
+TEST(MacConfigCheck, SupportedSet) {
+  MacDecodeConfig c;
+  c.batch = 4;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.num_slots = 4;
+  EXPECT_TRUE(MacSupported(c));
+  EXPECT_GT(MacWorkspaceBytes(c), 0u);
+  EXPECT_GT(MacLayerStateBytes(c), size_t(4) * 32 * 512 * 128 * 6);  // q ring + f32 entries
+  auto c2 = c;
+  c2.head_dim = 96;
+  EXPECT_FALSE(MacSupported(c2));
+  test::expect_error<UnsupportedError>([&] { MacWorkspaceBytes(c2); }, {"head_dim 96"});
+  c2 = c;
+  c2.num_kv_heads = 2;  // G = 16
+  EXPECT_FALSE(MacSupported(c2));
+  c2 = c;
+  c2.dtype = KernelDType::kF32;
+  EXPECT_FALSE(MacSupported(c2));
+  test::expect_error<UnsupportedError>([&] { MacLayerStateBytes(c2); }, {"dtype f32"});
+  c2 = c;
+  c2.page_size = 3;
+  EXPECT_FALSE(MacSupported(c2));
+  c2 = c;
+  c2.num_slots = 0;
+  test::expect_error<InvalidArgument>([&] { MacLayerStateBytes(c2); }, {"num_slots"});
+  c2 = c;
+  c2.mac.window = 0;
+  test::expect_error<InvalidArgument>([&] { MacWorkspaceBytes(c2); }, {"window"});
+}
+
+TEST(MacCpu, BadArgumentsThrow) {
+  Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+  auto expect_bad = [&](auto edit, const char* what) {
+    MacParams p = t.Params();
+    edit(p);
+    test::expect_error<InvalidArgument>([&] { MacAttentionCpu(t.c, p); }, {"MacAttentionCpu", what});
+  };
+  expect_bad([](MacParams& p) { p.q = nullptr; }, "q is null");
+  expect_bad([](MacParams& p) { p.q_pre = static_cast<const char*>(p.q_pre) + 2; }, "q_pre is not 16-byte aligned");
+  expect_bad([](MacParams& p) { p.batch = 2; }, "params.batch");
+  expect_bad([](MacParams& p) { p.slots = nullptr; }, "slots is null");
+  expect_bad([](MacParams& p) { p.state.ring_tag = nullptr; }, "ring_tag");
+  expect_bad([](MacParams& p) { p.q_stride_h = 12; }, "q_stride_h");
+  expect_bad([](MacParams& p) { p.prefix_lse = &p.sm_scale; }, "prefix_o and prefix_lse");
+  expect_bad([](MacParams& p) { p.sm_scale = std::numeric_limits<float>::infinity(); }, "sm_scale");
+  int32_t bad_slot = 3;
+  expect_bad([&](MacParams& p) { p.slot_ids = &bad_slot; }, "slot_ids[0] = 3");
+  int32_t neg = -1;
+  expect_bad([&](MacParams& p) { p.seq_lens = &neg; }, "seq_lens[0]");
+
+  // Two requests on one slot.
+  MacDecodeConfig c2 = t.c;
+  c2.batch = 2;
+  MacParams p = t.Params();
+  p.batch = 2;
+  std::vector<int32_t> same = {1, 1}, seq2 = {21, 21};
+  std::vector<int32_t> bt2 = {2, 0, 3, 1, 2, 0, 3, 1};
+  test::Buffer q2, o2;
+  q2.resize(KernelDType::kBF16, 128);
+  o2.resize(KernelDType::kBF16, 128);
+  std::vector<float> lse2(2);
+  std::vector<int32_t> hit2(2);
+  p.q = q2.data();
+  p.q_pre = q2.data();
+  p.o = o2.data();
+  p.lse = lse2.data();
+  p.hit_pos = hit2.data();
+  p.seq_lens = seq2.data();
+  p.block_table = bt2.data();
+  p.slot_ids = same.data();
+  test::expect_error<InvalidArgument>([&] { MacAttentionCpu(c2, p); }, {"slot 1 is used by two requests"});
+
+#ifdef ASMEM_WITH_CUDA
+  // The CUDA op checks the workspace before touching the device.
+  test::expect_error<InvalidArgument>([&] { MacAttention(t.c, t.Params(), nullptr, 16, nullptr); },
+                                      {"MacAttention", "workspace has 16 bytes"});
+#else
+  test::expect_error<UnsupportedError>([&] { MacAttention(t.c, t.Params(), nullptr, 0, nullptr); },
+                                       {"without CUDA"});
+#endif
+}
+
+TEST(MacCpu, BadFillArgumentsThrow) {
+  Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+  std::vector<int32_t> positions = {18, 19};
+  MacFillParams f;
+  f.batch = 1;
+  f.num_positions = 2;
+  f.positions = positions.data();
+  f.q = t.q.data();
+  f.q_pre = t.q.data();
+  f.q_stride_h = f.q_pre_stride_h = 64;
+  f.q_stride_n = f.q_pre_stride_n = 0;
+  f.k_cache = t.k.data();
+  f.v_cache = t.v.data();
+  MacFillKvStrides(t.c, &f);
+  f.block_table = t.bt.data();
+  f.block_table_stride = 4;
+  f.seq_lens = t.seq.data();
+  f.slot_ids = &t.slot;
+  f.slots = t.slots.data();
+  f.state = t.ring.state;
+  EXPECT_NO_THROW(MacFillCpu(t.c, f));
+  auto expect_bad = [&](auto edit, const char* what) {
+    MacFillParams g = f;
+    std::vector<int32_t> pos = positions;
+    g.positions = pos.data();
+    edit(g, pos);
+    test::expect_error<InvalidArgument>([&] { MacFillCpu(t.c, g); }, {"MacFillCpu", what});
+  };
+  expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.num_positions = 0; }, "num_positions 0");
+  expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.num_positions = 9; }, "num_positions 9");
+  expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 21; }, "is not below seq_lens");
+  expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 10; }, "collide modulo window");
+  expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.positions = nullptr; }, "positions is null");
+}
+
+}  // namespace
+}  // namespace asmem

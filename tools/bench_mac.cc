@@ -1,0 +1,545 @@
+// asmem_bench_mac: latency of one MAC decode step (MacAttention: match over the query ring,
+// exact attention over the planned KV, merge and ring writes) at constructed hit rates,
+// against full attention through DecodeAttention (no dictionary) on the same KV and queries,
+// measured in the same process.
+//
+// Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16, paged
+// KV (page 16, HND layout, shuffled pages), every request at the same context length.
+// Hit rates are set by construction: the rings hold random pre-RoPE queries for positions
+// m-W .. m-1; a hit head's query is a noisy copy (std 0.05) of one of them, position
+// p = m-1-U[0, --max-offset], a miss head's query is fresh N(0, 1) (distance ~2d, far above
+// the threshold). "independent": exactly round(rate * B * Hq) hit heads drawn at random;
+// "clustered": round(rate * B * Hkv) KV groups with every head hit, the others all-miss.
+// The realized hit rate and the fraction of the KV read (MacGroupTokens) come from the op's
+// own hit_pos output.
+// Timing: each op is captured once in a CUDA graph; after warm-up, every timed replay follows
+// an untimed 256 MB memset (L2 holds nothing of the step) and sits between two CUDA events;
+// median of --iters replays (mean and min too). A large memset enqueued first keeps the host
+// ahead of the GPU.
+//
+//   asmem_bench_mac [--quick] [--out FILE] [--commit SHA] [MAC flags: tools/mac_flags.h]
+#include <cuda_runtime_api.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "asmem/cuda_check.cuh"
+#include "asmem/decode.h"
+#include "asmem/error.h"
+#include "asmem/reuse.h"
+#include "mac_flags.h"
+
+namespace asmem {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr int kHeadDim = 128;
+constexpr int kPageSize = 16;
+
+struct Shape {
+  std::string name;
+  int hq, hkv;
+};
+
+struct Options {
+  bool quick = false;
+  bool pdl = false;
+  std::string out, commit;
+  int iters = 30, warmup = 10;
+  int max_offset = -1;  // -1: W - 2
+  size_t flush_mb = 256;
+  std::vector<int> batches = {1, 16, 32, 64};
+  std::vector<int> contexts = {32768, 65536, 131072};
+  std::vector<double> hit_rates = {0.0, 0.5, 0.9, 0.99, 1.0};
+  std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
+  std::vector<std::string> layouts = {"independent", "clustered"};
+  MacConfig mac;
+};
+
+struct DevMem {
+  void* p = nullptr;
+  size_t n = 0;
+  DevMem() = default;
+  explicit DevMem(size_t bytes) : n(bytes) { ASMEM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+  DevMem(DevMem&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  DevMem& operator=(DevMem&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(n, o.n);
+    return *this;
+  }
+  ~DevMem() {
+    if (p) cudaFree(p);
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+template <typename T>
+DevMem Upload(const std::vector<T>& v) {
+  DevMem m(v.size() * sizeof(T));
+  ASMEM_CUDA_CHECK(cudaMemcpy(m.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return m;
+}
+
+template <typename T>
+void Put(const DevMem& m, const std::vector<T>& v) {
+  ASMEM_CUDA_CHECK(cudaMemcpy(m.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+// Fast normal variates (xorshift + Box-Muller).
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+  float uniform() { return float((next() >> 11) * (1.0 / 9007199254740992.0)); }
+  float normal() {
+    const float u1 = std::max(uniform(), 1e-12f), u2 = uniform();
+    return std::sqrt(-2.f * std::log(u1)) * std::cos(6.2831853f * u2);
+  }
+  int64_t below(int64_t n) { return int64_t(next() % uint64_t(n)); }
+};
+
+std::vector<uint16_t> RandomBF16(size_t n, Rng& rng, float scale = 1.f) {
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = FloatToBF16Bits(scale * rng.normal());
+  return v;
+}
+
+void FillRandom(void* dst, size_t bytes, const DevMem& chunk) {
+  size_t off = 0;
+  while (off < bytes) {
+    const size_t n = std::min(chunk.n, bytes - off);
+    ASMEM_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dst) + off, chunk.p, n, cudaMemcpyDeviceToDevice));
+    off += n;
+  }
+}
+
+struct Timing {
+  double median_us = 0, mean_us = 0, min_us = 0;
+  int iters = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Captures `enqueue` once in a graph, then times replays (see the file comment).
+Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options& opt, cudaStream_t stream,
+                 const DevMem& flush, const DevMem& spin) {
+  cudaGraph_t g;
+  cudaGraphExec_t e;
+  ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue(stream);
+  ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+  ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
+  for (int i = 0; i < opt.warmup; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
+  std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
+  for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&x));
+  ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
+  for (int i = 0; i < opt.iters; ++i) {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream));
+    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
+    ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
+    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+  }
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> us(opt.iters);
+  for (int i = 0; i < opt.iters; ++i) {
+    float ms = 0;
+    ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = 1e3 * ms;
+  }
+  for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(x));
+  ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
+  Timing t;
+  t.median_us = Median(us);
+  t.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
+  t.min_us = *std::min_element(us.begin(), us.end());
+  t.iters = opt.iters;
+  return t;
+}
+
+void CheckFinite(const DevMem& o, size_t n, const DevMem& lse, size_t nl, const std::string& what) {
+  std::vector<uint16_t> h(n);
+  std::vector<float> l(nl);
+  ASMEM_CUDA_CHECK(cudaMemcpy(h.data(), o.p, n * 2, cudaMemcpyDeviceToHost));
+  ASMEM_CUDA_CHECK(cudaMemcpy(l.data(), lse.p, nl * 4, cudaMemcpyDeviceToHost));
+  for (uint16_t x : h) {
+    if (!std::isfinite(BF16BitsToFloat(x))) throw Error("non-finite output in " + what);
+  }
+  for (float x : l) {
+    if (!std::isfinite(x)) throw Error("non-finite lse in " + what);
+  }
+}
+
+std::string Now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+int Run(const Options& opt) {
+  int dev = 0;
+  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  ASMEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::string commit = opt.commit;
+  for (const char* env : {"ASMEM_COMMIT", "GIT_COMMIT"}) {
+    if (commit.empty() && std::getenv(env)) commit = std::getenv(env);
+  }
+  ValidateMacConfig(opt.mac);
+  const MacConfig& mc = opt.mac;
+  const int W = mc.window;
+  const int max_off = opt.max_offset < 0 ? std::max(0, W - 2) : std::min(opt.max_offset, std::max(0, W - 2));
+  std::printf("asmem_bench_mac on %s (%d SMs), commit %s; MAC tau %.2f W %d r %d F %d min_context %d%s%s\n",
+              prop.name, prop.multiProcessorCount, commit.empty() ? "?" : commit.c_str(), mc.tau, W, mc.band,
+              mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)", opt.pdl ? ", PDL" : "");
+
+  std::vector<Shape> shapes;
+  for (const std::string& n : opt.shapes) {
+    if (n == "llama-3.1-8b") shapes.push_back({n, 32, 8});
+    else if (n == "gqa-8") shapes.push_back({n, 32, 4});
+    else throw InvalidArgument("unknown shape " + n + " (llama-3.1-8b, gqa-8)");
+  }
+  for (const std::string& l : opt.layouts) {
+    if (l != "independent" && l != "clustered") throw InvalidArgument("unknown layout " + l);
+  }
+  const int Cmax = *std::max_element(opt.contexts.begin(), opt.contexts.end());
+  const int Bmax = *std::max_element(opt.batches.begin(), opt.batches.end());
+  int hkv_max = 0;
+  for (const Shape& s : shapes) hkv_max = std::max(hkv_max, s.hkv);
+  const int64_t ppr_max = (int64_t(Cmax) + kPageSize - 1) / kPageSize;
+  const size_t pool_bytes = size_t(Bmax) * ppr_max * hkv_max * kPageSize * kHeadDim * 2;
+  std::printf("KV pools: 2 x %.2f GB\n", pool_bytes / 1e9);
+  DevMem kpool(pool_bytes), vpool(pool_bytes);
+  Rng rng(2024);
+  {
+    DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
+    FillRandom(kpool.p, pool_bytes, chunk);
+    FillRandom(vpool.p, pool_bytes, chunk);
+  }
+  DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
+  cudaStream_t stream;
+  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  json out;
+  out["gpu"] = prop.name;
+  out["sms"] = prop.multiProcessorCount;
+  out["date"] = Now();
+  out["commit"] = commit;
+  out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
+                     {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
+                     {"flush_mb", opt.flush_mb}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
+                     {"mac", {{"enable", mc.enable}, {"tau", mc.tau}, {"window", W}, {"band", mc.band},
+                              {"front_sink", mc.front_sink}, {"min_context", mc.min_context}}}};
+  out["full"] = json::array();
+  out["results"] = json::array();
+
+  std::printf("\n%-13s %3s %5s | %9s | %-11s %5s %6s %6s | %9s %8s\n", "shape", "B", "ctx", "full_us", "layout",
+              "rate", "hit", "kv", "mac_us", "speedup");
+  for (const Shape& s : shapes) {
+    const int G = s.hq / s.hkv;
+    const size_t page_bytes = size_t(s.hkv) * kPageSize * kHeadDim * 2;
+    const int64_t pool_pages = int64_t(pool_bytes / page_bytes);
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937_64 shuf(7);
+    std::shuffle(perm.begin(), perm.end(), shuf);
+    // One slot's ring content, shared by every slot: random queries, entries, lse.
+    const size_t ring_rows = size_t(s.hq) * W;
+    const std::vector<uint16_t> ring_q_host = RandomBF16(ring_rows * kHeadDim, rng);
+    std::vector<float> ring_o_host(ring_rows * kHeadDim), ring_lse_host(ring_rows);
+    for (auto& x : ring_o_host) x = 0.5f * rng.normal();
+    for (auto& x : ring_lse_host) x = 5.f + rng.normal();
+
+    for (int B : opt.batches) {
+      const size_t qn = size_t(B) * s.hq * kHeadDim;
+      DevMem q = Upload(RandomBF16(qn, rng)), q_pre(qn * 2), o(qn * 2), lse(size_t(B) * s.hq * 4),
+             hit(size_t(B) * s.hq * 4);
+      MacDecodeConfig mcfg;
+      mcfg.batch = B;
+      mcfg.num_q_heads = s.hq;
+      mcfg.num_kv_heads = s.hkv;
+      mcfg.head_dim = kHeadDim;
+      mcfg.dtype = KernelDType::kBF16;
+      mcfg.page_size = kPageSize;
+      mcfg.num_slots = B;
+      mcfg.mac = mc;
+      mcfg.programmatic_launch = opt.pdl;
+      DevMem ring(MacLayerStateBytes(mcfg)), ws(MacWorkspaceBytes(mcfg));
+      const MacLayerState state = MacBindLayerState(mcfg, ring.p);
+      MacInitLayerState(mcfg, state, stream);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<MacSlot> slots_host(B, MacSlot{0, 1});
+      DevMem slots = Upload(slots_host);
+      DevMem ddec_ws(1 << 20);
+
+      for (int ctx : opt.contexts) {
+        mcfg.max_seq_len = ctx;
+        const int m = ctx - 1;
+        const int64_t ppr = (int64_t(ctx) + kPageSize - 1) / kPageSize;
+        if (int64_t(B) * ppr > pool_pages) throw Error("page pool too small");
+        std::vector<int32_t> bt(size_t(B) * ppr);
+        for (size_t i = 0; i < bt.size(); ++i) bt[i] = perm[i];
+        DevMem bt_dev = Upload(bt), lens = Upload(std::vector<int32_t>(B, ctx));
+        // Rings: the shared content in every slot, tags for positions m-W .. m-1.
+        for (int b = 0; b < B; ++b) {
+          const size_t r0 = size_t(b) * ring_rows;
+          ASMEM_CUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(state.ring_q) + r0 * kHeadDim, ring_q_host.data(),
+                                      ring_q_host.size() * 2, cudaMemcpyHostToDevice));
+          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_o + r0 * kHeadDim, ring_o_host.data(), ring_o_host.size() * 4,
+                                      cudaMemcpyHostToDevice));
+          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_lse + r0, ring_lse_host.data(), ring_lse_host.size() * 4,
+                                      cudaMemcpyHostToDevice));
+        }
+        std::vector<MacTag> tags(size_t(B) * W, MacTag{-1, -1});
+        for (int b = 0; b < B; ++b) {
+          for (int x = std::max(0, m - W); x < m; ++x) tags[size_t(b) * W + x % W] = MacTag{x, 0};
+        }
+        ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_tag, tags.data(), tags.size() * sizeof(MacTag), cudaMemcpyHostToDevice));
+        // Plain copies from pageable memory may still be in flight when they return, and the
+        // ops run on a non-blocking stream: wait for every upload.
+        ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+
+        // Baseline: full attention through DecodeAttention.
+        DecodeConfig dc;
+        dc.batch = B;
+        dc.num_q_heads = s.hq;
+        dc.num_kv_heads = s.hkv;
+        dc.head_dim = kHeadDim;
+        dc.dtype = KernelDType::kBF16;
+        dc.page_size = kPageSize;
+        dc.max_seq_len = ctx;
+        DecodeParams dp;
+        dp.batch = B;
+        dp.q = q.p;
+        dp.q_stride_h = kHeadDim;
+        dp.q_stride_b = int64_t(s.hq) * kHeadDim;
+        dp.k_cache = kpool.p;
+        dp.v_cache = vpool.p;
+        DecodeKvStrides(dc, &dp);
+        dp.block_table = bt_dev.as<int32_t>();
+        dp.block_table_stride = ppr;
+        dp.seq_lens = lens.as<int32_t>();
+        dp.o = o.p;
+        dp.o_stride_h = kHeadDim;
+        dp.o_stride_b = int64_t(s.hq) * kHeadDim;
+        dp.lse = lse.as<float>();
+        if (ddec_ws.n < DecodeWorkspaceBytes(dc)) ddec_ws = DevMem(DecodeWorkspaceBytes(dc));
+        ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
+        ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+        DecodeAttention(dc, dp, ddec_ws.p, ddec_ws.n, stream);
+        ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+        CheckFinite(o, qn, lse, size_t(B) * s.hq, s.name + " full attention");
+        const Timing full = TimeGraph([&](cudaStream_t st) { DecodeAttention(dc, dp, ddec_ws.p, ddec_ws.n, st); },
+                                      opt, stream, flush, spin);
+        const double kv_bytes = double(B) * s.hkv * ctx * kHeadDim * 2 * 2;
+        out["full"].push_back({{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"context", ctx},
+                               {"median_us", full.median_us}, {"mean_us", full.mean_us}, {"min_us", full.min_us},
+                               {"iters", full.iters}, {"kv_bytes", kv_bytes},
+                               {"tbps", kv_bytes / (full.median_us * 1e-6) / 1e12}});
+
+        MacParams mp;
+        mp.batch = B;
+        mp.q = q.p;
+        mp.q_stride_h = kHeadDim;
+        mp.q_stride_b = int64_t(s.hq) * kHeadDim;
+        mp.q_pre = q_pre.p;
+        mp.q_pre_stride_h = kHeadDim;
+        mp.q_pre_stride_b = int64_t(s.hq) * kHeadDim;
+        mp.k_cache = kpool.p;
+        mp.v_cache = vpool.p;
+        MacKvStrides(mcfg, &mp);
+        mp.block_table = bt_dev.as<int32_t>();
+        mp.block_table_stride = ppr;
+        mp.seq_lens = lens.as<int32_t>();
+        mp.slots = slots.as<MacSlot>();
+        mp.state = state;
+        mp.o = o.p;
+        mp.o_stride_h = kHeadDim;
+        mp.o_stride_b = int64_t(s.hq) * kHeadDim;
+        mp.lse = lse.as<float>();
+        mp.hit_pos = hit.as<int32_t>();
+
+        for (double rate : opt.hit_rates) {
+          for (const std::string& layout : opt.layouts) {
+            if ((rate == 0.0 || rate == 1.0) && layout != opt.layouts[0]) continue;  // the same thing
+            // Which heads hit.
+            const int64_t nh = int64_t(B) * s.hq, ng = int64_t(B) * s.hkv;
+            std::vector<char> is_hit(nh, 0);
+            if (layout == "independent") {
+              std::vector<int64_t> idx(nh);
+              std::iota(idx.begin(), idx.end(), 0);
+              std::shuffle(idx.begin(), idx.end(), shuf);
+              const int64_t k = std::llround(rate * double(nh));
+              for (int64_t i = 0; i < k; ++i) is_hit[idx[i]] = 1;
+            } else {
+              std::vector<int64_t> idx(ng);
+              std::iota(idx.begin(), idx.end(), 0);
+              std::shuffle(idx.begin(), idx.end(), shuf);
+              const int64_t k = std::llround(rate * double(ng));
+              for (int64_t i = 0; i < k; ++i) {
+                for (int g = 0; g < G; ++g) is_hit[idx[i] * G + g] = 1;
+              }
+            }
+            std::vector<uint16_t> qp(qn);
+            for (int64_t bh = 0; bh < nh; ++bh) {
+              const int hq = int(bh % s.hq);
+              uint16_t* dst = &qp[size_t(bh) * kHeadDim];
+              if (is_hit[bh] && m >= 2) {
+                const int p = m - 1 - int(rng.below(std::min<int64_t>(max_off, m - 1) + 1));
+                const uint16_t* src = &ring_q_host[(size_t(hq) * W + p % W) * kHeadDim];
+                for (int i = 0; i < kHeadDim; ++i) dst[i] = FloatToBF16Bits(BF16BitsToFloat(src[i]) + 0.05f * rng.normal());
+              } else {
+                for (int i = 0; i < kHeadDim; ++i) dst[i] = FloatToBF16Bits(rng.normal());
+              }
+            }
+            Put(q_pre, qp);
+            ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
+            ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+            MacAttention(mcfg, mp, ws.p, ws.n, stream);
+            ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+            CheckFinite(o, qn, lse, size_t(nh), s.name + " MAC");
+            std::vector<int32_t> hp(nh);
+            ASMEM_CUDA_CHECK(cudaMemcpy(hp.data(), hit.p, nh * 4, cudaMemcpyDeviceToHost));
+            int64_t hits = 0, tokens = 0;
+            for (int32_t x : hp) hits += x >= 0;
+            for (int64_t g0 = 0; g0 < ng; ++g0) tokens += MacGroupTokens(mc, ctx, &hp[g0 * G], G);
+            const double hit_rate = double(hits) / double(nh);
+            const double kv_fraction = double(tokens) / (double(ng) * ctx);
+            const Timing t = TimeGraph([&](cudaStream_t st) { MacAttention(mcfg, mp, ws.p, ws.n, st); }, opt,
+                                       stream, flush, spin);
+            const double speedup = full.median_us / t.median_us;
+            out["results"].push_back({{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"context", ctx},
+                                      {"target_hit_rate", rate}, {"layout", layout}, {"hit_rate", hit_rate},
+                                      {"kv_fraction", kv_fraction}, {"mac_median_us", t.median_us},
+                                      {"mac_mean_us", t.mean_us}, {"mac_min_us", t.min_us},
+                                      {"full_median_us", full.median_us}, {"speedup", speedup},
+                                      {"iters", t.iters}});
+            std::printf("%-13s %3d %4dK | %9.1f | %-11s %5.2f %6.3f %6.4f | %9.1f %7.2fx\n", s.name.c_str(), B,
+                        ctx / 1024, full.median_us, layout.c_str(), rate, hit_rate, kv_fraction, t.median_us, speedup);
+            std::fflush(stdout);
+          }
+        }
+      }
+    }
+  }
+  ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  // The targets, from the results above.
+  json targets = json::array();
+  auto find = [&](const std::string& shape, int B, int ctx, double rate, const std::string& layout) -> const json* {
+    for (const json& r : out["results"]) {
+      if (r["shape"] == shape && r["B"] == B && r["context"] == ctx && std::abs(r["target_hit_rate"].get<double>() - rate) < 1e-9 &&
+          r["layout"] == layout) {
+        return &r;
+      }
+    }
+    return nullptr;
+  };
+  for (const Shape& s : shapes) {
+    for (const std::string& layout : opt.layouts) {
+      for (auto [ctx, goal] : {std::pair<int, double>{32768, 13.5}, std::pair<int, double>{131072, 34.0}}) {
+        if (const json* r = find(s.name, 32, ctx, 0.99, layout)) {
+          const double v = (*r)["speedup"].get<double>();
+          targets.push_back({{"target", "speedup at 99% hits, B=32, " + std::to_string(ctx / 1024) + "K, " + layout},
+                             {"shape", s.name}, {"value", v}, {"goal", goal}, {"pass", v >= goal}});
+        }
+      }
+    }
+  }
+  double worst_miss = 1e30, worst_floor = 0;
+  for (const json& r : out["results"]) {
+    if (r["target_hit_rate"].get<double>() == 0.0) worst_miss = std::min(worst_miss, r["speedup"].get<double>());
+    if (r["target_hit_rate"].get<double>() == 1.0 && r["B"] == 1) {
+      worst_floor = std::max(worst_floor, r["mac_median_us"].get<double>());
+    }
+  }
+  if (worst_miss < 1e30) {
+    targets.push_back({{"target", "all-miss speedup (worst config)"}, {"value", worst_miss}, {"goal", 0.95},
+                       {"pass", worst_miss >= 0.95}});
+  }
+  if (worst_floor > 0) {
+    targets.push_back({{"target", "B=1 all-hit latency, us (worst config)"}, {"value", worst_floor}, {"goal", 25.0},
+                       {"pass", worst_floor <= 25.0}});
+  }
+  out["targets"] = targets;
+  std::printf("\ntargets:\n");
+  for (const json& t : targets) {
+    std::printf("  %-4s %-55s %-13s %9.2f (goal %.2f)\n", t["pass"].get<bool>() ? "PASS" : "FAIL",
+                t["target"].get<std::string>().c_str(), t.value("shape", std::string("")).c_str(),
+                t["value"].get<double>(), t["goal"].get<double>());
+  }
+  if (!opt.out.empty()) {
+    std::ofstream f(opt.out);
+    if (!f) throw IoError("cannot write " + opt.out);
+    f << out.dump(2) << "\n";
+    std::printf("\nwrote %s\n", opt.out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace asmem
+
+int main(int argc, char** argv) {
+  asmem::Options opt;
+  CLI::App app{"asmem_bench_mac: MAC in-request reuse vs full attention (GPU)"};
+  app.add_flag("--quick", opt.quick, "subset: llama-3.1-8b, B {1, 32}, context {32K}, rates {0, 0.99, 1}");
+  app.add_option("--out", opt.out, "JSON results file");
+  app.add_option("--commit", opt.commit, "git commit to record (default: $ASMEM_COMMIT or $GIT_COMMIT)");
+  app.add_option("--iters", opt.iters, "timed replays per config (median reported)")->check(CLI::Range(30, 100000));
+  app.add_option("--warmup", opt.warmup, "untimed replays first");
+  app.add_option("--batches", opt.batches, "batch sizes B");
+  app.add_option("--contexts", opt.contexts, "context lengths (tokens per request)");
+  app.add_option("--hit-rates", opt.hit_rates, "constructed hit rates in [0, 1]");
+  app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
+  app.add_option("--layouts", opt.layouts, "independent (per head) and/or clustered (per KV group)");
+  app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
+  app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
+  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default off)");
+  asmem::AddMacFlags(app, &opt.mac);
+  try {
+    app.parse(argc, argv);
+    if (opt.quick) {
+      if (app.count("--batches") == 0) opt.batches = {1, 32};
+      if (app.count("--contexts") == 0) opt.contexts = {32768};
+      if (app.count("--hit-rates") == 0) opt.hit_rates = {0.0, 0.99, 1.0};
+      if (app.count("--shapes") == 0) opt.shapes = {"llama-3.1-8b"};
+    }
+    return asmem::Run(opt);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const asmem::Error& e) {
+    std::fprintf(stderr, "asmem_bench_mac: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "asmem_bench_mac: internal error: %s\n", e.what());
+    return 2;
+  }
+}
