@@ -2,7 +2,8 @@
 # Sets up everything missing (tools/setup.sh) and runs the main job on the bundled model
 # and example: compile the example rulebook (examples/rulebook) into a dictionary, show
 # the held-out fidelity report and the dictionary's contents, then answer a question with
-# the rulebook as the system prompt.
+# the rulebook served from the dictionary (its KV never computed), compared token by token
+# with the full rulebook in context.
 #
 #   tools/demo.sh ["your question"]
 #
@@ -34,5 +35,6 @@ printf '\n== asmem inspect\n'
 "$ASMEM" inspect "$DICT"
 
 PROMPT="${1:-My train was 75 minutes late. What compensation can I get, and how do I claim it?}"
-printf '\n== asmem generate (rulebook as system prompt)\n> %s\n\n' "$PROMPT"
-"$ASMEM" generate --system-file "$EX/handbook.md" --prompt "$PROMPT" --max-new-tokens 160
+printf '\n== asmem generate --dict (rulebook served from the dictionary)\n> %s\n\n' "$PROMPT"
+"$ASMEM" generate --dict "$DICT" --prompt "$PROMPT" --max-new-tokens 160 \
+  --compare --system-file "$EX/handbook.md"
