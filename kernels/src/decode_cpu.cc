@@ -180,8 +180,12 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   off = AlignUp(off + B * Hq * S * sizeof(float));
   w.lookup_part = off;
   off = AlignUp(off + B * Hkv * size_t(plan.lookup_splits) * sizeof(LookupPartial));
-  w.whitened = off;
-  if (c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.lookup_keys = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.probe = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * size_t(kProbeWords) * sizeof(uint32_t));
+  w.probe_mode = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * sizeof(int32_t));
   w.total = off;
   return w;
 }
@@ -198,15 +202,14 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
   using namespace decode;
   DecodePlan plan;
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;  // (request, KV head) pairs
-  const int64_t want = (kTargetCtas + units - 1) / units;
+  const int64_t want = std::max<int64_t>(1, kTargetCtas / units);
   const int64_t by_len = std::max<int64_t>(1, (int64_t(c.max_seq_len) + kMinSplitTokens - 1) /
                                                   kMinSplitTokens);
   plan.kv_splits = int32_t(std::max<int64_t>(1, std::min({want, by_len, int64_t(kMaxKvSplits)})));
   if (c.use_dictionaries) {
     const int64_t by_rows =
-        std::max<int64_t>(1, (c.max_lookup_rows + kMinLookupRows - 1) / kMinLookupRows);
-    plan.lookup_splits =
-        int32_t(std::max<int64_t>(1, std::min({want, by_rows, int64_t(kMaxLookupSplits)})));
+        std::max<int64_t>(1, (c.max_lookup_rows + kLookupRowsPerSplit - 1) / kLookupRowsPerSplit);
+    plan.lookup_splits = int32_t(std::min<int64_t>(by_rows, kMaxLookupSplits));
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;
   return plan;
