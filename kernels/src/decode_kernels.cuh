@@ -130,8 +130,9 @@ __host__ __device__ constexpr int LargestDivisorUpTo8(int n) {
 }
 
 // Dot products of key rows [row_begin, row_end) (row-major [*, KEY_DIM], type KT) with the
-// key q (shared, fp32). 8 lanes per row, 4 rows per warp at a time, rows strided over the
-// CTA; a lane issues all its 16-byte loads of a row (up to 8) before using them.
+// key q (shared, fp32). 8 lanes per row, 8 rows per warp at a time (two per lane group),
+// rows strided over the CTA; a lane issues the loads of both its rows (up to 8 each) before
+// using them. A row's score does not depend on where it falls.
 // With `scores` set, every row's score is stored at scores[row]; otherwise the lane's best
 // is updated. Must be called by the whole CTA (shuffles are warp-wide).
 template <typename KT, int KEY_DIM>
@@ -140,51 +141,66 @@ __device__ __forceinline__ void ScanRows(const KT* __restrict__ keys, int64_t ro
                                          Best& best) {
   constexpr int E = 16 / sizeof(KT);        // elements per 16-byte chunk
   constexpr int kLoads = KEY_DIM / E / 8;   // chunks per lane and row
-  constexpr int kBatch = LargestDivisorUpTo8(kLoads);  // loads issued together
+  constexpr int kBatch = LargestDivisorUpTo8(kLoads);  // loads issued together (per row)
   static_assert(KEY_DIM % (8 * E) == 0, "key dim must be a multiple of 8 chunks");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane & 7;
-  for (int64_t r0 = row_begin + warp * 4; r0 < row_end; r0 += kWarps * 4) {
-    const int64_t r = r0 + (lane >> 3);
-    float acc = 0.f;
-    if (r < row_end) {
-      const uint4* row = reinterpret_cast<const uint4*>(keys + r * KEY_DIM) + sub;
+  for (int64_t r0 = row_begin + warp * 8; r0 < row_end; r0 += kWarps * 8) {
+    int64_t r[2];
+    r[0] = r0 + (lane >> 3);
+    r[1] = r[0] + 4;
+    float acc[2] = {0.f, 0.f};
+    const uint4* row[2];
 #pragma unroll
-      for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
-        uint4 u[kBatch];
+    for (int k = 0; k < 2; ++k) {
+      row[k] = reinterpret_cast<const uint4*>(keys + (r[k] < row_end ? r[k] : row_begin) * KEY_DIM) + sub;
+    }
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) u[j] = __ldg(row + 8 * (c0 + j));
+    for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
+      uint4 u[2][kBatch];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          u[k][j] = r[k] < row_end ? __ldg(row[k] + 8 * (c0 + j)) : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           float f[8];
           if constexpr (E == 8) {
-            Pack<KT>::ToFloat(u[j], f);
+            Pack<KT>::ToFloat(u[k][j], f);
           } else {
-            f[0] = __uint_as_float(u[j].x);
-            f[1] = __uint_as_float(u[j].y);
-            f[2] = __uint_as_float(u[j].z);
-            f[3] = __uint_as_float(u[j].w);
+            f[0] = __uint_as_float(u[k][j].x);
+            f[1] = __uint_as_float(u[k][j].y);
+            f[2] = __uint_as_float(u[k][j].z);
+            f[3] = __uint_as_float(u[k][j].w);
           }
           const float4* qv = reinterpret_cast<const float4*>(q + (sub + 8 * (c0 + j)) * E);
 #pragma unroll
           for (int i = 0; i < E / 4; ++i) {
             const float4 x = qv[i];
-            acc = fmaf(f[4 * i], x.x, acc);
-            acc = fmaf(f[4 * i + 1], x.y, acc);
-            acc = fmaf(f[4 * i + 2], x.z, acc);
-            acc = fmaf(f[4 * i + 3], x.w, acc);
+            acc[k] = fmaf(f[4 * i], x.x, acc[k]);
+            acc[k] = fmaf(f[4 * i + 1], x.y, acc[k]);
+            acc[k] = fmaf(f[4 * i + 2], x.z, acc[k]);
+            acc[k] = fmaf(f[4 * i + 3], x.w, acc[k]);
           }
         }
       }
     }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-    if (r < row_end && sub == 0) {
-      if (scores) {
-        scores[r] = acc;
-      } else if (Beats(acc, int32_t(r), best.score, best.index)) {
-        best = {acc, int32_t(r)};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 1);
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 2);
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 4);
+      if (r[k] < row_end && sub == 0) {
+        if (scores) {
+          scores[r[k]] = acc[k];
+        } else if (Beats(acc[k], int32_t(r[k]), best.score, best.index)) {
+          best = {acc[k], int32_t(r[k])};
+        }
       }
     }
   }
@@ -589,31 +605,44 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
   const int nmt = (n + 15) / 16;
   const int term_bytes = MB * KEY_DIM * 2;
   // Member keys -> bf16 terms: x = hi + mid + lo (exact for fp32 x) or x = hi (bf16 x).
-  for (int c = tid; c < nmt * 16 * kQRC; c += kThreads) {
-    const int i = c / kQRC, ch = c % kQRC;
-    float x[8];
-    if (i < n) {
-      const float4* src = reinterpret_cast<const float4*>(
-          a.lookup_keys + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
-      const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);
-      x[0] = x0.x; x[1] = x0.y; x[2] = x0.z; x[3] = x0.w;
-      x[4] = x1.x; x[5] = x1.y; x[6] = x1.z; x[7] = x1.w;
-    } else {
+  // Four 32-byte pieces per thread are loaded before any is stored.
+  constexpr int kFill = 4;
+  const int n_chunks = nmt * 16 * kQRC;
+  for (int c0 = tid; c0 < n_chunks; c0 += kThreads * kFill) {
+    float4 xv[kFill][2];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = 0.f;
-    }
-    char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
-    for (int tt = 0; tt < terms; ++tt) {
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        w[j] = Pack<__nv_bfloat16>::FromFloat2(x[2 * j], x[2 * j + 1]);
-        float lo, hi;
-        Pack<__nv_bfloat16>::ToFloat2(w[j], lo, hi);
-        x[2 * j] -= lo;
-        x[2 * j + 1] -= hi;
+    for (int u = 0; u < kFill; ++u) {
+      const int c = c0 + u * kThreads;
+      const int i = c / kQRC, ch = c % kQRC;
+      if (c < n_chunks && i < n) {
+        const float4* src = reinterpret_cast<const float4*>(
+            a.lookup_keys + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
+        xv[u][0] = __ldcg(src);
+        xv[u][1] = __ldcg(src + 1);
+      } else {
+        xv[u][0] = xv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      *reinterpret_cast<uint4*>(dst + tt * term_bytes) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int c = c0 + u * kThreads;
+      if (c >= n_chunks) break;
+      const int i = c / kQRC, ch = c % kQRC;
+      float x[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                    xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+      char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
+      for (int tt = 0; tt < terms; ++tt) {
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          w[j] = Pack<__nv_bfloat16>::FromFloat2(x[2 * j], x[2 * j + 1]);
+          float lo, hi;
+          Pack<__nv_bfloat16>::ToFloat2(w[j], lo, hi);
+          x[2 * j] -= lo;
+          x[2 * j + 1] -= hi;
+        }
+        *reinterpret_cast<uint4*>(dst + tt * term_bytes) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
   }
   if (warp == 0) {  // members scanned over the chunk's rows [K s/S, K (s+1)/S)
@@ -1049,17 +1078,32 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     if (hd1 < GROUP) sm_l[warp * GROUP + hd1] = lse1;
   }
   __syncthreads();
-  for (int e = tid; e < GROUP * HEAD_DIM; e += kThreads) {
-    const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
-    float o = sm_o[hh * HEAD_DIM + c];
-    float lw = sm_l[hh];
+  float* sm_w = sm_l + kWarps * GROUP;  // [GROUP][kWarps] weights of the n-way merge
+  float* sm_lse = sm_w + GROUP * kWarps;  // [GROUP] merged lse
+  if (tid < GROUP) {
+    LseSum sum = lse_sum_empty();
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      merge_state_inplace(&o, &lw, &sm_o[(w * GROUP + hh) * HEAD_DIM + c], sm_l[w * GROUP + hh], 1);
+    for (int w = 0; w < kWarps; ++w) sum = lse_sum_add(sum, sm_l[w * GROUP + tid]);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sm_w[tid * kWarps + w] = lse_sum_weight(sum, sm_l[w * GROUP + tid]);
+    sm_lse[tid] = lse_sum_lse(sum);
+  }
+  __syncthreads();
+  for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
+    const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = sm_w[hh * kWarps + w];
+      const float4 x = *reinterpret_cast<const float4*>(&sm_o[(w * GROUP + hh) * HEAD_DIM + c]);
+      o.x = fmaf(wt, x.x, o.x);
+      o.y = fmaf(wt, x.y, o.y);
+      o.z = fmaf(wt, x.z, o.z);
+      o.w = fmaf(wt, x.w, o.w);
     }
     const int64_t row = (int64_t(b) * a.hq + h * GROUP + hh) * a.kv_splits + split;
-    a.part_o[row * HEAD_DIM + c] = o;
-    if (c == 0) a.part_lse[row] = lw;
+    *reinterpret_cast<float4*>(&a.part_o[row * HEAD_DIM + c]) = o;
+    if (c == 0) a.part_lse[row] = sm_lse[hh];
   }
 }
 
@@ -1114,14 +1158,18 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 
 // ---------------------------------------------------------------------------------------
 // Combine: one warp per (request, query head): the best entry over the lookup chunks and
-// its (o, lse), then the one merge with every non-empty KV split (8 splits' loads in flight
-// per lane). A lane holds HEAD_DIM/32 contiguous dims.
+// its (o, lse), then the n-way merge (state.cuh LseSum) of the prefix state with every
+// non-empty KV split: the lse values first (lane s % 32 holds split s), then the weighted
+// sum of the splits' o with 8 splits' loads in flight per lane. A lane holds HEAD_DIM/32
+// contiguous dims.
 // ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;
+  constexpr int kLaneSplits = kMaxKvSplits / 32;
+  static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
@@ -1131,10 +1179,10 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   const DecodeParams& p = a.p;
   const int c0 = lane * kPer;
 
-  float o[kPer];
+  float po[kPer];  // the prefix state (empty without a dictionary)
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) o[i] = 0.f;
-  float lse = -INFINITY;
+  for (int i = 0; i < kPer; ++i) po[i] = 0.f;
+  float plse = -INFINITY;
   bool bad = false;
   int32_t idx = -1;
   if (a.lookup) {
@@ -1155,40 +1203,67 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       } else {
         idx = best.index;
         const int64_t erow = int64_t(idx) * a.group + g;
-        float po[kPer];
 #pragma unroll
         for (int i = 0; i < kPer; ++i) po[i] = LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c0 + i);
-        // Merged into the empty state, so an entry with lse = -inf reads as (0, -inf).
-        merge_state_inplace(o, &lse, po, v.values_lse[erow], kPer);
+        plse = v.values_lse[erow];
       }
     }
   }
   const int n = NumActiveSplits(p.seq_lens[b], a.kv_splits);
   const int64_t row0 = row * a.kv_splits;
-  for (int s0 = 0; s0 < n; s0 += kBatch) {
-    float o2[kBatch][kPer], l2[kBatch];
+  float ls[kLaneSplits];
+  LseSum sum = lse_sum_empty();
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int s = s0 + j;
-      if (s < n) {
-        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
-        if constexpr (kPer == 4) {
-          const float4 x = *reinterpret_cast<const float4*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+  for (int k = 0; k < kLaneSplits; ++k) {
+    const int s = lane + 32 * k;
+    ls[k] = s < n ? a.part_lse[row0 + s] : -INFINITY;
+    sum = lse_sum_add(sum, ls[k]);
+  }
+  if (lane == 0) sum = lse_sum_add(sum, plse);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  float o[kPer];
+  const float wp = lse_sum_weight(sum, plse);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) o[i] = wp * po[i];
+#pragma unroll
+  for (int k = 0; k < kLaneSplits; ++k) {
+    if (32 * k >= n) break;
+    const float wk = lse_sum_weight(sum, ls[k]);
+    for (int j0 = 0; j0 < 32 && 32 * k + j0 < n; j0 += kBatch) {
+      float o2[kBatch][kPer];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int s = 32 * k + j0 + j;
+        if (s < n) {
+          const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
+          if constexpr (kPer == 4) {
+            const float4 x = *reinterpret_cast<const float4*>(src);
+            o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+          } else {
+            const float2 x = *reinterpret_cast<const float2*>(src);
+            o2[j][0] = x.x; o2[j][1] = x.y;
+          }
         } else {
-          const float2 x = *reinterpret_cast<const float2*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y;
-        }
-        l2[j] = a.part_lse[row0 + s];
-      } else {
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
-        l2[j] = -INFINITY;  // the empty state: merging it changes nothing
+          for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wk, j0 + j);  // 0 past n
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) o[i] = fmaf(w, o2[j][i], o[i]);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) merge_state_inplace(o, &lse, o2[j], l2[j], kPer);
   }
+  float lse = lse_sum_lse(sum);
   if (bad) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) o[i] = __int_as_float(0x7fc00000);
