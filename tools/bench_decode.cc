@@ -64,7 +64,7 @@ struct Shape {
 struct Options {
   bool quick = false, torch = true, full_ours = true, check_only = false;
   std::string out, commit;
-  int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8;
+  int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
   double hbm_tbps = 4.3;
   std::vector<std::string> modes = {"linear", "hier"};
   std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
@@ -462,7 +462,8 @@ int Run(const Options& opt) {
                                     : (kHaveTorch ? "skipped (--no-torch)" : "missing (no CUDA torch in this build)");
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"T", T}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"top_m", opt.top_m},
-                     {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick}};
+                     {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
+                     {"plan_ctas", opt.plan_ctas}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -558,6 +559,7 @@ int Run(const Options& opt) {
           c.dtype = KernelDType::kBF16;
           c.page_size = kPageSize;
           c.max_seq_len = L;
+          c.plan_ctas = opt.plan_ctas;
           std::vector<DecodeParams> rot;
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, L, r, nullptr, nullptr, 0));
           CheckOutputs(c, rot[0], workspace, stream, s.name + " full");
@@ -634,6 +636,7 @@ int Run(const Options& opt) {
           c.dtype = KernelDType::kBF16;
           c.page_size = kPageSize;
           c.max_seq_len = T;
+          c.plan_ctas = opt.plan_ctas;
           c.use_dictionaries = true;
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
@@ -709,6 +712,7 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
+  app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--torch-backends", opt.torch_backends, "torch SDPA backends: cudnn flash efficient math");
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");

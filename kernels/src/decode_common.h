@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "asmem/decode.h"
 #include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
 
 namespace asmem {
@@ -19,10 +20,8 @@ constexpr int32_t kMinSplitTokens = 128;
 // The plan aims at this many attention CTAs per step: two waves at two resident CTAs per
 // SM (96 KB of shared memory each). Fewer, longer CTAs keep the cp.async pipeline full;
 // two waves leave the scheduler room around the lookup CTAs of the same launch.
-#ifndef ASMEM_DECODE_TARGET_CTAS  // (tuning builds may override it)
-#define ASMEM_DECODE_TARGET_CTAS (4 * 132)
-#endif
-constexpr int32_t kTargetCtas = ASMEM_DECODE_TARGET_CTAS;
+// (DecodeConfig::plan_ctas overrides it.)
+constexpr int32_t kTargetCtas = 4 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
 // Lookup: the dictionary rows (linear) or parents (hierarchical) of one view are cut into
 // lookup_splits chunks, about kLookupRowsPerSplit of the scanned rows each, at most

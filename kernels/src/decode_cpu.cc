@@ -89,6 +89,7 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.page_size < 1) return "page_size must be positive, got " + std::to_string(c.page_size);
   if (c.max_seq_len < 0) return "max_seq_len must be >= 0";
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
+  if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;
@@ -202,7 +203,8 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
   using namespace decode;
   DecodePlan plan;
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;  // (request, KV head) pairs
-  const int64_t want = std::max<int64_t>(1, kTargetCtas / units);
+  const int64_t target = c.plan_ctas > 0 ? c.plan_ctas : kTargetCtas;
+  const int64_t want = std::max<int64_t>(1, target / units);
   const int64_t by_len = std::max<int64_t>(1, (int64_t(c.max_seq_len) + kMinSplitTokens - 1) /
                                                   kMinSplitTokens);
   plan.kv_splits = int32_t(std::max<int64_t>(1, std::min({want, by_len, int64_t(kMaxKvSplits)})));

@@ -114,8 +114,11 @@ struct DecodeConfig {
                                   // C1 + top_m * (largest parent's children) for a
                                   // hierarchical one); sets the lookup split count only
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
-                             // a separate launch (without it each lookup CTA whitens alone:
-                             // correct, much slower)
+                             // a separate launch (without it the parent pass whitens each
+                             // key in one CTA: correct, much slower)
+  int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
+                             // default (4 * kDecodePlanSms: two waves of two CTAs per SM).
+                             // A tuning knob; like every field it only changes the plan.
 };
 
 // Per-step arguments. Pointers: see the contract at the top of this file.
