@@ -17,11 +17,11 @@ namespace decode {
 // in-CTA merge, a partial state written and read back) stays small.
 constexpr int32_t kSplitAlign = 64;
 constexpr int32_t kMinSplitTokens = 128;
-// The plan aims at this many attention CTAs per step: two waves at two resident CTAs per
-// SM (96 KB of shared memory each). Fewer, longer CTAs keep the cp.async pipeline full;
-// two waves leave the scheduler room around the lookup CTAs of the same launch.
-// (DecodeConfig::plan_ctas overrides it.)
-constexpr int32_t kTargetCtas = 4 * kDecodePlanSms;
+// The plan aims at this many attention CTAs per step: one wave at two resident CTAs per SM
+// (96 KB of shared memory each). Fewer, longer CTAs keep the cp.async pipeline full; on
+// the H200 (bench_decode, B=32 T=1K with a dictionary) one wave measured best: 100 us vs
+// 103 / 109 / 120 us at two / four / eight waves. DecodeConfig::plan_ctas overrides it.
+constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
 // Lookup: the dictionary rows (linear) or parents (hierarchical) of one view are cut into
 // lookup_splits chunks, about kLookupRowsPerSplit of the scanned rows each, at most
