@@ -1,18 +1,22 @@
 // asmem_bench_decode: latency of the decode attention op (dictionary lookup + attention over
-// T non-prefix tokens) against full attention over P + T tokens through the same split-KV
-// kernel ("ours"), and, with --baseline-json, against torch SDPA (tools/bench_sdpa.py).
+// T non-prefix tokens) against the baseline: the best full-attention decode over P + T
+// tokens, measured in the same process: torch's SDPA backends (cuDNN, flash, memory
+// efficient; through libtorch when the build has a CUDA torch) on contiguous K/V, and the
+// op itself without a dictionary over P + T paged tokens ("ours"). Without a CUDA torch the
+// torch columns say the baseline is missing; nothing is made up.
 //
 // Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16,
 // paged KV (page 16, HND layout), random data, normalized random dictionary keys.
-// Timing: every variant is captured once in a CUDA graph per input rotation; after warm-up,
-// each timed replay sits between two CUDA events; the median of --iters replays is reported
-// (and the mean, min). When a config's working set would fit in L2 several times, replays
-// rotate over several disjoint input sets (block tables and dictionaries). A large memset
-// enqueued first keeps the host ahead of the GPU, so host launch time is not measured.
-// Bytes: the fewest HBM bytes the step must read (each KV row once, each dictionary row the
-// lookups touch once); roofline = bytes / time / --hbm-tbps.
+// Timing: our op is captured once in a CUDA graph per input rotation; torch runs eagerly
+// (as a serving stack calls it). After warm-up each timed call or replay sits between two
+// CUDA events; the median of --iters is reported (and the mean, min). When a config's
+// working set would fit in L2 several times, calls rotate over several disjoint input sets.
+// A large memset enqueued first keeps the host ahead of the GPU, so host launch time is not
+// measured. Bytes: the fewest HBM bytes the step must read (each KV row once, each
+// dictionary row the lookups touch once); roofline = bytes / time / --hbm-tbps.
 //
-//   asmem_bench_decode [--quick] [--out FILE] [--baseline-json sdpa.json] [--commit SHA]
+//   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
+//                      [--ks ..] [--modes linear hier] [--shapes ..] [--no-torch]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +31,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,6 +39,13 @@
 #include "asmem/cuda_check.cuh"
 #include "asmem/decode.h"
 #include "asmem/error.h"
+
+#ifdef ASMEM_TORCH_CUDA
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace asmem {
 namespace {
@@ -50,10 +62,12 @@ struct Shape {
 };
 
 struct Options {
-  bool quick = false;
-  std::string out, baseline_json, commit;
-  int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8;
+  bool quick = false, torch = true, full_ours = true, check_only = false;
+  std::string out, commit;
+  int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
   double hbm_tbps = 4.3;
+  std::vector<std::string> modes = {"linear", "hier"};
+  std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
   std::vector<int> batches = {1, 8, 32, 64};
   std::vector<int> prefixes = {8192, 32768, 131072};
   std::vector<int> ks = {1024, 4096, 16384};
@@ -219,7 +233,15 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
     execs.push_back(e);
   }
   const int R = int(execs.size());
-  for (int i = 0; i < opt.warmup; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+  // Warm-up: --warmup replays, and more until about 20 ms of GPU time has passed.
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < opt.warmup; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const int more = ms >= 20.0 ? 0 : int(std::min(2000.0, opt.warmup * (20.0 - ms) / std::max(ms, 0.05)));
+    for (int i = 0; i < more; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+  }
   std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
   for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
   ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
@@ -274,23 +296,106 @@ std::string Now() {
   return buf;
 }
 
-// SDPA medians by (hq, hkv, B, P, T): the best backend that ran.
-std::map<std::string, std::pair<double, std::string>> LoadBaseline(const std::string& path) {
-  std::map<std::string, std::pair<double, std::string>> best;
-  if (path.empty()) return best;
-  std::ifstream f(path);
-  if (!f) throw IoError("cannot read --baseline-json " + path);
-  const json j = json::parse(f);
-  for (const json& r : j.at("results")) {
-    if (!r.value("ok", false)) continue;
-    const std::string key = std::to_string(r.at("Hq").get<int>()) + "/" + std::to_string(r.at("Hkv").get<int>()) +
-                            "/" + std::to_string(r.at("B").get<int>()) + "/" + std::to_string(r.at("P").get<int>()) +
-                            "/" + std::to_string(r.at("T").get<int>());
-    const double us = r.at("median_us").get<double>();
-    auto it = best.find(key);
-    if (it == best.end() || us < it->second.first) best[key] = {us, r.at("backend").get<std::string>()};
+
+// One torch SDPA backend on one full-attention config.
+struct TorchResult {
+  std::string backend;
+  bool ok = false;
+  std::string error;
+  Timing t;
+};
+
+#ifdef ASMEM_TORCH_CUDA
+void EnableOnlySdpBackend(const std::string& b) {
+  at::Context& ctx = at::globalContext();
+  ctx.setSDPUseFlash(b == "flash");
+  ctx.setSDPUseCuDNN(b == "cudnn");
+  ctx.setSDPUseMemEfficient(b == "efficient");
+  ctx.setSDPUseMath(b == "math");
+}
+
+// q [B, Hq, 1, d] against contiguous K/V [B, Hkv, L, d] (views of the KV pools: rotation r
+// starts at element r * B*Hkv*L*d), enable_gqa; eager calls on `stream`.
+std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const DevMem& q,
+                                   const DevMem& kpool, const DevMem& vpool, const Options& opt,
+                                   cudaStream_t stream, DevMem& spin) {
+  int dev = 0;
+  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto topt = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev);
+  const int64_t kv_elems = int64_t(B) * s.hkv * L * kHeadDim;
+  if (size_t(R) * kv_elems * 2 > kpool.n) throw Error("KV pool too small for the torch baseline");
+  std::vector<at::Tensor> qs, ks, vs;
+  for (int r = 0; r < R; ++r) {
+    qs.push_back(at::from_blob(q.p, {B, s.hq, 1, kHeadDim}, topt));
+    ks.push_back(at::from_blob(static_cast<char*>(kpool.p) + size_t(r) * kv_elems * 2,
+                               {B, s.hkv, L, kHeadDim}, topt));
+    vs.push_back(at::from_blob(static_cast<char*>(vpool.p) + size_t(r) * kv_elems * 2,
+                               {B, s.hkv, L, kHeadDim}, topt));
   }
-  return best;
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream, c10::DeviceIndex(dev)));
+  std::vector<TorchResult> results;
+  for (const std::string& backend : opt.torch_backends) {
+    TorchResult res;
+    res.backend = backend;
+    EnableOnlySdpBackend(backend);
+    try {
+      auto call = [&](int i) {
+        return at::scaled_dot_product_attention(qs[i % R], ks[i % R], vs[i % R], std::nullopt, 0.0,
+                                                false, std::nullopt, /*enable_gqa=*/true);
+      };
+      for (int i = 0; i < opt.warmup; ++i) call(i);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
+      for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
+      for (int k = 0; k < 4; ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
+      for (int i = 0; i < opt.iters; ++i) {
+        ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
+        call(i);
+        ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+      }
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<double> us(opt.iters);
+      for (int i = 0; i < opt.iters; ++i) {
+        float ms = 0;
+        ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        us[i] = 1e3 * ms;
+      }
+      for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
+      res.ok = true;
+      res.t.median_us = Median(us);
+      res.t.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
+      res.t.min_us = *std::min_element(us.begin(), us.end());
+      res.t.iters = opt.iters;
+      res.t.rotations = R;
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      msg = msg.substr(0, msg.find('\n'));
+      res.error = msg.substr(0, 300);
+      cudaGetLastError();  // a refused backend leaves no sticky error; clear a plain one
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    results.push_back(res);
+  }
+  EnableOnlySdpBackend("");
+  at::Context& ctx = at::globalContext();
+  ctx.setSDPUseFlash(true);
+  ctx.setSDPUseCuDNN(true);
+  ctx.setSDPUseMemEfficient(true);
+  ctx.setSDPUseMath(true);
+  return results;
+}
+constexpr bool kHaveTorch = true;
+#else
+std::vector<TorchResult> TimeTorch(const Shape&, int, int, int, const DevMem&, const DevMem&,
+                                   const DevMem&, const Options&, cudaStream_t, DevMem&) {
+  return {};
+}
+constexpr bool kHaveTorch = false;
+#endif
+
+json TimingJson(const Timing& t) {
+  return {{"median_us", t.median_us}, {"mean_us", t.mean_us}, {"min_us", t.min_us},
+          {"iters", t.iters}, {"rotations", t.rotations}};
 }
 
 int Run(const Options& opt) {
@@ -302,8 +407,15 @@ int Run(const Options& opt) {
   for (const char* env : {"ASMEM_COMMIT", "GIT_COMMIT"}) {
     if (commit.empty() && std::getenv(env)) commit = std::getenv(env);
   }
+  const bool use_torch = kHaveTorch && opt.torch;
   std::printf("asmem_bench_decode on %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, commit.empty() ? "?" : commit.c_str());
+  if (!kHaveTorch) {
+    std::printf("baseline: MISSING torch SDPA (this build has no CUDA torch); only our own full "
+                "attention is measured\n");
+  } else if (!opt.torch) {
+    std::printf("baseline: torch SDPA skipped (--no-torch); only our own full attention\n");
+  }
 
   std::vector<Shape> shapes;
   for (const std::string& n : opt.shapes) {
@@ -311,14 +423,17 @@ int Run(const Options& opt) {
     else if (n == "gqa-8") shapes.push_back({n, 32, 4});
     else throw InvalidArgument("unknown shape " + n + " (llama-3.1-8b, gqa-8)");
   }
-  const auto baseline = LoadBaseline(opt.baseline_json);
+  for (const std::string& m : opt.modes) {
+    if (m != "linear" && m != "hier") throw InvalidArgument("unknown mode " + m + " (linear, hier)");
+  }
   const int T = opt.rest_tokens;
   const int Pmax = *std::max_element(opt.prefixes.begin(), opt.prefixes.end());
   const int Bmax = *std::max_element(opt.batches.begin(), opt.batches.end());
   const int64_t pages_per_req_max = (int64_t(Pmax) + T + kPageSize - 1) / kPageSize;
   int hkv_max = 0;
   for (const Shape& s : shapes) hkv_max = std::max(hkv_max, s.hkv);
-  // One K and one V pool, sized for the largest full-attention config, reused by all.
+  // One K and one V pool, sized for the largest full-attention config, reused by all (the
+  // torch baseline views them as contiguous [B, Hkv, L, d] tensors).
   const size_t page_bytes_max = size_t(hkv_max) * kPageSize * kHeadDim * 2;
   const int64_t pool_pages_at_max = int64_t(Bmax) * pages_per_req_max;
   const size_t pool_bytes = size_t(pool_pages_at_max) * page_bytes_max;
@@ -333,6 +448,9 @@ int Run(const Options& opt) {
   DevMem spin(size_t(4) << 30), workspace(1 << 20);
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Bring the clocks up before the first timing (about 0.3 s of memsets).
+  for (int i = 0; i < 100; ++i) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, i, spin.n, stream));
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   json out;
   out["gpu"] = prop.name;
@@ -340,16 +458,15 @@ int Run(const Options& opt) {
   out["l2_bytes"] = prop.l2CacheSize;
   out["date"] = Now();
   out["commit"] = commit;
+  out["torch_baseline"] = use_torch ? "measured in process (libtorch SDPA)"
+                                    : (kHaveTorch ? "skipped (--no-torch)" : "missing (no CUDA torch in this build)");
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"T", T}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"top_m", opt.top_m},
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
-                     {"baseline_json", opt.baseline_json}};
+                     {"plan_ctas", opt.plan_ctas}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
-
-  std::printf("\n%-13s %3s %7s | %-24s %9s %6s | %-22s %9s %6s %9s %9s\n", "shape", "B", "P", "variant",
-              "median_us", "roof", "op", "median_us", "roof", "x ours", "x best");
 
   for (const Shape& s : shapes) {
     const int G = s.hq / s.hkv;
@@ -419,48 +536,89 @@ int Run(const Options& opt) {
         return p;
       };
 
-      // (b) full attention over P + T, our kernel, no dictionary.
-      std::map<int, double> full_us;
+      // (b) The baseline: full attention over P + T. Ours = the op without a dictionary
+      // (plain decode attention over P + T paged tokens); torch SDPA on contiguous K/V.
+      std::map<int, double> baseline_us;
+      std::map<int, std::string> baseline_kernel;
       for (int P : opt.prefixes) {
         const int L = P + T;
-        DecodeConfig c;
-        c.batch = B;
-        c.num_q_heads = s.hq;
-        c.num_kv_heads = s.hkv;
-        c.head_dim = kHeadDim;
-        c.dtype = KernelDType::kBF16;
-        c.page_size = kPageSize;
-        c.max_seq_len = L;
         const double bytes = double(B) * s.hkv * L * kHeadDim * 2 * 2 + 2.0 * B * s.hq * kHeadDim * 2;
         const int64_t ppr = (int64_t(L) + kPageSize - 1) / kPageSize;
         const int R = rotations_for(bytes, int64_t(B) * ppr);
-        std::vector<DecodeParams> rot;
-        for (int r = 0; r < R; ++r) rot.push_back(make_params(c, L, r, nullptr, nullptr, 0));
-        CheckOutputs(c, rot[0], workspace, stream, s.name + " full");
-        const Timing t = TimeOp(c, rot, opt, stream, workspace, spin);
-        full_us[P] = t.median_us;
-        const double roof = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
-        const DecodePlan plan = PlanDecode(c);
-        out["full"].push_back({{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"P", P}, {"T", T},
-                               {"median_us", t.median_us}, {"mean_us", t.mean_us}, {"min_us", t.min_us},
-                               {"iters", t.iters}, {"rotations", t.rotations}, {"bytes", bytes},
-                               {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits}});
-        const std::string key = std::to_string(s.hq) + "/" + std::to_string(s.hkv) + "/" + std::to_string(B) +
-                                "/" + std::to_string(P) + "/" + std::to_string(T);
-        std::string sdpa = "-";
-        if (auto it = baseline.find(key); it != baseline.end()) {
-          char buf[64];
-          std::snprintf(buf, sizeof buf, "sdpa %s %.1f", it->second.second.c_str(), it->second.first);
-          sdpa = buf;
+        json entry = {{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"P", P}, {"T", T},
+                      {"bytes", bytes}};
+        double best = INFINITY;
+        std::string best_kernel = "none";
+        double ours_us = NAN;
+        if (opt.full_ours) {
+          DecodeConfig c;
+          c.batch = B;
+          c.num_q_heads = s.hq;
+          c.num_kv_heads = s.hkv;
+          c.head_dim = kHeadDim;
+          c.dtype = KernelDType::kBF16;
+          c.page_size = kPageSize;
+          c.max_seq_len = L;
+          c.plan_ctas = opt.plan_ctas;
+          std::vector<DecodeParams> rot;
+          for (int r = 0; r < R; ++r) rot.push_back(make_params(c, L, r, nullptr, nullptr, 0));
+          CheckOutputs(c, rot[0], workspace, stream, s.name + " full");
+          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
+          ours_us = t.median_us;
+          json j = TimingJson(t);
+          j["roofline_fraction"] = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
+          j["kv_splits"] = PlanDecode(c).kv_splits;
+          entry["ours_no_dict"] = j;
+          best = t.median_us;
+          best_kernel = "ours";
         }
-        std::printf("%-13s %3d %6dK | %-24s %9.1f %5.0f%% | %s\n", s.name.c_str(), B, P / 1024,
-                    "full attention (ours)", t.median_us, 100 * roof, sdpa.c_str());
+        json tj = json::object();
+        std::string torch_line;
+        double torch_best = INFINITY;
+        if (use_torch && !opt.check_only) {
+          for (const TorchResult& r : TimeTorch(s, B, L, R, q, kpool, vpool, opt, stream, spin)) {
+            json j = {{"ok", r.ok}};
+            char buf[96];
+            if (r.ok) {
+              j.update(TimingJson(r.t));
+              j["roofline_fraction"] = bytes / (r.t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
+              std::snprintf(buf, sizeof buf, " %s %.1f", r.backend.c_str(), r.t.median_us);
+              torch_best = std::min(torch_best, r.t.median_us);
+              if (r.t.median_us < best) {
+                best = r.t.median_us;
+                best_kernel = "torch " + r.backend;
+              }
+            } else {
+              j["error"] = r.error;
+              std::snprintf(buf, sizeof buf, " %s n/a", r.backend.c_str());
+            }
+            torch_line += buf;
+            tj[r.backend] = j;
+          }
+          entry["torch_sdpa"] = tj;
+        } else {
+          entry["torch_sdpa"] = kHaveTorch ? "skipped" : "missing";
+          torch_line = kHaveTorch ? " torch skipped" : " torch MISSING";
+        }
+        if (std::isfinite(torch_best)) entry["torch_best_us"] = torch_best;
+        if (std::isfinite(best)) {
+          entry["baseline_us"] = best;
+          entry["baseline_kernel"] = best_kernel;
+          baseline_us[P] = best;
+          baseline_kernel[P] = best_kernel;
+        }
+        if (std::isfinite(ours_us) && std::isfinite(torch_best)) {
+          entry["no_dict_vs_torch"] = ours_us / torch_best;  // <= 1.05: within 5% of torch's best
+        }
+        out["full"].push_back(entry);
+        std::printf("%-13s B=%-3d P=%4dK | no dict (ours) %9.1f us %4.0f%% |%s\n", s.name.c_str(), B,
+                    P / 1024, ours_us, 100 * bytes / (ours_us * 1e-6) / (opt.hbm_tbps * 1e12),
+                    torch_line.c_str());
         std::fflush(stdout);
       }
 
       // (a) the op: dictionary lookup + attention over T.
       for (int K : opt.ks) {
-        // Dictionary copies for rotation when it is small.
         const int64_t D = int64_t(G) * kHeadDim;
         const double dict_bytes = double(s.hkv) * (double(K) * D * 2 + double(K) * G * kHeadDim * 2);
         const double kv_bytes = double(B) * s.hkv * T * kHeadDim * 2 * 2;
@@ -468,7 +626,8 @@ int Run(const Options& opt) {
         const DeviceDict& dd = dicts[K];
         std::vector<DevMem> ids;
         for (int r = 0; r < R; ++r) ids.push_back(Upload(std::vector<int32_t>(B, r)));
-        for (bool hier : {false, true}) {
+        for (const std::string& mode : opt.modes) {
+          const bool hier = mode == "hier";
           DecodeConfig c;
           c.batch = B;
           c.num_q_heads = s.hq;
@@ -477,6 +636,7 @@ int Run(const Options& opt) {
           c.dtype = KernelDType::kBF16;
           c.page_size = kPageSize;
           c.max_seq_len = T;
+          c.plan_ctas = opt.plan_ctas;
           c.use_dictionaries = true;
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
@@ -484,45 +644,40 @@ int Run(const Options& opt) {
           std::vector<DecodeParams> rot;
           const DictLayerView* views = hier ? dd.hier_dev.as<DictLayerView>() : dd.linear_dev.as<DictLayerView>();
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));
-          const std::string mode = hier ? "hier" : "linear";
           CheckOutputs(c, rot[0], workspace, stream, s.name + " op " + mode);
-          const Timing t = TimeOp(c, rot, opt, stream, workspace, spin);
+          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
           // HBM bytes: the KV rows, the dictionary rows the lookups can touch (shared by all
           // requests: at most K rows per head), the gathered values, q/q_pre/o.
           const double touched = std::min<double>(double(K), double(rows) * B) * D * 2 * s.hkv;
           const double bytes = kv_bytes + touched + 3.0 * B * s.hq * kHeadDim * 2 +
                                double(B) * s.hq * kHeadDim * 2;
-          const double requested = kv_bytes + double(B) * s.hkv * rows * D * 2;
           const double roof = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
           const DecodePlan plan = PlanDecode(c);
-          char label[64];
-          std::snprintf(label, sizeof label, "K=%d %s%s", K, mode.c_str(),
-                        hier ? (" C1=" + std::to_string(dd.C1)).c_str() : "");
-          out["op"].push_back({{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"T", T}, {"K", K},
-                               {"mode", mode}, {"C1", hier ? dd.C1 : 0}, {"top_m", hier ? opt.top_m : 0},
-                               {"median_us", t.median_us}, {"mean_us", t.mean_us}, {"min_us", t.min_us},
-                               {"iters", t.iters}, {"rotations", t.rotations}, {"bytes", bytes},
-                               {"bytes_requested", requested}, {"roofline_fraction", roof},
-                               {"kv_splits", plan.kv_splits}, {"lookup_splits", plan.lookup_splits}});
+          json j = {{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"T", T}, {"K", K},
+                    {"mode", mode}, {"C1", hier ? dd.C1 : 0}, {"top_m", hier ? opt.top_m : 0},
+                    {"bytes", bytes}, {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits},
+                    {"lookup_splits", plan.lookup_splits}};
+          j.update(TimingJson(t));
+          out["op"].push_back(j);
+          std::string line;
           for (int P : opt.prefixes) {
-            const std::string key = std::to_string(s.hq) + "/" + std::to_string(s.hkv) + "/" + std::to_string(B) +
-                                    "/" + std::to_string(P) + "/" + std::to_string(T);
             json sp = {{"shape", s.name}, {"B", B}, {"P", P}, {"T", T}, {"K", K}, {"mode", mode},
-                       {"op_us", t.median_us}, {"full_ours_us", full_us[P]},
-                       {"speedup_vs_ours", full_us[P] / t.median_us}};
-            double best = full_us[P];
-            if (auto it = baseline.find(key); it != baseline.end()) {
-              sp["sdpa_best_us"] = it->second.first;
-              sp["sdpa_best_backend"] = it->second.second;
-              best = std::min(best, it->second.first);
+                       {"op_us", t.median_us}};
+            char buf[64];
+            if (baseline_us.count(P)) {
+              sp["baseline_us"] = baseline_us[P];
+              sp["baseline_kernel"] = baseline_kernel[P];
+              sp["speedup"] = baseline_us[P] / t.median_us;
+              std::snprintf(buf, sizeof buf, " P=%dK %.2fx", P / 1024, baseline_us[P] / t.median_us);
+            } else {
+              std::snprintf(buf, sizeof buf, " P=%dK n/a", P / 1024);
             }
-            sp["best_full_us"] = best;
-            sp["speedup_vs_best"] = best / t.median_us;
+            line += buf;
             out["speedups"].push_back(sp);
-            std::printf("%-13s %3d %6dK | %-24s %9.1f %5s  | %-22s %9.1f %5.0f%% %8.2fx %8.2fx\n",
-                        s.name.c_str(), B, P / 1024, "", full_us[P], "", label, t.median_us, 100 * roof,
-                        full_us[P] / t.median_us, best / t.median_us);
           }
+          std::printf("%-13s B=%-3d K=%-5d %-6s | op %9.1f us %4.0f%% of roofline (%.0f MB) |%s\n",
+                      s.name.c_str(), B, K, mode.c_str(), t.median_us, 100 * roof, bytes / 1e6,
+                      line.c_str());
           std::fflush(stdout);
         }
       }
@@ -546,19 +701,25 @@ int main(int argc, char** argv) {
   CLI::App app{"asmem_bench_decode: decode attention with a dictionary vs full attention (GPU)"};
   app.add_flag("--quick", opt.quick, "subset: B {1, 32}, P {32K}, K {4096}");
   app.add_option("--out", opt.out, "JSON results file");
-  app.add_option("--baseline-json", opt.baseline_json, "torch SDPA results from tools/bench_sdpa.py");
   app.add_option("--commit", opt.commit, "git commit to record (default: $ASMEM_COMMIT or $GIT_COMMIT)");
-  app.add_option("--iters", opt.iters, "timed replays per config (median reported)")->check(CLI::Range(30, 100000));
-  app.add_option("--warmup", opt.warmup, "untimed replays first");
+  app.add_option("--iters", opt.iters, "timed calls per config (median reported)")->check(CLI::Range(30, 100000));
+  app.add_option("--warmup", opt.warmup, "untimed calls first");
   app.add_option("--rest-tokens", opt.rest_tokens, "T, non-prefix tokens per request");
   app.add_option("--batches", opt.batches, "batch sizes B");
   app.add_option("--prefixes", opt.prefixes, "prefix lengths P (full-attention baseline)");
   app.add_option("--ks", opt.ks, "dictionary sizes K");
+  app.add_option("--modes", opt.modes, "lookup modes: linear and/or hier");
   app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
+  app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
+  app.add_option("--torch-backends", opt.torch_backends, "torch SDPA backends: cudnn flash efficient math");
+  bool no_torch = false;
+  app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");
+  app.add_flag("--check-only", opt.check_only, "run each config once and check it, no timing (for profilers)");
   try {
     app.parse(argc, argv);
+    opt.torch = !no_torch;
     if (opt.quick) {
       if (app.count("--batches") == 0) opt.batches = {1, 32};
       if (app.count("--prefixes") == 0) opt.prefixes = {32768};

@@ -9,7 +9,10 @@ torch.cuda._sleep first keeps the host ahead of the GPU so launch time is not me
 a config's K/V fit in L2 several times, calls rotate over several K/V copies.
 
     python3 tools/bench_sdpa.py --out sdpa.json [--quick]
-    asmem_bench_decode --baseline-json sdpa.json ...
+
+A cross-check from Python: asmem_bench_decode itself measures the same SDPA backends in its
+own process through libtorch (when built against a CUDA torch) and takes the baseline from
+there.
 """
 import argparse
 import datetime

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "asmem/decode.h"
 #include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
 
 namespace asmem {
@@ -11,21 +12,28 @@ namespace decode {
 
 // Split-KV: a request's T tokens are cut into ceil(T / SplitTokens) contiguous splits of
 // SplitTokens tokens (the last one shorter); splits past the end are empty and their CTAs
-// exit at once. Split sizes are multiples of kSplitAlign tokens so each split starts on a
-// warp step boundary, and at least kMinSplitTokens long so the per-split fixed cost (the
-// q load, the in-CTA merge, a partial state written and read back) stays small.
+// exit at once. Split sizes are multiples of kSplitAlign tokens, and at least
+// kMinSplitTokens long so the per-split fixed cost (the q load, the pipeline fill, the
+// in-CTA merge, a partial state written and read back) stays small.
 constexpr int32_t kSplitAlign = 64;
 constexpr int32_t kMinSplitTokens = 128;
-// The plan aims at this many CTAs of each kind per step: 16 per multiprocessor (several
-// waves at 2-4 resident CTAs per SM), so the last wave is short.
-constexpr int32_t kTargetCtas = 16 * 132;
+// The plan aims at this many attention CTAs per step: one wave at two resident CTAs per SM
+// (96 KB of shared memory each). Fewer, longer CTAs keep the cp.async pipeline full; on
+// the H200 (bench_decode, B=32 T=1K with a dictionary) one wave measured best: 100 us vs
+// 103 / 109 / 120 us at two / four / eight waves. DecodeConfig::plan_ctas overrides it.
+constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
-// Lookup: at least this many key rows per lookup CTA, at most kMaxLookupSplits CTAs per
-// (request, KV head).
-constexpr int64_t kMinLookupRows = 64;
+// Lookup: the dictionary rows (linear) or parents (hierarchical) of one view are cut into
+// lookup_splits chunks, about kLookupRowsPerSplit of the scanned rows each, at most
+// kMaxLookupSplits. Each chunk is scanned once for all requests that share the
+// dictionary; up to kLookupReps CTAs per (KV head, chunk) take different dictionaries.
+constexpr int64_t kLookupRowsPerSplit = 64;
 constexpr int32_t kMaxLookupSplits = 64;
+constexpr int32_t kLookupReps = 4;
 // Largest lookup key (G * d) the kernels hold in shared memory.
 constexpr int32_t kMaxKeyDim = 8 * 128;
+// Words of the per-(request, KV head) probed-parent bitmask (kDecodeMaxParents bits).
+constexpr int32_t kProbeWords = 2048 / 32;
 
 ASMEM_HOST_DEVICE int32_t SplitTokens(int32_t T, int32_t splits) {
   int32_t per = T <= 0 ? 1 : (T + splits - 1) / splits;
@@ -73,7 +81,9 @@ struct WorkspaceLayout {
   size_t part_o = 0;       // [B, Hq, kv_splits, d] f32
   size_t part_lse = 0;     // [B, Hq, kv_splits] f32
   size_t lookup_part = 0;  // [B, Hkv, lookup_splits] LookupPartial
-  size_t whitened = 0;     // [B, Hkv, G*d] f32 (config.whitening only)
+  size_t lookup_keys = 0;  // [B, Hkv, G*d] f32 prepared lookup keys (use_dictionaries only)
+  size_t probe = 0;        // [B, Hkv, kProbeWords] u32 probed-parent bits (use_dictionaries)
+  size_t probe_mode = 0;   // [B, Hkv] i32: 1 probe bits valid, 2 scan all K (use_dictionaries)
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);

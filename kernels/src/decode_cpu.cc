@@ -89,6 +89,7 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.page_size < 1) return "page_size must be positive, got " + std::to_string(c.page_size);
   if (c.max_seq_len < 0) return "max_seq_len must be >= 0";
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
+  if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;
@@ -180,8 +181,12 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   off = AlignUp(off + B * Hq * S * sizeof(float));
   w.lookup_part = off;
   off = AlignUp(off + B * Hkv * size_t(plan.lookup_splits) * sizeof(LookupPartial));
-  w.whitened = off;
-  if (c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.lookup_keys = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.probe = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * size_t(kProbeWords) * sizeof(uint32_t));
+  w.probe_mode = off;
+  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * sizeof(int32_t));
   w.total = off;
   return w;
 }
@@ -198,15 +203,15 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
   using namespace decode;
   DecodePlan plan;
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;  // (request, KV head) pairs
-  const int64_t want = (kTargetCtas + units - 1) / units;
+  const int64_t target = c.plan_ctas > 0 ? c.plan_ctas : kTargetCtas;
+  const int64_t want = std::max<int64_t>(1, target / units);
   const int64_t by_len = std::max<int64_t>(1, (int64_t(c.max_seq_len) + kMinSplitTokens - 1) /
                                                   kMinSplitTokens);
   plan.kv_splits = int32_t(std::max<int64_t>(1, std::min({want, by_len, int64_t(kMaxKvSplits)})));
   if (c.use_dictionaries) {
     const int64_t by_rows =
-        std::max<int64_t>(1, (c.max_lookup_rows + kMinLookupRows - 1) / kMinLookupRows);
-    plan.lookup_splits =
-        int32_t(std::max<int64_t>(1, std::min({want, by_rows, int64_t(kMaxLookupSplits)})));
+        std::max<int64_t>(1, (c.max_lookup_rows + kLookupRowsPerSplit - 1) / kLookupRowsPerSplit);
+    plan.lookup_splits = int32_t(std::min<int64_t>(by_rows, kMaxLookupSplits));
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;
   return plan;

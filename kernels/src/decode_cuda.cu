@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -108,19 +109,32 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.lookup_part = reinterpret_cast<LookupPartial*>(ws + L.lookup_part);
-  const bool lookup = p.dict_ids != nullptr;
-  a.whitened = (lookup && c.whitening) ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
-  a.n_lookup_ctas = lookup ? p.batch * c.num_kv_heads * plan.lookup_splits : 0;
+  a.lookup = p.dict_ids != nullptr;
+  if (a.lookup) {
+    a.lookup_keys = reinterpret_cast<float*>(ws + L.lookup_keys);
+    a.whitened = c.whitening ? a.lookup_keys : nullptr;
+    a.probe = reinterpret_cast<uint32_t*>(ws + L.probe);
+    a.probe_mode = reinterpret_cast<int32_t*>(ws + L.probe_mode);
+    a.lookup_reps = std::min(p.batch, kLookupReps);
+    a.n_lookup_ctas = c.num_kv_heads * plan.lookup_splits * a.lookup_reps;
+  }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
-  size_t smem = AttnSmemBytes(a.group, a.head_dim);
-  if (lookup) smem = std::max(smem, LookupSmemBytes(a.group * a.head_dim));
+  // Programmatic dependent launch of the main kernel after the parent pass (off with
+  // ASMEM_DECODE_NO_PDL=1, for comparison).
+  static const bool no_pdl = [] {
+    const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
+    return e != nullptr && e[0] == '1';
+  }();
 
   DispatchDecode(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
+    size_t smem = AttnTile<HEAD_DIM>::kBytes;
+    if (a.lookup) smem = std::max(smem, LookupTile<HEAD_DIM * GROUP>::kBytes);
     if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
-    LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, smem, stream);
+    if (a.lookup) LaunchDecodeParents<DType, HEAD_DIM, GROUP>(a, stream);
+    LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, smem, a.lookup && !no_pdl, stream);
     LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
   });
 }

@@ -1,38 +1,40 @@
 // Decode attention device code (contracts: asmem/decode.h; plan: decode_common.h).
 //
-// Main kernel, one launch, two CTA roles (4 warps each):
-//  * lookup CTA (request b, KV head h, lookup split s): builds the lookup key in shared
-//    memory (fp32; whitened when the view says so), scans its share of key rows with
-//    16-byte loads (8 lanes per row, 4 rows per warp at a time, fp32 dot products), and
-//    writes the split's best (score, index), ties to the smaller index. Hierarchical views:
-//    every lookup CTA scores all C1 parents (cheap, L2-resident), keeps the top_m by rank
-//    (score desc, index asc), and scans its share of the probed parents' children.
-//  * attention CTA (request b, KV head h, KV split): streams its tokens' K and V rows once
-//    for all G query heads of the group (a lane holds 8 dims of one token row: 16-byte
-//    loads, 512 contiguous bytes per warp load in the HND layout), fp32 online softmax in
-//    base 2 per lane group, then merges lane groups and warps with state.cuh's merge and
-//    writes the split's normalized state (o, lse) to the workspace.
-// Combine kernel, one CTA per (request, query head): final argmax over the lookup splits,
-// gather of the entry's (o, lse), then the one merge with every non-empty KV split.
+// Launches per step, in stream order:
+//  * [whitening] (config.whitening): W (x - mean) of every (request, KV head) whose view
+//    has whitening, into the workspace's lookup keys.
+//  * parent pass (dictionaries only), one CTA per (request, KV head): prepares the lookup
+//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits.
+//  * main kernel, two CTA roles (4 warps each), launched with programmatic dependent launch
+//    after the parent pass so the attention CTAs start at once:
+//    - lookup CTAs (rep, KV head, chunk): wait for the parent pass, then scan the chunk's
+//      key rows once for all requests that share a dictionary, on tensor cores (bf16 keys:
+//      mma.sync with the request keys split into exact bf16 terms; f16/f32 keys: fp32 CUDA
+//      cores); write each request's best (score, index) of the chunk.
+//    - attention CTAs (request, KV head, KV split): K/V tiles through a 3-stage cp.async
+//      pipeline, Q K^T and P V on tensor cores for all G heads of the group, fp32 online
+//      softmax; write the split's normalized state (o, lse) to the workspace.
+//  * combine, one warp per (request, query head): best entry over the chunks, gather of its
+//    (o, lse), the one merge (state.cuh) with every non-empty KV split.
 //
-// Measured (H200, bf16, d 128, page 16, T 1K; tools/bench_decode.cc), and why it is so:
-//  * K/V go through a 3-stage cp.async pipeline in shared memory (48 KB per CTA): keeping
-//    the next tiles in registers instead cost occupancy (LLaMA-8B B=32 32K: 1346 us vs
-//    1701 us with register prefetch, 1451 us without prefetch).
-//  * Full attention reaches ~75% of 4.3 TB/s for G = 4 at B >= 8 (cuDNN SDPA: ~100%);
-//    G = 8 (GQA-8) is issue-bound on CUDA cores (~250 registers, 2 CTAs per SM, 16-lane
-//    shuffle reductions and redundant exp2 per lane group): ~38%. Tensor cores (mma.sync
-//    m16n8k16 for Q K^T and P V over the shared-memory tiles) are the follow-up.
-//  * Linear lookup reads the whole dictionary per (request, KV head); at large B x K it is
-//    L2-bound (B=32 K=16384: ~790 us). A batched variant (8 requests per key tile, CUDA
-//    cores) measured slower at B=1 (167 vs 54 us) and only ~15% faster at B>=32, so it was
-//    dropped; a tensor-core GEMM over all requests sharing a dictionary is the follow-up.
+// Measured (H200, bf16, LLaMA-8B shapes, page 16; tools/results/bench_decode_h200.json and
+// decode_h200_diagnostics.md):
+//  * Long sequences without a dictionary stream at 4.5-4.6 TB/s (104-106% of the 4.3 TB/s
+//    copy roofline), within 1-4% of cuDNN SDPA on contiguous K/V at B >= 32; one wave of
+//    short CTAs (B=1, or T=1K) does not: B=32 T=1K takes 51 us (62% of roofline).
+//  * The lookup chain is latency-bound and is the critical path of the op: at B=32 K=4096
+//    hierarchical the lookups alone (T=0) take 92 us against 51 us for the attention alone;
+//    ncu (kernels serialized): parent pass 14 us (8 CTAs or 256: dependent loads), lookup
+//    + attention main kernel 83 us, combine 6-9 us. Next steps: fewer dependent round
+//    trips in the parent pass and the lookup CTA prologue, deeper lookup pipelines, and
+//    lookup work spread over the attention CTAs so it stops holding SM slots.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "asmem/cuda_check.cuh"
 #include "asmem/decode.h"
@@ -69,6 +71,10 @@ struct Pack<__nv_bfloat16> {
     return *reinterpret_cast<const uint32_t*>(&h);
   }
   static __device__ __forceinline__ float One(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ void ToFloat2(uint32_t u, float& a, float& b) {
+    a = __uint_as_float(u << 16);
+    b = __uint_as_float(u & 0xffff0000u);
+  }
 };
 
 template <>
@@ -87,6 +93,11 @@ struct Pack<__half> {
     return *reinterpret_cast<const uint32_t*>(&h);
   }
   static __device__ __forceinline__ float One(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ void ToFloat2(uint32_t u, float& a, float& b) {
+    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&u));
+    a = x.x;
+    b = x.y;
+  }
 };
 
 __device__ __forceinline__ float LoadElem(const void* p, KernelDType t, int64_t i) {
@@ -95,11 +106,6 @@ __device__ __forceinline__ float LoadElem(const void* p, KernelDType t, int64_t 
     case KernelDType::kF16: return __half2float(static_cast<const __half*>(p)[i]);
     default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
-}
-
-// KV rows are read once per step: stream them past the caches.
-__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
-  return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -136,8 +142,9 @@ __host__ __device__ constexpr int LargestDivisorUpTo8(int n) {
 }
 
 // Dot products of key rows [row_begin, row_end) (row-major [*, KEY_DIM], type KT) with the
-// key q (shared, fp32). 8 lanes per row, 4 rows per warp at a time, rows strided over the
-// CTA; a lane issues all its 16-byte loads of a row (up to 8) before using them.
+// key q (shared, fp32). 8 lanes per row, 8 rows per warp at a time (two per lane group),
+// rows strided over the CTA; a lane issues the loads of both its rows (up to 8 each) before
+// using them. A row's score does not depend on where it falls.
 // With `scores` set, every row's score is stored at scores[row]; otherwise the lane's best
 // is updated. Must be called by the whole CTA (shuffles are warp-wide).
 template <typename KT, int KEY_DIM>
@@ -146,51 +153,66 @@ __device__ __forceinline__ void ScanRows(const KT* __restrict__ keys, int64_t ro
                                          Best& best) {
   constexpr int E = 16 / sizeof(KT);        // elements per 16-byte chunk
   constexpr int kLoads = KEY_DIM / E / 8;   // chunks per lane and row
-  constexpr int kBatch = LargestDivisorUpTo8(kLoads);  // loads issued together
+  constexpr int kBatch = LargestDivisorUpTo8(kLoads);  // loads issued together (per row)
   static_assert(KEY_DIM % (8 * E) == 0, "key dim must be a multiple of 8 chunks");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane & 7;
-  for (int64_t r0 = row_begin + warp * 4; r0 < row_end; r0 += kWarps * 4) {
-    const int64_t r = r0 + (lane >> 3);
-    float acc = 0.f;
-    if (r < row_end) {
-      const uint4* row = reinterpret_cast<const uint4*>(keys + r * KEY_DIM) + sub;
+  for (int64_t r0 = row_begin + warp * 8; r0 < row_end; r0 += kWarps * 8) {
+    int64_t r[2];
+    r[0] = r0 + (lane >> 3);
+    r[1] = r[0] + 4;
+    float acc[2] = {0.f, 0.f};
+    const uint4* row[2];
 #pragma unroll
-      for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
-        uint4 u[kBatch];
+    for (int k = 0; k < 2; ++k) {
+      row[k] = reinterpret_cast<const uint4*>(keys + (r[k] < row_end ? r[k] : row_begin) * KEY_DIM) + sub;
+    }
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) u[j] = __ldg(row + 8 * (c0 + j));
+    for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
+      uint4 u[2][kBatch];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          u[k][j] = r[k] < row_end ? __ldg(row[k] + 8 * (c0 + j)) : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           float f[8];
           if constexpr (E == 8) {
-            Pack<KT>::ToFloat(u[j], f);
+            Pack<KT>::ToFloat(u[k][j], f);
           } else {
-            f[0] = __uint_as_float(u[j].x);
-            f[1] = __uint_as_float(u[j].y);
-            f[2] = __uint_as_float(u[j].z);
-            f[3] = __uint_as_float(u[j].w);
+            f[0] = __uint_as_float(u[k][j].x);
+            f[1] = __uint_as_float(u[k][j].y);
+            f[2] = __uint_as_float(u[k][j].z);
+            f[3] = __uint_as_float(u[k][j].w);
           }
           const float4* qv = reinterpret_cast<const float4*>(q + (sub + 8 * (c0 + j)) * E);
 #pragma unroll
           for (int i = 0; i < E / 4; ++i) {
             const float4 x = qv[i];
-            acc = fmaf(f[4 * i], x.x, acc);
-            acc = fmaf(f[4 * i + 1], x.y, acc);
-            acc = fmaf(f[4 * i + 2], x.z, acc);
-            acc = fmaf(f[4 * i + 3], x.w, acc);
+            acc[k] = fmaf(f[4 * i], x.x, acc[k]);
+            acc[k] = fmaf(f[4 * i + 1], x.y, acc[k]);
+            acc[k] = fmaf(f[4 * i + 2], x.z, acc[k]);
+            acc[k] = fmaf(f[4 * i + 3], x.w, acc[k]);
           }
         }
       }
     }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-    if (r < row_end && sub == 0) {
-      if (scores) {
-        scores[r] = acc;
-      } else if (Beats(acc, int32_t(r), best.score, best.index)) {
-        best = {acc, int32_t(r)};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 1);
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 2);
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 4);
+      if (r[k] < row_end && sub == 0) {
+        if (scores) {
+          scores[r[k]] = acc[k];
+        } else if (Beats(acc[k], int32_t(r[k]), best.score, best.index)) {
+          best = {acc[k], int32_t(r[k])};
+        }
       }
     }
   }
@@ -276,110 +298,9 @@ __device__ void PrepareKey(const LaunchArgs& a, const DictLayerView& v, int b, i
   }
   __syncthreads();
 }
-
-// One lookup CTA = (request, lookup split, KV head).
-template <typename DType, int KEY_DIM>
-__device__ void LookupBlock(const LaunchArgs& a, int cta, float* smem) {
-  const DecodeParams& p = a.p;
-  const int b = cta % a.batch;
-  const int rest = cta / a.batch;
-  const int s = rest % a.lookup_splits;
-  const int h = rest / a.lookup_splits;
-  const int32_t id = p.dict_ids[b];
-  if (id < 0 || id >= p.num_dicts) return;  // none; a bad id is flagged by the combine
-  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-  constexpr int D = KEY_DIM;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  LookupPartial* out = a.lookup_part + (int64_t(b) * a.hkv + h) * a.lookup_splits + s;
-  if (!ViewUsable(v)) {
-    if (tid == 0) *out = {-INFINITY, -1};
-    return;
-  }
-  float* q = smem;                                            // [D] lookup key
-  float* xm = smem + D;                                       // [D] raw key - mean
-  float* pscore = smem + 2 * D;                               // [C1]
-  int32_t* sel = reinterpret_cast<int32_t*>(pscore + kDecodeMaxParents);  // [top_m]
-  int32_t* start = sel + kDecodeMaxParents;                   // [top_m + 1]
-  Best* red = reinterpret_cast<Best*>(start + kDecodeMaxParents + 2);     // [kWarps]
-
-  PrepareKey<DType, KEY_DIM>(a, v, b, h, q, xm);
-
-  Best best{-INFINITY, -1};
-  const int S = a.lookup_splits;
-  bool linear = v.C1 == 0;
-  if (!linear) {
-    const int C1 = int(v.C1);
-    ScanRowsAny<KEY_DIM>(v.parent_keys, v.keys_dtype, 0, C1, q, pscore, best);
-    __syncthreads();
-    const int m = min(v.top_m, C1);
-    for (int pi = tid; pi < C1; pi += kThreads) {
-      int rank = pi;  // m == C1: every parent, in index order
-      if (m < C1) {   // rank by (score desc, index asc); the m best are probed
-        const float sp = pscore[pi];
-        rank = 0;
-        for (int j = 0; j < C1; ++j) {
-          const float sj = pscore[j];
-          rank += (sj > sp) || (sj == sp && j < pi);
-        }
-      }
-      if (rank < m) sel[rank] = pi;
-    }
-    __syncthreads();
-    const int32_t* off = v.child_offsets;
-    if (warp == 0) {  // start[j] = children of sel[0..j), exclusive scan
-      int32_t carry = 0;
-      for (int base = 0; base < m; base += 32) {
-        const int j = base + lane;
-        const int32_t cnt = j < m ? off[sel[j] + 1] - off[sel[j]] : 0;
-        int32_t incl = cnt;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
-        }
-        if (j < m) start[j] = carry + incl - cnt;
-        carry += __shfl_sync(0xffffffffu, incl, 31);
-      }
-      if (lane == 0) start[m] = carry;
-    }
-    __syncthreads();
-    const int64_t N = start[m];
-    if (N > 0) {
-      const int64_t r0 = SplitBegin(N, s, S), r1 = SplitBegin(N, s + 1, S);
-      int lo = 0, hi = m;  // last j with start[j] <= r0
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (start[mid] <= r0) lo = mid; else hi = mid;
-      }
-      for (int j = lo; j < m && start[j] < r1; ++j) {
-        const int64_t a0 = max(int64_t(start[j]), r0), a1 = min(int64_t(start[j + 1]), r1);
-        if (a0 < a1) {
-          const int64_t shift = int64_t(off[sel[j]]) - start[j];
-          ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, a0 + shift, a1 + shift, q, nullptr, best);
-        }
-      }
-    } else {
-      linear = true;  // every probed parent is childless: fall back to all K
-    }
-  }
-  if (linear) {
-    ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, SplitBegin(v.K, s, S), SplitBegin(v.K, s + 1, S), q,
-                         nullptr, best);
-  }
-  WarpArgmax(best);
-  if (lane == 0) red[warp] = best;
-  __syncthreads();
-  if (tid == 0) {
-    Best r = red[0];
-    for (int w = 1; w < kWarps; ++w) {
-      if (Beats(red[w].score, red[w].index, r.score, r.index)) r = red[w];
-    }
-    *out = {r.score, r.index};
-  }
-}
-
 // ---------------------------------------------------------------------------------------
-// Split-KV attention
+// PTX helpers: cp.async, ldmatrix, mma.sync m16n8k16, movmatrix, programmatic dependent
+// launch.
 // ---------------------------------------------------------------------------------------
 
 // cp.async of 16 bytes into shared memory; `valid` false zero-fills (nothing is read).
@@ -390,21 +311,620 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 16-bit matrices from shared memory; lanes 8i..8i+7 give the row addresses of
+// matrix i, register i receives its fragment (lane: row lane/4, columns 2(lane%4), +1).
+__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+// The same, each matrix transposed (lane: rows 2(lane%4), +1 of column lane/4).
+__device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// c += A (16x16, row) * B (16x8, col), fp32 accumulation. Fragments (g = lane/4, t = lane%4):
+// a0 (row g, k 2t..2t+1), a1 (row g+8, k 2t..), a2 (row g, k 2t+8..), a3 (row g+8, k 2t+8..);
+// b0 (k 2t..2t+1, col g), b1 (k 2t+8.., col g); c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8).
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 16-bit matrix held in fragment layout (lane: row lane/4, columns
+// 2(lane%4), +1).
+__device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Programmatic dependent launch: the parent pass lets the main kernel start early; the
+// main kernel's lookup CTAs wait for the parent pass (its completion and memory).
+__device__ __forceinline__ void GridLaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void GridDependencyWait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent pass: one CTA per (request, KV head) with a dictionary.
+// ---------------------------------------------------------------------------------------
+
+// Prepares the lookup key (whitened when the view says so) into lookup_keys; for a
+// hierarchical view scores the C1 parents (fp32, L2-resident), marks the top_m by rank
+// (score desc, index asc) in the probe bits, and sets probe_mode to 1, or to 2 (scan all K)
+// when every probed parent is childless. Linear views: probe_mode 2.
+template <typename DType, int KEY_DIM>
+__global__ void __launch_bounds__(kThreads) DecodeParentsKernel(const LaunchArgs a) {
+  GridLaunchDependents();  // the main kernel may start; its lookup CTAs wait for this grid
+  extern __shared__ float4 parent_smem[];
+  float* q = reinterpret_cast<float*>(parent_smem);                     // [KEY_DIM]
+  float* xm = q + KEY_DIM;                                               // [KEY_DIM]
+  float* pscore = xm + KEY_DIM;                                          // [kDecodeMaxParents]
+  uint32_t* mask = reinterpret_cast<uint32_t*>(pscore + kDecodeMaxParents);  // [kProbeWords]
+  int32_t* flag = reinterpret_cast<int32_t*>(mask + kProbeWords);
+  const DecodeParams& p = a.p;
+  const int b = int(blockIdx.x) / a.hkv, h = int(blockIdx.x) % a.hkv;
+  const int tid = threadIdx.x;
+  const int32_t id = p.dict_ids[b];
+  if (id < 0 || id >= p.num_dicts) return;  // none; a bad id is flagged by the combine
+  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
+  if (!ViewUsable(v)) return;  // the lookup CTAs write the empty result, the combine flags it
+  PrepareKey<DType, KEY_DIM>(a, v, b, h, q, xm);
+  const int64_t bh = int64_t(b) * a.hkv + h;
+  if (!(v.whitening && a.whitened)) {  // (the whitening launch wrote whitened keys there)
+    for (int i = tid; i < KEY_DIM; i += kThreads) a.lookup_keys[bh * KEY_DIM + i] = q[i];
+  }
+  if (v.C1 == 0) {
+    if (tid == 0) a.probe_mode[bh] = 2;
+    return;
+  }
+  const int C1 = int(v.C1);
+  for (int w = tid; w < kProbeWords; w += kThreads) mask[w] = 0;
+  if (tid == 0) *flag = 0;
+  Best unused{-INFINITY, -1};
+  ScanRowsAny<KEY_DIM>(v.parent_keys, v.keys_dtype, 0, C1, q, pscore, unused);
+  __syncthreads();
+  const int m = min(v.top_m, C1);
+  const int32_t* off = v.child_offsets;
+  for (int pi = tid; pi < C1; pi += kThreads) {
+    int rank = pi;  // m == C1: every parent
+    if (m < C1) {   // rank by (score desc, index asc); the m best are probed
+      const float sp = pscore[pi];
+      rank = 0;
+      for (int j = 0; j < C1; ++j) {
+        const float sj = pscore[j];
+        rank += (sj > sp) || (sj == sp && j < pi);
+      }
+    }
+    if (rank < m) {
+      atomicOr(&mask[pi >> 5], 1u << (pi & 31));
+      if (__ldg(off + pi + 1) > __ldg(off + pi)) atomicOr(flag, 1);
+    }
+  }
+  __syncthreads();
+  for (int w = tid; w < (C1 + 31) / 32; w += kThreads) a.probe[bh * kProbeWords + w] = mask[w];
+  if (tid == 0) a.probe_mode[bh] = *flag ? 1 : 2;
+}
+
+// ---------------------------------------------------------------------------------------
+// Lookup CTAs of the main kernel: CTA (rep r, KV head h, chunk s) serves every dictionary
+// whose first request ("leader") b has b % lookup_reps == r; for it, the requests that use
+// the dictionary ("members") are scanned together against the chunk's key rows: rows of
+// the chunk's probed parents (hierarchical) or rows [K s/S, K (s+1)/S) (linear, and
+// members whose probed parents are all childless). Each member's best (score, index) of
+// the chunk goes to lookup_part; the combine takes the best over chunks.
+// ---------------------------------------------------------------------------------------
+
+template <int KEY_DIM>
+struct LookupSmem {
+  using L = LookupTile<KEY_DIM>;
+  char* q;          // [terms][MB][KEY_DIM] bf16 member keys, 16-byte chunks swizzled
+  char* stages;     // [kStages][kRows][kCols] bf16 key rows, 16-byte chunks swizzled
+  uint32_t* pm;     // [kMaxChunkParents] members probing each parent of the pass
+  uint32_t* pw;     // [32][kPw] the members' probe words covering the pass
+  int32_t* plist;   // [kMaxChunkParents + 1] probed parents with children (pass-relative)
+  int32_t* pstart;  // [kMaxChunkParents + 1] exclusive prefix of their child counts
+  int32_t* srow;    // [kStages][kRows] key row of each stage row
+  uint32_t* spm;    // [kStages][kRows] members that score it (0: padding)
+  int32_t* mem;     // [32] member requests of the current block
+  int32_t* ids;     // [kIdCache] dict ids of the first requests
+  int32_t* misc;    // [8]
+  Best* red;        // [kWarps][32]
+  __device__ explicit LookupSmem(char* base) {
+    q = base;
+    stages = q + L::kQueryBytes;
+    char* t = stages + L::kStages * L::kStageBytes;
+    red = reinterpret_cast<Best*>(t);
+    t += sizeof(Best) * kWarps * 32;
+    pm = reinterpret_cast<uint32_t*>(t);
+    t += 4 * L::kMaxChunkParents;
+    pw = reinterpret_cast<uint32_t*>(t);
+    t += 4 * 32 * L::kPw;
+    plist = reinterpret_cast<int32_t*>(t);
+    t += 4 * (L::kMaxChunkParents + 1);
+    pstart = reinterpret_cast<int32_t*>(t);
+    t += 4 * (L::kMaxChunkParents + 1);
+    srow = reinterpret_cast<int32_t*>(t);
+    t += 4 * L::kStages * L::kRows;
+    spm = reinterpret_cast<uint32_t*>(t);
+    t += 4 * L::kStages * L::kRows;
+    mem = reinterpret_cast<int32_t*>(t);
+    t += 4 * 32;
+    ids = reinterpret_cast<int32_t*>(t);
+    t += 4 * L::kIdCache;
+    misc = reinterpret_cast<int32_t*>(t);
+  }
+  __device__ int32_t IdOf(const DecodeParams& p, int b) const {
+    return b < L::kIdCache ? ids[b] : p.dict_ids[b];
+  }
+};
+
+// Scores rows [0, N) of a virtual row list (row_of(v, &row, &members)) against the member
+// keys in shared memory with mma.sync (A = 16 members x 16 dims per term, B = 8 rows x 16
+// dims), through a kStages-deep cp.async pipeline of 32-row x kCols stages; warp w scores
+// stage rows 8w..8w+7. Keeps each lane's best (score, row) of members mt*16 + g (best[mt][0])
+// and mt*16 + g + 8 (best[mt][1]) over rows the member scores.
+template <int KEY_DIM, typename RowFn>
+__device__ __forceinline__ void LookupScan(const __nv_bfloat16* __restrict__ keys, int64_t N,
+                                           RowFn row_of, int nmt, int terms, int term_bytes,
+                                           const LookupSmem<KEY_DIM>& sm, Best (&best)[2][2]) {
+  using L = LookupTile<KEY_DIM>;
+  constexpr int kNKC = KEY_DIM / L::kCols;   // stages per 32-row tile
+  constexpr int kRC = L::kCols / 8;          // 16-byte chunks per stage row
+  constexpr int kPer = kRC / 4;              // chunks per thread (4 threads per stage row)
+  constexpr int kQRC = KEY_DIM / 8;          // 16-byte chunks per member key row
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int lr = tid >> 2, q4 = tid & 3;
+  const int64_t n_tiles = (N + L::kRows - 1) / L::kRows;
+  const int64_t total = n_tiles * kNKC;
+  int64_t cur_tile = -1, my_row = 0;
+  uint32_t my_pm = 0;
+  auto issue = [&](int64_t st) {
+    if (st < total) {
+      const int64_t tile = st / kNKC;
+      const int kc = int(st % kNKC);
+      const int slot = int(st % L::kStages);
+      if (tile != cur_tile) {
+        cur_tile = tile;
+        const int64_t vr = tile * L::kRows + lr;
+        my_row = 0;
+        my_pm = 0;
+        if (vr < N) row_of(vr, my_row, my_pm);
+      }
+      if (q4 == 0) {
+        sm.srow[slot * L::kRows + lr] = int32_t(my_row);
+        sm.spm[slot * L::kRows + lr] = my_pm;
+      }
+      char* dst = sm.stages + slot * L::kStageBytes + lr * (L::kCols * 2);
+      const __nv_bfloat16* src = keys + my_row * KEY_DIM + kc * L::kCols;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int c = q4 + 4 * i;
+        CpAsync16(dst + ((c ^ (lr & 7)) << 4), src + c * 8, my_pm != 0);
+      }
+    }
+    CpAsyncCommit();  // one group per stage, empty ones too, so the wait count is uniform
+  };
+  float acc[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < L::kStages - 1; ++i) issue(i);
+  for (int64_t st = 0; st < total; ++st) {
+    CpAsyncWait<L::kStages - 2>();
+    __syncthreads();
+    issue(st + L::kStages - 1);
+    const int kc = int(st % kNKC);
+    const int slot = int(st % L::kStages);
+    const char* stg = sm.stages + slot * L::kStageBytes;
+#pragma unroll 2
+    for (int kk = 0; kk < L::kCols / 32; ++kk) {
+      uint32_t bf[4];
+      {
+        const int row = warp * 8 + (lane & 7);
+        const int ch = 4 * kk + (lane >> 3);
+        Ldsm4(bf, stg + row * (L::kCols * 2) + ((ch ^ (row & 7)) << 4));
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int qch = (kc * L::kCols + kk * 32 + half * 16) / 8 + (lane >> 4);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          if (mt < nmt) {
+            const int mrow = mt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+            const char* qa = sm.q + (mrow * kQRC + (qch ^ (mrow & 7))) * 16;
+#pragma unroll
+            for (int tt = 0; tt < 3; ++tt) {
+              if (tt < terms) {
+                uint32_t af[4];
+                Ldsm4(af, qa + tt * term_bytes);
+                Mma16816<__nv_bfloat16>(acc[mt], af, bf[2 * half], bf[2 * half + 1]);
+              }
+            }
+          }
+        }
+      }
+    }
+    if (kc == kNKC - 1) {  // the tile's scores are complete: keep each member's best
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int lrow = slot * L::kRows + warp * 8 + 2 * t4 + c;
+        const uint32_t pmr = sm.spm[lrow];
+        const int32_t row = sm.srow[lrow];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int i0 = mt * 16 + g, i1 = i0 + 8;
+          if (((pmr >> i0) & 1u) && Beats(acc[mt][c], row, best[mt][0].score, best[mt][0].index)) {
+            best[mt][0] = {acc[mt][c], row};
+          }
+          if (((pmr >> i1) & 1u) && Beats(acc[mt][2 + c], row, best[mt][1].score, best[mt][1].index)) {
+            best[mt][1] = {acc[mt][2 + c], row};
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+      }
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // the stages and tables are reused by the next scan
+}
+
+// Members sm.mem[0, n) of one dictionary (view v), bf16 keys: tensor-core scan.
+template <typename DType, int KEY_DIM>
+__device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& sm,
+                                const DictLayerView& v, int n, int MB, int terms, int h, int s) {
+  using L = LookupTile<KEY_DIM>;
+  constexpr int kQRC = KEY_DIM / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int S = a.lookup_splits;
+  const int nmt = (n + 15) / 16;
+  const int term_bytes = MB * KEY_DIM * 2;
+  // Member keys -> bf16 terms: x = hi + mid + lo (exact for fp32 x) or x = hi (bf16 x).
+  // Four 32-byte pieces per thread are loaded before any is stored.
+  constexpr int kFill = 4;
+  const int n_chunks = nmt * 16 * kQRC;
+  for (int c0 = tid; c0 < n_chunks; c0 += kThreads * kFill) {
+    float4 xv[kFill][2];
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int c = c0 + u * kThreads;
+      const int i = c / kQRC, ch = c % kQRC;
+      if (c < n_chunks && i < n) {
+        const float4* src = reinterpret_cast<const float4*>(
+            a.lookup_keys + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
+        xv[u][0] = __ldcg(src);
+        xv[u][1] = __ldcg(src + 1);
+      } else {
+        xv[u][0] = xv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int c = c0 + u * kThreads;
+      if (c >= n_chunks) break;
+      const int i = c / kQRC, ch = c % kQRC;
+      float x[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                    xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+      char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
+      for (int tt = 0; tt < terms; ++tt) {
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          w[j] = Pack<__nv_bfloat16>::FromFloat2(x[2 * j], x[2 * j + 1]);
+          float lo, hi;
+          Pack<__nv_bfloat16>::ToFloat2(w[j], lo, hi);
+          x[2 * j] -= lo;
+          x[2 * j + 1] -= hi;
+        }
+        *reinterpret_cast<uint4*>(dst + tt * term_bytes) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+  if (warp == 0) {  // members scanned over the chunk's rows [K s/S, K (s+1)/S)
+    const bool is_lin =
+        lane < n && (v.C1 == 0 || __ldcg(a.probe_mode + int64_t(sm.mem[lane]) * a.hkv + h) != 1);
+    const unsigned lin = __ballot_sync(0xffffffffu, is_lin);
+    if (lane == 0) sm.misc[4] = int32_t(lin);
+  }
+  __syncthreads();
+  const uint32_t lin = uint32_t(sm.misc[4]);
+  const __nv_bfloat16* keys = static_cast<const __nv_bfloat16*>(v.keys);
+  Best best[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) best[mt][0] = best[mt][1] = Best{-INFINITY, -1};
+
+  if (v.C1 > 0 && lin != (n == 32 ? 0xffffffffu : (1u << n) - 1)) {
+    const int32_t* off = v.child_offsets;
+    const int64_t p0 = v.C1 * s / S, p1 = v.C1 * (s + 1) / S;
+    for (int64_t sub = p0; sub < p1; sub += L::kMaxChunkParents) {
+      const int np = int(min(p1 - sub, int64_t(L::kMaxChunkParents)));
+      const int w0 = int(sub >> 5), nw = int((sub + np - 1) >> 5) - w0 + 1;  // <= kPw
+      for (int e = tid; e < n * nw; e += kThreads) {  // the members' probe words of the pass
+        const int i = e / nw, w = e % nw;
+        const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
+        sm.pw[i * L::kPw + w] = ((lin >> i) & 1u) ? 0u : __ldcg(a.probe + bh * kProbeWords + w0 + w);
+      }
+      __syncthreads();
+      for (int j = tid; j < np; j += kThreads) {
+        const int rel = int(sub + j) - 32 * w0;  // bit of parent sub + j in the staged words
+        uint32_t bits = 0;
+        for (int i = 0; i < n; ++i) bits |= ((sm.pw[i * L::kPw + (rel >> 5)] >> (rel & 31)) & 1u) << i;
+        sm.pm[j] = bits;
+      }
+      __syncthreads();
+      if (warp == 0) {  // probed parents with children, and where their rows start
+        int32_t carry = 0, taken = 0;
+        for (int base = 0; base < np; base += 32) {
+          const int j = base + lane;
+          int32_t cnt = 0;
+          if (j < np && sm.pm[j] != 0) cnt = __ldg(off + sub + j + 1) - __ldg(off + sub + j);
+          const bool take = cnt > 0;
+          const unsigned bal = __ballot_sync(0xffffffffu, take);
+          const int rank = __popc(bal & ((1u << lane) - 1u));
+          int32_t incl = cnt;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+          }
+          if (take) {
+            sm.plist[taken + rank] = j;
+            sm.pstart[taken + rank] = carry + incl - cnt;
+          }
+          carry += __shfl_sync(0xffffffffu, incl, 31);
+          taken += __popc(bal);
+        }
+        if (lane == 0) {
+          sm.misc[2] = taken;
+          sm.misc[3] = carry;
+        }
+      }
+      __syncthreads();
+      const int npp = sm.misc[2];
+      const int64_t N = sm.misc[3];
+      if (N > 0) {
+        LookupScan<KEY_DIM>(
+            keys, N,
+            [&](int64_t vr, int64_t& row, uint32_t& pmr) {
+              int lo = 0, hi = npp;  // last k with pstart[k] <= vr
+              while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (sm.pstart[mid] <= vr) lo = mid; else hi = mid;
+              }
+              const int j = sm.plist[lo];
+              row = int64_t(__ldg(off + sub + j)) + (vr - sm.pstart[lo]);
+              pmr = sm.pm[j];
+            },
+            nmt, terms, term_bytes, sm, best);
+      } else {
+        __syncthreads();  // pm / plist are rewritten by the next pass
+      }
+    }
+  }
+  if (lin != 0) {
+    const int64_t r0 = v.K * s / S, r1 = v.K * (s + 1) / S;
+    if (r1 > r0) {
+      LookupScan<KEY_DIM>(
+          keys, r1 - r0,
+          [&](int64_t vr, int64_t& row, uint32_t& pmr) {
+            row = r0 + vr;
+            pmr = lin;
+          },
+          nmt, terms, term_bytes, sm, best);
+    }
+  }
+  // Best per member: over the 4 lanes of a row pair, then over the warps.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        const float s2 = __shfl_xor_sync(0xffffffffu, best[mt][k].score, o);
+        const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[mt][k].index, o);
+        if (Beats(s2, i2, best[mt][k].score, best[mt][k].index)) best[mt][k] = {s2, i2};
+      }
+    }
+  }
+  if (t4 == 0) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt < nmt) {
+        sm.red[warp * 32 + mt * 16 + g] = best[mt][0];
+        sm.red[warp * 32 + mt * 16 + g + 8] = best[mt][1];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < n; i += kThreads) {
+    Best r = sm.red[i];
+    for (int w = 1; w < kWarps; ++w) {
+      const Best x = sm.red[w * 32 + i];
+      if (Beats(x.score, x.index, r.score, r.index)) r = x;
+    }
+    a.lookup_part[(int64_t(sm.mem[i]) * a.hkv + h) * S + s] = {r.score, r.index};
+  }
+}
+
+// Members sm.mem[0, n) of one dictionary (view v), f16 / f32 keys (or keys too wide for the
+// tensor-core path): one member at a time on CUDA cores (fp32 dot products).
+template <int KEY_DIM>
+__device__ void LookupMembersCc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& sm,
+                                const DictLayerView& v, int n, int h, int s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = a.lookup_splits;
+  float* q = reinterpret_cast<float*>(sm.q);
+  for (int i = 0; i < n; ++i) {
+    const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
+    for (int k = tid; k < KEY_DIM; k += kThreads) q[k] = __ldcg(a.lookup_keys + bh * KEY_DIM + k);
+    const int mode = v.C1 > 0 ? __ldcg(a.probe_mode + bh) : 2;
+    __syncthreads();
+    Best best{-INFINITY, -1};
+    if (mode == 1) {
+      const int32_t* off = v.child_offsets;
+      const int64_t p0 = v.C1 * s / S, p1 = v.C1 * (s + 1) / S;
+      for (int64_t par = p0; par < p1; ++par) {
+        if ((__ldcg(a.probe + bh * kProbeWords + (par >> 5)) >> (par & 31)) & 1u) {
+          ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, __ldg(off + par), __ldg(off + par + 1), q,
+                               nullptr, best);
+        }
+      }
+    } else {
+      ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, v.K * s / S, v.K * (s + 1) / S, q, nullptr, best);
+    }
+    WarpArgmax(best);
+    if (lane == 0) sm.red[warp] = best;
+    __syncthreads();
+    if (tid == 0) {
+      Best r = sm.red[0];
+      for (int w = 1; w < kWarps; ++w) {
+        if (Beats(sm.red[w].score, sm.red[w].index, r.score, r.index)) r = sm.red[w];
+      }
+      a.lookup_part[bh * S + s] = {r.score, r.index};
+    }
+    __syncthreads();
+  }
+}
+
+template <typename DType, int KEY_DIM>
+__device__ void LookupBlock(const LaunchArgs& a, int cta, char* smem) {
+  using L = LookupTile<KEY_DIM>;
+  const DecodeParams& p = a.p;
+  const int S = a.lookup_splits, R = a.lookup_reps;
+  const int s = cta % S;
+  const int rest = cta / S;
+  const int h = rest % a.hkv;
+  const int r = rest / a.hkv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const LookupSmem<KEY_DIM> sm(smem);
+  const int n_cache = min(a.batch, L::kIdCache);
+  for (int i = tid; i < n_cache; i += kThreads) sm.ids[i] = p.dict_ids[i];
+  __syncthreads();
+  // Lookup CTA 0 always waits for the parent pass, so the main kernel never completes
+  // before it (the combine and the next step rely on stream order).
+  bool waited = cta == 0;
+  if (waited) GridDependencyWait();
+  for (int b0 = r; b0 < a.batch; b0 += R) {
+    const int32_t id = sm.IdOf(p, b0);
+    if (id < 0 || id >= p.num_dicts) continue;
+    bool dup = false;  // not the dictionary's first request
+    for (int bb = tid; bb < b0; bb += kThreads) dup |= sm.IdOf(p, bb) == id;
+    if (__syncthreads_or(dup)) continue;
+    if (!waited) {
+      GridDependencyWait();  // lookup_keys / probe bits of the parent pass
+      waited = true;
+    }
+    const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
+    const bool usable = ViewUsable(v);
+    const int terms = (v.whitening != nullptr || !std::is_same<DType, __nv_bfloat16>::value) ? 3 : 1;
+    int MB = 16 * min(2, L::kQueryBytes / (16 * KEY_DIM * terms * 2));
+    const bool tc = usable && v.keys_dtype == KernelDType::kBF16 && MB > 0;
+    if (!tc) MB = 32;
+    int cursor = b0;
+    while (cursor < a.batch) {
+      if (warp == 0) {  // the next up to MB members, in request order
+        int n = 0, c = cursor;
+        while (n < MB && c < a.batch) {
+          const int bb = c + lane;
+          const bool is = bb < a.batch && sm.IdOf(p, bb) == id;
+          const unsigned bal = __ballot_sync(0xffffffffu, is);
+          const int rank = __popc(bal & ((1u << lane) - 1u));
+          const int avail = MB - n;
+          if (is && rank < avail) sm.mem[n + rank] = bb;
+          const int cnt = __popc(bal);
+          if (cnt <= avail) {
+            n += cnt;
+            c += 32;
+          } else {
+            const unsigned last = __ballot_sync(0xffffffffu, is && rank == avail - 1);
+            c += __ffs(last);
+            n = MB;
+          }
+        }
+        if (lane == 0) {
+          sm.misc[0] = n;
+          sm.misc[1] = min(c, a.batch);
+        }
+      }
+      __syncthreads();
+      const int n = sm.misc[0];
+      cursor = sm.misc[1];
+      if (n == 0) break;
+      if (!usable) {
+        for (int i = tid; i < n; i += kThreads) {
+          a.lookup_part[(int64_t(sm.mem[i]) * a.hkv + h) * S + s] = {-INFINITY, -1};
+        }
+      } else if (tc) {
+        LookupMembersTc<DType, KEY_DIM>(a, sm, v, n, MB, terms, h, s);
+      } else {
+        LookupMembersCc<KEY_DIM>(a, sm, v, n, h, s);
+      }
+      __syncthreads();  // mem / misc are rewritten for the next block
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-KV attention on tensor cores. CTA (request b, KV head h, split): 4 warps, each owns
+// 16 (d 128) or 32 (d 64) tokens of every 64- or 128-token stage. Per 16 tokens a warp
+// computes S^T = K Q^T (mma m16n8k16: A = 16 tokens x 16 dims of K via ldmatrix, B = the
+// G <= 8 query heads as the 8 columns), the online softmax per head in base 2, and
+// O^T += V^T P^T (A = V^T via ldmatrix.trans, B = P^T from the S^T accumulator via
+// movmatrix; P split into hi + lo 16-bit terms so the PV product keeps fp32 accuracy).
+// K/V tiles stream through a 3-stage cp.async pipeline (16-byte chunks swizzled by row).
+// ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, float* smem) {
+__device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
   using Cfg = AttnTile<HEAD_DIM>;
-  constexpr int kVec = 8;                    // dims per lane (one 16-byte vector)
-  constexpr int kLanes = HEAD_DIM / kVec;    // lanes per token row: 16 or 8
-  constexpr int kGroups = 32 / kLanes;       // token rows a warp reads at once: 2 or 4
-  constexpr int kBlockN = Cfg::kBlockN;      // tokens per pipeline stage
-  constexpr int kStages = Cfg::kStages;
-  constexpr int kWarpTokens = kBlockN / kWarps;
-  constexpr int kUnroll = kWarpTokens / kGroups;  // tokens per lane group and stage
-  constexpr int kChunks = kBlockN * HEAD_DIM / kVec;  // 16-byte chunks per K (or V) tile
-  static_assert(kChunks % kThreads == 0, "tile chunks must split evenly over the CTA");
   using P = Pack<DType>;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
+  constexpr int kKSteps = HEAD_DIM / 16;    // QK k-steps = PV dim tiles
+  constexpr int kWarpTokens = kBlockN / kWarps;
+  constexpr int kSub = kWarpTokens / 16;
+  constexpr int kTile = kBlockN * HEAD_DIM;  // elements of one K (or V) stage tile
+  constexpr int kLoads = kBlockN * kRowChunks / kThreads;
+  static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile chunks must split evenly");
+  static_assert(GROUP >= 1 && GROUP <= 8, "group size");
 
   const DecodeParams& p = a.p;
   const int split = cta % a.kv_splits;
@@ -418,30 +938,29 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, flo
   const int t1 = min(T, t0 + per);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int sub = lane % kLanes, grp = lane / kLanes;
+  const int g = lane >> 2, t4 = lane & 3;
 
-  float q[GROUP][kVec];
+  // Q^T as the B operand: column g = query head h*G + g (zero past the group).
+  uint32_t qf[kKSteps][2];
   {
-    const DType* qb = static_cast<const DType*>(p.q) + b * p.q_stride_b +
-                      int64_t(h) * GROUP * p.q_stride_h + sub * kVec;
+    const DType* qrow = static_cast<const DType*>(p.q) + b * p.q_stride_b +
+                        int64_t(h * GROUP + (g < GROUP ? g : 0)) * p.q_stride_h + 2 * t4;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      P::ToFloat(*reinterpret_cast<const uint4*>(qb + g * p.q_stride_h), q[g]);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) q[g][i] *= a.scale_log2;
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      qf[ks][0] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks) : 0u;
+      qf[ks][1] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks + 8) : 0u;
     }
   }
-  float m[GROUP], l[GROUP], acc[GROUP][kVec];
+  // Heads 2t4, 2t4 + 1 of this lane: running max (base 2), partial sum over its tokens,
+  // and O^T[dims 16j + g (+8)][heads] in acc[j][0, 1] ([2, 3]).
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float acc[kKSteps][4];
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+  for (int j = 0; j < kKSteps; ++j) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
   }
 
-  // K/V tiles stream through a kStages-deep cp.async pipeline in shared memory:
-  // stage buffer = K [kBlockN][HEAD_DIM] then V [kBlockN][HEAD_DIM].
   DType* tiles = reinterpret_cast<DType*>(smem);
   const int32_t* bt = p.block_table + b * p.block_table_stride;
   const DType* kb = static_cast<const DType*>(p.k_cache) + h * p.kv_stride_head;
@@ -451,21 +970,22 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, flo
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-      DType* vt = kt + kBlockN * HEAD_DIM;
+      DType* kt = tiles + (tile % kStages) * 2 * kTile;
+      DType* vt = kt + kTile;
 #pragma unroll
-      for (int i = 0; i < kChunks / kThreads; ++i) {
+      for (int i = 0; i < kLoads; ++i) {
         const int c = tid + i * kThreads;
-        const int j = c / kLanes, piece = c % kLanes;
+        const int j = c / kRowChunks, piece = c % kRowChunks;
         const int t = t0 + tile * kBlockN + j;
         const bool valid = t < t1;
         int64_t off = 0;
         if (valid) {
           off = int64_t(__ldg(bt + (t >> shift))) * p.kv_stride_page +
-                int64_t(t & slot_mask) * p.kv_stride_token + piece * kVec;
+                int64_t(t & slot_mask) * p.kv_stride_token + piece * 8;
         }
-        CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
-        CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
+        const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
+        CpAsync16(kt + sw, kb + off, valid);
+        CpAsync16(vt + sw, vb + off, valid);
       }
     }
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
@@ -477,131 +997,144 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, flo
     CpAsyncWait<kStages - 2>();  // this thread's copies of `tile` have landed
     __syncthreads();             // everyone's have; the buffer of tile-1 is free again
     issue_tile(tile + kStages - 1);
-    const DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-    const DType* vt = kt + kBlockN * HEAD_DIM;
-    const int tbase = t0 + tile * kBlockN + warp * kWarpTokens;
-    float s[kUnroll][GROUP];
+    const DType* kt = tiles + (tile % kStages) * 2 * kTile;
+    const DType* vt = kt + kTile;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = warp * kWarpTokens + u * kGroups + grp;
-      float kf[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(kt + j * HEAD_DIM + sub * kVec), kf);
+    for (int sub = 0; sub < kSub; ++sub) {
+      const int r0 = warp * kWarpTokens + sub * 16;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        float x = 0.f;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) x = fmaf(q[g][i], kf[i], x);
-        s[u][g] = x;
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const int row = r0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int chunk = 2 * ks + (lane >> 4);
+        uint32_t af[4];
+        Ldsm4(af, kt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+        Mma16816<DType>(s, af, qf[ks][0], qf[ks][1]);
       }
-    }
+      const int tok = t0 + tile * kBlockN + r0 + g;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+      for (int i = 0; i < 4; ++i) s[i] *= a.scale_log2;
+      if (tok >= t1) s[0] = s[1] = -INFINITY;
+      if (tok + 8 >= t1) s[2] = s[3] = -INFINITY;
+      float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int o = kLanes / 2; o > 0; o >>= 1) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+      for (int o = 4; o < 32; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
       }
-      if (tbase + u * kGroups + grp >= t1) {
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
+      const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+      const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
+      m0 = mn0;
+      m1 = mn1;
+      const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1);
+      const float p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
+      l0 = l0 * c0 + p0 + p2;
+      l1 = l1 * c1 + p1 + p3;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) s[u][g] = -INFINITY;
+      for (int j = 0; j < kKSteps; ++j) {
+        acc[j][0] *= c0;
+        acc[j][1] *= c1;
+        acc[j][2] *= c0;
+        acc[j][3] *= c1;
       }
-    }
+      // P^T for the PV product: (token g, heads 2t4, 2t4+1) -> transpose -> (head g, tokens).
+      const uint32_t h01 = P::FromFloat2(p0, p1), h23 = P::FromFloat2(p2, p3);
+      float f0, f1, f2, f3;
+      P::ToFloat2(h01, f0, f1);
+      P::ToFloat2(h23, f2, f3);
+      const uint32_t lo01 = P::FromFloat2(p0 - f0, p1 - f1), lo23 = P::FromFloat2(p2 - f2, p3 - f3);
+      const uint32_t bh0 = MovTrans(h01), bh1 = MovTrans(h23);
+      const uint32_t bl0 = MovTrans(lo01), bl1 = MovTrans(lo23);
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float mx = s[0][g];
-#pragma unroll
-      for (int u = 1; u < kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
-      if (mx > m[g]) {  // the running max moves: rescale (the first time, from zero)
-        const float corr = exp2f(m[g] - mx);
-        l[g] *= corr;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
-        m[g] = mx;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        s[u][g] = m[g] == -INFINITY ? 0.f : exp2f(s[u][g] - m[g]);  // probabilities
-        l[g] += s[u][g];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = warp * kWarpTokens + u * kGroups + grp;
-      float vf[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(vt + j * HEAD_DIM + sub * kVec), vf);
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+      for (int j = 0; j < kKSteps; ++j) {
+        const int row = r0 + (lane & 7) + ((lane >> 4) << 3);
+        const int chunk = 2 * j + ((lane >> 3) & 1);
+        uint32_t vf[4];
+        Ldsm4T(vf, vt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+        Mma16816<DType>(acc[j], vf, bh0, bh1);
+        Mma16816<DType>(acc[j], vf, bl0, bl1);
       }
     }
   }
   CpAsyncWait<0>();
   __syncthreads();  // the tiles' shared memory is reused below
 
-  // Normalized state per lane group (natural-log lse), then the one merge across lane
-  // groups (shuffles) and across warps (shared memory).
-  float lse[GROUP];
+  // Per-warp normalized state per head, then the one merge across warps.
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    if (l[g] > 0.f) {
-      const float inv = 1.f / l[g];
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const float lse0 = l0 > 0.f ? (m0 + log2f(l0)) * kLn2 : -INFINITY;
+  const float lse1 = l1 > 0.f ? (m1 + log2f(l1)) * kLn2 : -INFINITY;
+  float* sm_o = reinterpret_cast<float*>(smem);          // [kWarps][GROUP][HEAD_DIM]
+  float* sm_l = sm_o + kWarps * GROUP * HEAD_DIM;         // [kWarps][GROUP]
+  const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[g][i] *= inv;
-      lse[g] = (m[g] + log2f(l[g])) * kLn2;
-    } else {
-      lse[g] = -INFINITY;
+  for (int j = 0; j < kKSteps; ++j) {
+    const int d0 = 16 * j + g;
+    if (hd0 < GROUP) {
+      sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0] = acc[j][0] * inv0;
+      sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0 + 8] = acc[j][2] * inv0;
+    }
+    if (hd1 < GROUP) {
+      sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0] = acc[j][1] * inv1;
+      sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0 + 8] = acc[j][3] * inv1;
     }
   }
-#pragma unroll
-  for (int o = kLanes; o < 32; o <<= 1) {
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float o2[kVec];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) o2[i] = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-      const float l2 = __shfl_xor_sync(0xffffffffu, lse[g], o);
-      merge_state_inplace(acc[g], &lse[g], o2, l2, kVec);
-    }
-  }
-  float* sm_o = smem;                                 // [kWarps][GROUP][HEAD_DIM]
-  float* sm_l = smem + kWarps * GROUP * HEAD_DIM;     // [kWarps][GROUP]
-  if (grp == 0) {
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float4* dst = reinterpret_cast<float4*>(sm_o + (warp * GROUP + g) * HEAD_DIM + sub * kVec);
-      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-      if (sub == 0) sm_l[warp * GROUP + g] = lse[g];
-    }
+  if (g == 0) {
+    if (hd0 < GROUP) sm_l[warp * GROUP + hd0] = lse0;
+    if (hd1 < GROUP) sm_l[warp * GROUP + hd1] = lse1;
   }
   __syncthreads();
-  for (int e = tid; e < GROUP * HEAD_DIM; e += kThreads) {
-    const int g = e / HEAD_DIM, c = e % HEAD_DIM;
-    float o = sm_o[g * HEAD_DIM + c];
-    float lw = sm_l[g];
+  float* sm_w = sm_l + kWarps * GROUP;  // [GROUP][kWarps] weights of the n-way merge
+  float* sm_lse = sm_w + GROUP * kWarps;  // [GROUP] merged lse
+  if (tid < GROUP) {
+    LseSum sum = lse_sum_empty();
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      merge_state_inplace(&o, &lw, &sm_o[(w * GROUP + g) * HEAD_DIM + c], sm_l[w * GROUP + g], 1);
+    for (int w = 0; w < kWarps; ++w) sum = lse_sum_add(sum, sm_l[w * GROUP + tid]);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sm_w[tid * kWarps + w] = lse_sum_weight(sum, sm_l[w * GROUP + tid]);
+    sm_lse[tid] = lse_sum_lse(sum);
+  }
+  __syncthreads();
+  for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
+    const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = sm_w[hh * kWarps + w];
+      const float4 x = *reinterpret_cast<const float4*>(&sm_o[(w * GROUP + hh) * HEAD_DIM + c]);
+      o.x = fmaf(wt, x.x, o.x);
+      o.y = fmaf(wt, x.y, o.y);
+      o.z = fmaf(wt, x.z, o.z);
+      o.w = fmaf(wt, x.w, o.w);
     }
-    const int64_t row = (int64_t(b) * a.hq + h * GROUP + g) * a.kv_splits + split;
-    a.part_o[row * HEAD_DIM + c] = o;
-    if (c == 0) a.part_lse[row] = lw;
+    const int64_t row = (int64_t(b) * a.hq + h * GROUP + hh) * a.kv_splits + split;
+    *reinterpret_cast<float4*>(&a.part_o[row * HEAD_DIM + c]) = o;
+    if (c == 0) a.part_lse[row] = sm_lse[hh];
   }
 }
 
-// No register cap: G <= 4 fits 4 CTAs per SM (<= 128 registers) as is; G = 8 needs ~250
-// (q and the accumulator are 2 x 8 x G fp32 per lane) and runs 2 CTAs per SM. Capping it at
-// 168 (3 CTAs) spilled 200 bytes and measured slower (H200: 1446 vs 1384 us, B=32 32K GQA-8).
+// 128 threads, two CTAs per SM (96-104 KB of shared memory each). Block order: the lookup
+// CTAs of rep 0 (they serve the first dictionary of the batch, usually the only one), the
+// attention CTAs, then the lookup CTAs of reps 1.. (other dictionaries), so the common case
+// starts its lookups first and idle reps never hold SM slots ahead of the attention.
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads) DecodeMainKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
-  float* smem = reinterpret_cast<float*>(decode_smem);
+  char* smem = reinterpret_cast<char*>(decode_smem);
   const int cta = int(blockIdx.x);
-  if (cta < a.n_lookup_ctas) {
+  const int n_rep0 = a.n_lookup_ctas > 0 ? a.hkv * a.lookup_splits : 0;
+  if (cta < n_rep0) {
     LookupBlock<DType, HEAD_DIM * GROUP>(a, cta, smem);
+  } else if (cta < n_rep0 + a.n_attn_ctas) {
+    AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta - n_rep0, smem);
   } else {
-    AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta - a.n_lookup_ctas, smem);
+    LookupBlock<DType, HEAD_DIM * GROUP>(a, cta - a.n_attn_ctas, smem);
   }
 }
 
@@ -634,104 +1167,116 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 }
 
 // ---------------------------------------------------------------------------------------
-// Combine: one CTA per (request, query head). Warp w merges splits w, w + 4, ... (8 loads in
-// flight per lane), warp 0 starting from the prefix state; then the 4 warp states are
-// merged through shared memory. A lane holds HEAD_DIM/32 contiguous dims.
+
+// ---------------------------------------------------------------------------------------
+// Combine: one warp per (request, query head): the best entry over the lookup chunks and
+// its (o, lse), then the n-way merge (state.cuh LseSum) of the prefix state with every
+// non-empty KV split: the lse values first (lane s % 32 holds split s), then the weighted
+// sum of the splits' o with 8 splits' loads in flight per lane. A lane holds HEAD_DIM/32
+// contiguous dims.
 // ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;
+  constexpr int kLaneSplits = kMaxKvSplits / 32;
+  static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
-  __shared__ __align__(16) float sm_o[kWarps][HEAD_DIM];
-  __shared__ float sm_l[kWarps];
-  __shared__ int32_t sm_flag[2];  // lookup index, bad
-  const int bhq = int(blockIdx.x);
-  const int b = bhq / a.hq, hq = bhq % a.hq;
-  const int h = hq / a.group, g = hq % a.group;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
+  if (row >= int64_t(a.batch) * a.hq) return;
+  const int b = int(row / a.hq), hq = int(row % a.hq);
+  const int h = hq / a.group, g = hq % a.group;
   const DecodeParams& p = a.p;
   const int c0 = lane * kPer;
 
-  float o[kPer];
+  float po[kPer];  // the prefix state (empty without a dictionary)
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) o[i] = 0.f;
-  float lse = -INFINITY;
-  if (warp == 0) {
-    bool bad = false;
-    int32_t idx = -1;
-    if (a.n_lookup_ctas > 0) {
-      const int32_t id = p.dict_ids[b];
-      if (id < -1 || id >= p.num_dicts) {
-        bad = true;
-      } else if (id >= 0) {
-        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
-        const LookupPartial* lp = a.lookup_part + (int64_t(b) * a.hkv + h) * a.lookup_splits;
-        Best best{-INFINITY, -1};
-        for (int s = lane; s < a.lookup_splits; s += 32) {
-          const LookupPartial x = lp[s];
-          if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
-        }
-        WarpArgmax(best);
-        if (!ViewUsable(v) || best.index < 0) {
-          bad = true;  // the view was unusable
-        } else {
-          idx = best.index;
-          const int64_t row = int64_t(idx) * a.group + g;
-          float po[kPer];
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) po[i] = LoadElem(v.values_o, v.values_dtype, row * HEAD_DIM + c0 + i);
-          // Merged into the empty state, so an entry with lse = -inf reads as (0, -inf).
-          merge_state_inplace(o, &lse, po, v.values_lse[row], kPer);
-        }
+  for (int i = 0; i < kPer; ++i) po[i] = 0.f;
+  float plse = -INFINITY;
+  bool bad = false;
+  int32_t idx = -1;
+  if (a.lookup) {
+    const int32_t id = p.dict_ids[b];
+    if (id < -1 || id >= p.num_dicts) {
+      bad = true;
+    } else if (id >= 0) {
+      const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
+      const LookupPartial* lp = a.lookup_part + (int64_t(b) * a.hkv + h) * a.lookup_splits;
+      Best best{-INFINITY, -1};
+      for (int s = lane; s < a.lookup_splits; s += 32) {
+        const LookupPartial x = lp[s];
+        if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
       }
-    }
-    if (lane == 0) {
-      sm_flag[0] = idx;
-      sm_flag[1] = bad;
+      WarpArgmax(best);
+      if (!ViewUsable(v) || best.index < 0) {
+        bad = true;  // the view was unusable
+      } else {
+        idx = best.index;
+        const int64_t erow = int64_t(idx) * a.group + g;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) po[i] = LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c0 + i);
+        plse = v.values_lse[erow];
+      }
     }
   }
   const int n = NumActiveSplits(p.seq_lens[b], a.kv_splits);
-  const int64_t row0 = (int64_t(b) * a.hq + hq) * a.kv_splits;
-  for (int s0 = warp; s0 < n; s0 += kWarps * kBatch) {
-    float o2[kBatch][kPer], l2[kBatch];
+  const int64_t row0 = row * a.kv_splits;
+  float ls[kLaneSplits];
+  LseSum sum = lse_sum_empty();
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int s = s0 + j * kWarps;
-      if (s < n) {
-        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
-        if constexpr (kPer == 4) {
-          const float4 x = *reinterpret_cast<const float4*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+  for (int k = 0; k < kLaneSplits; ++k) {
+    const int s = lane + 32 * k;
+    ls[k] = s < n ? a.part_lse[row0 + s] : -INFINITY;
+    sum = lse_sum_add(sum, ls[k]);
+  }
+  if (lane == 0) sum = lse_sum_add(sum, plse);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  float o[kPer];
+  const float wp = lse_sum_weight(sum, plse);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) o[i] = wp * po[i];
+#pragma unroll
+  for (int k = 0; k < kLaneSplits; ++k) {
+    if (32 * k >= n) break;
+    const float wk = lse_sum_weight(sum, ls[k]);
+    for (int j0 = 0; j0 < 32 && 32 * k + j0 < n; j0 += kBatch) {
+      float o2[kBatch][kPer];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int s = 32 * k + j0 + j;
+        if (s < n) {
+          const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
+          if constexpr (kPer == 4) {
+            const float4 x = *reinterpret_cast<const float4*>(src);
+            o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+          } else {
+            const float2 x = *reinterpret_cast<const float2*>(src);
+            o2[j][0] = x.x; o2[j][1] = x.y;
+          }
         } else {
-          const float2 x = *reinterpret_cast<const float2*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y;
-        }
-        l2[j] = a.part_lse[row0 + s];
-      } else {
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
-        l2[j] = -INFINITY;  // the empty state: merging it changes nothing
+          for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wk, j0 + j);  // 0 past n
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) o[i] = fmaf(w, o2[j][i], o[i]);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) merge_state_inplace(o, &lse, o2[j], l2[j], kPer);
   }
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) sm_o[warp][c0 + i] = o[i];
-  if (lane == 0) sm_l[warp] = lse;
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) {
-    float ow[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) ow[i] = sm_o[w][c0 + i];
-    merge_state_inplace(o, &lse, ow, sm_l[w], kPer);
-  }
-  const int32_t idx = sm_flag[0];
-  if (sm_flag[1]) {
+  float lse = lse_sum_lse(sum);
+  if (bad) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) o[i] = __int_as_float(0x7fc00000);
     lse = __int_as_float(0x7fc00000);
@@ -753,16 +1298,40 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
 // ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, cudaStream_t stream) {
+void LaunchDecodeParents(const LaunchArgs& a, cudaStream_t stream) {
+  constexpr int kKeyDim = HEAD_DIM * GROUP;
+  DecodeParentsKernel<DType, kKeyDim>
+      <<<unsigned(int64_t(a.batch) * a.hkv), kThreads, ParentSmemBytes(kKeyDim), stream>>>(a);
+  ASMEM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename DType, int HEAD_DIM, int GROUP>
+void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_parents,
+                      cudaStream_t stream) {
   const int64_t ctas = int64_t(a.n_lookup_ctas) + a.n_attn_ctas;
   if (ctas == 0) return;
-  DecodeMainKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, smem_bytes, stream>>>(a);
-  ASMEM_CUDA_CHECK_LAUNCH();
+  auto kernel = DecodeMainKernel<DType, HEAD_DIM, GROUP>;
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(smem_bytes)));
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        int(cudaSharedmemCarveoutMaxShared)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(ctas));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = after_parents ? 1 : 0;
+  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
 template <typename DType, int HEAD_DIM>
 void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream) {
-  DecodeCombineKernel<DType, HEAD_DIM><<<unsigned(int64_t(a.batch) * a.hq), kThreads, 0, stream>>>(a);
+  const int64_t rows = int64_t(a.batch) * a.hq;
+  DecodeCombineKernel<DType, HEAD_DIM><<<unsigned((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 

@@ -11,6 +11,7 @@
 #include "asmem/decode.h"
 #include "asmem/error.h"
 #include "asmem/lookup.h"
+#include "asmem/state.cuh"
 #include "kernels/decode_test_util.h"
 #include "test_util.h"
 
@@ -415,6 +416,49 @@ TEST(DecodeCpu, BatchSmallerThanConfigLeavesTheRestUntouched) {
   const int64_t per = s.Hq * s.d;
   for (int64_t i = 0; i < 2 * per; ++i) ASSERT_FALSE(std::isnan(pb.o.get(i)));
   for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_TRUE(std::isnan(pb.o.get(i)));
+}
+
+// The n-way merge (state.cuh LseSum, used by the split-KV kernels) equals merging the
+// states pairwise, also when the sides are summarized in two parts and combined, and with
+// +-inf lse sides (up to two +inf sides: more are averaged equally, see state.cuh).
+TEST(DecodeMerge, NWayEqualsPairwise) {
+  const uint64_t seed = test::test_seed(301);
+  SCOPED_TRACE(test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> pick(0, 9);
+  constexpr int kDim = 5;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + trial % 13;
+    std::vector<float> lse(n), o(size_t(n) * kDim);
+    for (int i = 0; i < n; ++i) {
+      const int c = pick(rng);
+      lse[i] = c == 0 ? -kInf : (c == 1 && trial % 3 == 0 ? kInf : 8.f * nd(rng));
+      for (int j = 0; j < kDim; ++j) o[size_t(i) * kDim + j] = nd(rng);
+    }
+    float po[kDim] = {0.f}, pl = -kInf;  // pairwise, in order
+    for (int i = 0; i < n; ++i) merge_state_inplace(po, &pl, &o[size_t(i) * kDim], lse[i], kDim);
+    const int split = n / 2;  // two partial summaries, combined
+    LseSum a = lse_sum_empty(), b = lse_sum_empty();
+    for (int i = 0; i < n; ++i) {
+      if (i < split) a = lse_sum_add(a, lse[i]); else b = lse_sum_add(b, lse[i]);
+    }
+    const LseSum all = lse_sum_combine(b, a);
+    const float nl = lse_sum_lse(all);
+    if (std::isinf(pl)) {
+      EXPECT_EQ(nl, pl) << "trial " << trial;
+    } else {
+      EXPECT_NEAR(nl, pl, 1e-5f * (1.f + std::abs(pl))) << "trial " << trial;
+    }
+    int n_inf = 0;
+    for (float l : lse) n_inf += l == kInf;
+    if (n_inf > 2) continue;  // equal weights here, merge-order weights pairwise
+    for (int j = 0; j < kDim; ++j) {
+      float x = 0.f;
+      for (int i = 0; i < n; ++i) x += lse_sum_weight(all, lse[i]) * o[size_t(i) * kDim + j];
+      EXPECT_NEAR(x, po[j], 1e-5f * (1.f + std::abs(po[j]))) << "trial " << trial << " dim " << j;
+    }
+  }
 }
 
 TEST(DecodeConfig, SupportedSetAndErrors) {

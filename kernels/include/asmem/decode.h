@@ -55,7 +55,10 @@
 // copies: capturable in a CUDA graph (replays may change every device value, including
 // seq_lens, block tables and dict_ids, but not the host-side config or params). The split
 // plan depends only on the config (not on the device), so a captured step is valid on any
-// GPU. Launches: [whitening], main (lookup CTAs + split-KV attention CTAs), combine.
+// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents),
+// main (lookup CTAs + split-KV attention CTAs; launched with programmatic dependent launch
+// after the parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
+// requests that share a dictionary at once (f16 / f32 keys: CUDA cores, per request).
 #pragma once
 
 #include <cstddef>
@@ -114,8 +117,11 @@ struct DecodeConfig {
                                   // C1 + top_m * (largest parent's children) for a
                                   // hierarchical one); sets the lookup split count only
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
-                             // a separate launch (without it each lookup CTA whitens alone:
-                             // correct, much slower)
+                             // a separate launch (without it the parent pass whitens each
+                             // key in one CTA: correct, much slower)
+  int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
+                             // default (2 * kDecodePlanSms: one wave of two CTAs per SM).
+                             // A tuning knob; like every field it only changes the plan.
 };
 
 // Per-step arguments. Pointers: see the contract at the top of this file.
@@ -147,7 +153,9 @@ void DecodeKvStrides(const DecodeConfig& config, DecodeParams* params);
 // How a config is split over CTAs; a pure function of the config.
 struct DecodePlan {
   int32_t kv_splits = 1;      // split-KV CTAs per (request, KV head)
-  int32_t lookup_splits = 0;  // lookup CTAs per (request, KV head); 0 without dictionaries
+  int32_t lookup_splits = 0;  // chunks a dictionary view is scanned in (one lookup CTA per
+                              // chunk and KV head serves all requests sharing the
+                              // dictionary); 0 without dictionaries
   size_t workspace_bytes = 0; // device workspace DecodeAttention needs
 };
 

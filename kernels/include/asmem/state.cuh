@@ -62,6 +62,43 @@ struct State {
   ASMEM_HOST_DEVICE void merge(const State& other) { merge(other.o, other.lse); }
 };
 
+// N-way merge of states (o_i, l_i): the same result as merging them pairwise in any order
+// (up to rounding), with one weight per side computed once: o = sum_i w_i o_i. A LseSum
+// summarizes the lse values of the sides; summaries of disjoint sets combine
+// (lse_sum_combine), so the sides can be spread over threads. The pairwise merge's rules
+// hold: +inf sides absorb the others, -inf sides weigh 0, all -inf is empty. Several +inf
+// sides get equal weights (pairwise merging weighs them by merge order; with at most two,
+// as in decode, both agree).
+struct LseSum {
+  float max;  // largest lse below +inf (-inf: none)
+  float sum;  // sum of exp(l - max) over those
+  float inf;  // number of +inf sides
+};
+ASMEM_HOST_DEVICE LseSum lse_sum_empty() { return {-INFINITY, 0.f, 0.f}; }
+ASMEM_HOST_DEVICE LseSum lse_sum_combine(LseSum a, LseSum b) {
+  const float m = fmaxf(a.max, b.max);
+  if (m == -INFINITY) return {m, 0.f, a.inf + b.inf};
+  const float sa = a.max == -INFINITY ? 0.f : a.sum * expf(a.max - m);
+  const float sb = b.max == -INFINITY ? 0.f : b.sum * expf(b.max - m);
+  return {m, sa + sb, a.inf + b.inf};
+}
+ASMEM_HOST_DEVICE LseSum lse_sum_add(LseSum a, float l) {
+  if (l == INFINITY) return {a.max, a.sum, a.inf + 1.f};
+  return lse_sum_combine(a, LseSum{l, l == -INFINITY ? 0.f : 1.f, 0.f});
+}
+// The merged lse.
+ASMEM_HOST_DEVICE float lse_sum_lse(LseSum a) {
+  if (a.inf > 0.f) return INFINITY;
+  if (a.max == -INFINITY) return -INFINITY;
+  return a.max + logf(a.sum);
+}
+// The weight of a side with lse l in the merge summarized by a.
+ASMEM_HOST_DEVICE float lse_sum_weight(LseSum a, float l) {
+  if (a.inf > 0.f) return l == INFINITY ? 1.f / a.inf : 0.f;
+  if (a.max == -INFINITY || l == -INFINITY) return 0.f;
+  return expf(l - a.max) / a.sum;
+}
+
 // Merge (o2, l2) into (o1, l1) in place for one row of `dim` values; the run-time-dim
 // form used where the head dim is not a template parameter.
 ASMEM_HOST_DEVICE void merge_state_inplace(float* o1, float* l1, const float* o2, float l2,

@@ -1,0 +1,13 @@
+// Decode attention kernels for bf16, head dim 128, group sizes 5 6 7 8 (see decode_instantiate.cuh).
+#include "decode_instantiate.cuh"
+
+namespace asmem {
+namespace decode {
+
+ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 5)
+ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 6)
+ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 7)
+ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 8)
+
+}  // namespace decode
+}  // namespace asmem
