@@ -25,7 +25,9 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--dtype", o->value_dtype, "Stored keys/values: bf16 | fp16 | fp32")->capture_default_str();
   cmd->add_option("--device", o->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--model-dtype", o->model_dtype, "Forward dtype: auto | fp32 | bf16 | fp16")->capture_default_str();
-  cmd->add_option("--update", o->update_path, "Previous dictionary: reuse its generated responses");
+  cmd->add_option("--update", o->update_path,
+                  "Previous dictionary: reuse its generated responses and, with --calib-chunk, "
+                  "its unchanged chunks");
   cmd->add_option("--seed", o->seed, "Seed of the holdout split and k-means")->capture_default_str();
   cmd->add_option("--parents", o->parents, "Hierarchy parents C1 (0: round(sqrt(K)))")->capture_default_str();
   cmd->add_option("--top-m", o->top_m, "Parents probed by hierarchical lookup")->capture_default_str();
@@ -43,6 +45,9 @@ void add_compile_command(CLI::App& app) {
                   "Chunked calibration: encode the prefix in independent chunks of N tokens "
                   "(for prefixes longer than the context; traces then sit at positions N..)")
       ->capture_default_str();
+  cmd->add_flag_function("--no-chunk-cache", [o](int64_t) { o->chunk_cache = false; },
+                "Chunked calibration: do not keep per-chunk prefix KV beside the output "
+                "(OUT.chunks/, reused by a later --update)");
   cmd->add_option("--report-entries", o->report_entries,
                   "Extra K values to evaluate in the report (not written), e.g. 256,4096")
       ->delimiter(',');

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -187,15 +188,18 @@ __global__ void KMeansChunkOwnerKernel(const int32_t* __restrict__ nchunks,
 }
 
 // One block per chunk of <= kChunk members of one cluster: fp64 sums of the members'
-// rows, in sorted (= increasing point) order.
-__global__ void KMeansPartialSumKernel(const float* __restrict__ x, int64_t dim,
+// weighted rows and of their weights (w == null: all 1), in sorted (= increasing point)
+// order.
+__global__ void KMeansPartialSumKernel(const float* __restrict__ x,
+                                       const float* __restrict__ w, int64_t dim,
                                        const uint32_t* __restrict__ sorted_idx,
                                        const int32_t* __restrict__ offsets,
                                        const int32_t* __restrict__ counts,
                                        const int32_t* __restrict__ nchunks,
                                        const int32_t* __restrict__ chunk_offsets,
                                        const int32_t* __restrict__ owner, int64_t k,
-                                       double* __restrict__ partial) {
+                                       double* __restrict__ partial,
+                                       double* __restrict__ partial_w) {
   const int64_t total = (int64_t)chunk_offsets[k - 1] + nchunks[k - 1];
   const int64_t q = blockIdx.x;
   if (q >= total) return;
@@ -204,26 +208,43 @@ __global__ void KMeansPartialSumKernel(const float* __restrict__ x, int64_t dim,
   const int64_t end = min(begin + kChunk, (int64_t)offsets[c] + counts[c]);
   for (int64_t t = threadIdx.x; t < dim; t += blockDim.x) {
     double acc = 0.0;
-    for (int64_t r = begin; r < end; ++r) acc += (double)x[(int64_t)sorted_idx[r] * dim + t];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = sorted_idx[r];
+      const double wi = w ? (double)w[i] : 1.0;
+      acc += wi * (double)x[i * dim + t];
+    }
     partial[q * dim + t] = acc;
+  }
+  if (threadIdx.x == 0) {
+    double acc = 0.0;
+    for (int64_t r = begin; r < end; ++r) acc += w ? (double)w[sorted_idx[r]] : 1.0;
+    partial_w[q] = acc;
   }
 }
 
-// One block per cluster with members: adds its chunks' partial sums in order, divides.
-__global__ void KMeansFinalizeKernel(const double* __restrict__ partial, int64_t dim,
+// One block per cluster: adds its chunks' partial sums (and weights) in order, divides
+// by the mass. Clusters without members get mass 0 and keep their centroid.
+__global__ void KMeansFinalizeKernel(const double* __restrict__ partial,
+                                     const double* __restrict__ partial_w, int64_t dim,
                                      const int32_t* __restrict__ counts,
                                      const int32_t* __restrict__ nchunks,
                                      const int32_t* __restrict__ chunk_offsets,
-                                     float* __restrict__ c) {
+                                     float* __restrict__ c, double* __restrict__ mass) {
   const int64_t cl = blockIdx.x;
   const int32_t cnt = counts[cl];
-  if (cnt == 0) return;
+  if (cnt == 0) {
+    if (threadIdx.x == 0) mass[cl] = 0.0;
+    return;
+  }
   const int64_t q0 = chunk_offsets[cl];
   const int64_t q1 = q0 + nchunks[cl];
+  double m = 0.0;
+  for (int64_t q = q0; q < q1; ++q) m += partial_w[q];
+  if (threadIdx.x == 0) mass[cl] = m;
   for (int64_t t = threadIdx.x; t < dim; t += blockDim.x) {
     double acc = 0.0;
     for (int64_t q = q0; q < q1; ++q) acc += partial[q * dim + t];
-    c[cl * dim + t] = (float)(acc / (double)cnt);
+    c[cl * dim + t] = (float)(acc / m);
   }
 }
 
@@ -241,7 +262,7 @@ int KeyBits(int64_t k) {  // bits holding the keys 0..k
 
 struct UpdateLayout {
   size_t keys_in, keys_out, idx_in, idx_out, offsets, nchunks, chunk_offsets, owner, partial,
-      temp, temp_bytes, total;
+      partial_w, temp, temp_bytes, total;
   int64_t max_chunks;
 };
 
@@ -269,6 +290,7 @@ UpdateLayout MakeUpdateLayout(int64_t n, int64_t dim, int64_t k) {
   l.chunk_offsets = take(sizeof(int32_t) * k);
   l.owner = take(sizeof(int32_t) * l.max_chunks);
   l.partial = take(sizeof(double) * l.max_chunks * dim);
+  l.partial_w = take(sizeof(double) * l.max_chunks);
   l.temp_bytes = std::max(sort_bytes, scan_bytes);
   l.temp = take(l.temp_bytes);
   l.total = at;
@@ -370,17 +392,19 @@ size_t KMeansUpdateWorkspaceBytes(int64_t n, int64_t dim, int64_t k) {
   return MakeUpdateLayout(n, dim, k).total;
 }
 
-void KMeansUpdate(const float* x, int64_t n, int64_t dim, const int32_t* assign, int64_t k,
-                  void* workspace, size_t workspace_bytes, float* c, int32_t* counts,
-                  cudaStream_t stream) {
+void KMeansUpdate(const float* x, const float* w, int64_t n, int64_t dim, const int32_t* assign,
+                  int64_t k, void* workspace, size_t workspace_bytes, float* c, int32_t* counts,
+                  double* mass, cudaStream_t stream) {
   const char* fn = "KMeansUpdate";
   RequireShape(n >= 1 && n < INT_MAX && dim >= 1 && k >= 1 && k < INT_MAX, fn,
                "n=" + std::to_string(n) + " dim=" + std::to_string(dim) +
                    " k=" + std::to_string(k));
   RequireDevicePtr(x, "x", fn, 4);
+  if (w) RequireDevicePtr(w, "w", fn, 4);
   RequireDevicePtr(assign, "assign", fn, 4);
   RequireDevicePtr(c, "c", fn, 4);
   RequireDevicePtr(counts, "counts", fn, 4);
+  RequireDevicePtr(mass, "mass", fn, 8);
   RequireDevicePtr(workspace, "workspace", fn, kWorkspaceAlign);
   const UpdateLayout l = MakeUpdateLayout(n, dim, k);
   if (workspace_bytes < l.total) {
@@ -397,6 +421,7 @@ void KMeansUpdate(const float* x, int64_t n, int64_t dim, const int32_t* assign,
   auto* chunk_offsets = reinterpret_cast<int32_t*>(ws + l.chunk_offsets);
   auto* owner = reinterpret_cast<int32_t*>(ws + l.owner);
   auto* partial = reinterpret_cast<double*>(ws + l.partial);
+  auto* partial_w = reinterpret_cast<double*>(ws + l.partial_w);
   void* temp = ws + l.temp;
 
   constexpr int kThreads = 256;
@@ -419,10 +444,10 @@ void KMeansUpdate(const float* x, int64_t n, int64_t dim, const int32_t* assign,
   KMeansChunkOwnerKernel<<<blocks(k), kThreads, 0, stream>>>(nchunks, chunk_offsets, k, owner);
   ASMEM_CUDA_CHECK_LAUNCH();
   KMeansPartialSumKernel<<<(unsigned)l.max_chunks, kUpdateThreads, 0, stream>>>(
-      x, dim, idx_out, offsets, counts, nchunks, chunk_offsets, owner, k, partial);
+      x, w, dim, idx_out, offsets, counts, nchunks, chunk_offsets, owner, k, partial, partial_w);
   ASMEM_CUDA_CHECK_LAUNCH();
-  KMeansFinalizeKernel<<<(unsigned)k, kUpdateThreads, 0, stream>>>(partial, dim, counts, nchunks,
-                                                                   chunk_offsets, c);
+  KMeansFinalizeKernel<<<(unsigned)k, kUpdateThreads, 0, stream>>>(
+      partial, partial_w, dim, counts, nchunks, chunk_offsets, c, mass);
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
@@ -486,9 +511,9 @@ bool KMeansCudaAvailable() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx, int64_t m,
-                int64_t k, int32_t iters, bool spherical, float* centroids, int32_t* assign,
-                double* inertia, int64_t* splits) {
+void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx,
+                const float* train_w, int64_t m, int64_t k, int32_t iters, bool spherical,
+                float* centroids, int32_t* assign, double* inertia, int64_t* splits) {
   const char* fn = "KMeansCuda";
   if (!x || !centroids || !assign || !inertia) Fail(fn, "null x, centroids, assign or inertia");
   RequireShape(n >= 1 && n < INT_MAX && dim >= 1 && dim < INT_MAX && k >= 1 && k <= m &&
@@ -502,6 +527,14 @@ void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx
       if (train_idx[i] < 0 || train_idx[i] >= n) {
         Fail(fn, "train_idx[" + std::to_string(i) + "] = " + std::to_string(train_idx[i]) +
                      " outside [0, " + std::to_string(n) + ")");
+      }
+    }
+  }
+  if (train_w) {
+    for (int64_t i = 0; i < m; ++i) {
+      if (!(train_w[i] > 0.0f) || !std::isfinite(train_w[i])) {
+        Fail(fn, "train_w[" + std::to_string(i) + "] = " + std::to_string(train_w[i]) +
+                     " is not a positive finite weight");
       }
     }
   }
@@ -523,6 +556,12 @@ void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx
     KMeansGatherRows(x_d.as<float>(), n, dim, idx_d.as<int64_t>(), m, train_d.as<float>(), s);
     train = train_d.as<float>();
   }
+  DeviceBuffer w_d(train_w ? sizeof(float) * m : 0);
+  if (train_w) {
+    ASMEM_CUDA_CHECK(
+        cudaMemcpyAsync(w_d.as<float>(), train_w, sizeof(float) * m, cudaMemcpyHostToDevice, s));
+  }
+  const float* w = train_w ? w_d.as<float>() : nullptr;
 
   int64_t scores_rows = (int64_t)(kScoresBudgetBytes / (sizeof(float) * (size_t)k));
   scores_rows = std::max<int64_t>(1, std::min<int64_t>({scores_rows, n, INT_MAX / k}));
@@ -531,6 +570,7 @@ void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx
   DeviceBuffer csq_d(sizeof(float) * k);
   DeviceBuffer labels_d(sizeof(int32_t) * n);
   DeviceBuffer counts_d(sizeof(int32_t) * k);
+  DeviceBuffer mass_d(sizeof(double) * k);
   const size_t ws_bytes = KMeansUpdateWorkspaceBytes(m, dim, k);
   DeviceBuffer ws_d(ws_bytes);
   DeviceBuffer dist_d(sizeof(double) * n);
@@ -542,23 +582,26 @@ void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx
 
   std::vector<int32_t> counts_h(k);
   std::vector<int64_t> counts64(k);
+  std::vector<double> mass_h(k);
   std::vector<float> c_h;
   int64_t total_splits = 0;
   for (int32_t it = 0; it < iters; ++it) {
     if (!spherical) KMeansRowSqNorms(c, k, dim, csq_d.as<float>(), s);
     KMeansAssign(blas, train, m, dim, c, csq, k, scores_d.as<float>(), scores_rows,
                  labels_d.as<int32_t>());
-    KMeansUpdate(train, m, dim, labels_d.as<int32_t>(), k, ws_d.as<void>(), ws_bytes, c,
-                 counts_d.as<int32_t>(), s);
+    KMeansUpdate(train, w, m, dim, labels_d.as<int32_t>(), k, ws_d.as<void>(), ws_bytes, c,
+                 counts_d.as<int32_t>(), mass_d.as<double>(), s);
     ASMEM_CUDA_CHECK(cudaMemcpyAsync(counts_h.data(), counts_d.as<int32_t>(),
                                      sizeof(int32_t) * k, cudaMemcpyDeviceToHost, s));
     ASMEM_CUDA_CHECK(cudaStreamSynchronize(s));
     if (std::find(counts_h.begin(), counts_h.end(), 0) != counts_h.end()) {
       c_h.resize((size_t)k * dim);
       ASMEM_CUDA_CHECK(cudaMemcpyAsync(c_h.data(), c, row_bytes * k, cudaMemcpyDeviceToHost, s));
+      ASMEM_CUDA_CHECK(cudaMemcpyAsync(mass_h.data(), mass_d.as<double>(), sizeof(double) * k,
+                                       cudaMemcpyDeviceToHost, s));
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(s));
       std::copy(counts_h.begin(), counts_h.end(), counts64.begin());
-      total_splits += KMeansSplitEmpty(c_h.data(), counts64.data(), k, dim);
+      total_splits += KMeansSplitEmpty(c_h.data(), counts64.data(), mass_h.data(), k, dim);
       ASMEM_CUDA_CHECK(cudaMemcpyAsync(c, c_h.data(), row_bytes * k, cudaMemcpyHostToDevice, s));
     }
     if (spherical) KMeansNormalizeRows(c, k, dim, s);

@@ -20,6 +20,7 @@
 #include "asmem/error.h"
 #include "asmem/kmeans.h"
 #include "compiler/compiler/kmeans_test_data.h"
+#include "../compiler/src/compiler/kmeans_backends.h"  // KMeansReference
 #include "test_util.h"
 
 namespace asmem {
@@ -144,16 +145,18 @@ TEST_F(KMeansGpu, AssignPicksTheNearestCentroid) {
   }
 }
 
-TEST_F(KMeansGpu, UpdateIsTheMeanOfMembers) {
+TEST_F(KMeansGpu, UpdateIsTheWeightedMeanOfMembers) {
   const uint64_t seed = test::test_seed(32);
   SCOPED_TRACE(test::seed_trace(seed));
   struct Case {
     int64_t n, dim, k;
   };
-  // Clusters far larger than one 256-member chunk, unused clusters, one cluster of all.
-  for (const Case c : {Case{20000, 96, 37}, Case{20000, 64, 1}, Case{5, 3, 9}, Case{4096, 1024, 300}}) {
+  // Clusters far larger than one 256-member chunk, unused clusters, one cluster of all;
+  // without weights (all 1) and with integer weights (multiplicities) up to 300.
+  for (const Case c : {Case{20000, 96, 37}, Case{20000, 64, 1}, Case{5, 3, 9}, Case{4096, 1024, 300}})
+  for (const bool weighted : {false, true}) {
     SCOPED_TRACE("n=" + std::to_string(c.n) + " dim=" + std::to_string(c.dim) +
-                 " k=" + std::to_string(c.k));
+                 " k=" + std::to_string(c.k) + " weighted=" + std::to_string(weighted));
     test::MixtureRng rng(seed + c.n);
     std::vector<float> x(c.n * c.dim);
     for (float& v : x) v = static_cast<float>(rng.noise());
@@ -164,34 +167,43 @@ TEST_F(KMeansGpu, UpdateIsTheMeanOfMembers) {
       if (i % 101 == 5) a = (i % 2) ? -1 : c.k;  // labels outside [0, k) are ignored
       assign[i] = static_cast<int32_t>(a);
     }
+    std::vector<float> w(c.n, 1.0f);
+    if (weighted) {
+      for (float& v : w) v = static_cast<float>(1 + rng.next() % 300);
+    }
     std::vector<float> c0(c.k * c.dim, 5.0f);
-    Dev<float> x_d(x), c_d(c0);
+    Dev<float> x_d(x), c_d(c0), w_d(w);
     Dev<int32_t> a_d(assign), counts_d(c.k);
+    Dev<double> mass_d(c.k);
+    const float* wp = weighted ? w_d.get() : nullptr;
     const size_t ws_bytes = KMeansUpdateWorkspaceBytes(c.n, c.dim, c.k);
     Dev<char> ws_d(ws_bytes);
-    EXPECT_THROW(KMeansUpdate(x_d.get(), c.n, c.dim, a_d.get(), c.k, ws_d.get(), ws_bytes - 1,
-                              c_d.get(), counts_d.get(), nullptr),
+    EXPECT_THROW(KMeansUpdate(x_d.get(), wp, c.n, c.dim, a_d.get(), c.k, ws_d.get(),
+                              ws_bytes - 1, c_d.get(), counts_d.get(), mass_d.get(), nullptr),
                  InvalidArgument);
-    KMeansUpdate(x_d.get(), c.n, c.dim, a_d.get(), c.k, ws_d.get(), ws_bytes, c_d.get(),
-                 counts_d.get(), nullptr);
+    KMeansUpdate(x_d.get(), wp, c.n, c.dim, a_d.get(), c.k, ws_d.get(), ws_bytes, c_d.get(),
+                 counts_d.get(), mass_d.get(), nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> got = c_d.download();
     const std::vector<int32_t> counts = counts_d.download();
-    std::vector<double> sum(c.k * c.dim, 0.0);
+    const std::vector<double> mass = mass_d.download();
+    std::vector<double> sum(c.k * c.dim, 0.0), want_mass(c.k, 0.0);
     std::vector<int32_t> want_counts(c.k, 0);
     for (int64_t i = 0; i < c.n; ++i) {
       if (assign[i] < 0 || assign[i] >= c.k) continue;
       ++want_counts[assign[i]];
-      for (int64_t t = 0; t < c.dim; ++t) sum[assign[i] * c.dim + t] += x[i * c.dim + t];
+      want_mass[assign[i]] += w[i];
+      for (int64_t t = 0; t < c.dim; ++t) sum[assign[i] * c.dim + t] += double(w[i]) * x[i * c.dim + t];
     }
     EXPECT_EQ(counts, want_counts);
+    EXPECT_EQ(mass, want_mass);  // integer weights: exact in fp64 in any order
     for (int64_t j = 0; j < c.k; ++j) {
       for (int64_t t = 0; t < c.dim; ++t) {
         const float g = got[j * c.dim + t];
         if (want_counts[j] == 0) {
           ASSERT_EQ(g, 5.0f) << "empty cluster " << j << " was written";
         } else {
-          const double want = sum[j * c.dim + t] / want_counts[j];
+          const double want = sum[j * c.dim + t] / want_mass[j];
           ASSERT_NEAR(g, want, 1e-7 + 1e-6 * std::fabs(want)) << "cluster " << j << " value " << t;
         }
       }
@@ -253,11 +265,16 @@ TEST_F(KMeansGpu, LaunchersCheckTheirArguments) {
   std::vector<int64_t> bad_idx = {3, 9};
   std::vector<int32_t> assign(8);
   double inertia = 0;
-  EXPECT_THROW(KMeansCuda(host.data(), 8, 8, bad_idx.data(), 2, 2, 1, true, host.data(),
+  EXPECT_THROW(KMeansCuda(host.data(), 8, 8, bad_idx.data(), nullptr, 2, 2, 1, true,
+                          host.data(), assign.data(), &inertia, nullptr),
+               InvalidArgument);
+  EXPECT_THROW(KMeansCuda(host.data(), 8, 8, nullptr, nullptr, 8, 9, 1, true, host.data(),
                           assign.data(), &inertia, nullptr),
                InvalidArgument);
-  EXPECT_THROW(KMeansCuda(host.data(), 8, 8, nullptr, 8, 9, 1, true, host.data(), assign.data(),
-                          &inertia, nullptr),
+  std::vector<float> bad_w(8, 1.0f);
+  bad_w[3] = -1.0f;
+  EXPECT_THROW(KMeansCuda(host.data(), 8, 8, nullptr, bad_w.data(), 8, 2, 1, true, host.data(),
+                          assign.data(), &inertia, nullptr),
                InvalidArgument);
 }
 
@@ -389,15 +406,18 @@ TEST_F(KMeansGpu, InertiaWithinOnePercentOfFaiss) {
   std::ifstream f(path);
   ASSERT_TRUE(f.good()) << "cannot open " << path;
   const nlohmann::json g = nlohmann::json::parse(f);
-  ASSERT_GE(g["sets"].size(), 4u);
+  ASSERT_GE(g["sets"].size(), 6u);
   int index = 0;
   for (const nlohmann::json& s : g["sets"]) {
     const std::string name = s["name"].get<std::string>();
+    const std::string kind = s.value("kind", std::string("mixture"));
     SCOPED_TRACE(name);
-    const int64_t n = s["n"].get<int64_t>(), dim = s["dim"].get<int64_t>();
-    const std::vector<float> x =
-        test::make_mixture(n, dim, s["centers"].get<int64_t>(), s["noise"].get<double>(),
-                           s["skew"].get<double>(), s["data_seed"].get<uint64_t>());
+    const int64_t dim = s["dim"].get<int64_t>();
+    int64_t n = 0;
+    const std::vector<float> x = test::recorded_set_data(
+        kind, s["n"].get<int64_t>(), dim, s["centers"].get<int64_t>(), s["noise"].get<double>(),
+        s["skew"].get<double>(), s["data_seed"].get<uint64_t>(), s.value("heavy", int64_t{0}),
+        s.value("repeats", int64_t{0}), &n);
     KMeansParams p = params("cuda", s["k"].get<int64_t>(), s["iters"].get<int32_t>(),
                             s["kmeans_seed"].get<uint64_t>());
     p.max_points_per_centroid = s["max_points_per_centroid"].get<int64_t>();
@@ -406,7 +426,23 @@ TEST_F(KMeansGpu, InertiaWithinOnePercentOfFaiss) {
     const double faiss = s["inertia"].get<double>();
     std::printf("  %s: cuda %.4f faiss %.4f (rel %+.4f%%)\n", name.c_str(), cu.inertia, faiss,
                 100.0 * (cu.inertia / faiss - 1.0));
-    EXPECT_NEAR(cu.inertia, faiss, 0.01 * faiss);
+    if (kind == "template_heavy") {
+      // Here our rules beat FAISS (measured with the reference: 9% and 17% lower inertia:
+      // FAISS keeps splitting the clusters of the repeated rows): no worse than 1% above.
+      EXPECT_LE(cu.inertia, 1.01 * faiss);
+    } else {
+      EXPECT_NEAR(cu.inertia, faiss, 0.01 * faiss);
+    }
+    if (kind == "template_heavy") {
+      // Duplicate-heavy keys with few points per centroid: no centroid may be left without
+      // a point (it would carry the empty state into a dictionary), and few are dropped.
+      std::vector<int64_t> members(static_cast<size_t>(cu.k), 0);
+      for (int32_t a : cu.assign) ++members[a];
+      EXPECT_EQ(std::count(members.begin(), members.end(), int64_t{0}), 0);
+      EXPECT_GE(cu.k, p.k - p.k / 100) << cu.dropped << " centroids dropped";
+      std::printf("  %s: %ld splits, %ld centroids dropped\n", name.c_str(), (long)cu.splits,
+                  (long)cu.dropped);
+    }
     if (index++ < 2) {  // the reference is slow on the larger sets
       p.backend = "reference";
       const KMeansResult ref = kmeans(x.data(), n, dim, p);
@@ -421,35 +457,37 @@ TEST_F(KMeansGpu, InertiaWithinOnePercentOfFaiss) {
 // Empty clusters, determinism, a large shape
 // ---------------------------------------------------------------------------------------
 
-// Training on k points drawn from few distinct rows leaves the initial centroids outside
-// the sample without a training point: the first iteration must re-seed them.
-TEST_F(KMeansGpu, EmptyClustersAreReseeded) {
-  int64_t n = 0;
-  const int64_t dim = 6, k = 50;
-  const std::vector<float> x = test::duplicate_heavy(60, dim, 11, &n);
-  KMeansParams p = params("cuda", k, 20, 3);
-  p.max_points_per_centroid = 1;
-  const KMeansResult cu = kmeans(x.data(), n, dim, p);
-  p.backend = "reference";
-  const KMeansResult ref = kmeans(x.data(), n, dim, p);
-  EXPECT_GT(cu.splits, 0);
-  EXPECT_GT(ref.splits, 0);
-  ASSERT_EQ(cu.k, k);
-  for (float v : cu.centroids) ASSERT_TRUE(std::isfinite(v));
-  double inertia = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = cu.assign[i];
-    ASSERT_GE(a, 0);
-    ASSERT_LT(a, k);
-    const double da = sq_dist(&x[i * dim], &cu.centroids[a * dim], dim);
-    inertia += da;
-    for (int64_t j = 0; j < k; ++j) {
-      ASSERT_LE(da, sq_dist(&x[i * dim], &cu.centroids[j * dim], dim) + 1e-6) << "point " << i;
-    }
+// An initial centroid that no row is near is re-seeded after the first iteration from the
+// heaviest cluster with two members, not from the heavier cluster of one repeated row;
+// CUDA and the reference take the same steps.
+TEST_F(KMeansGpu, EmptyClustersAreReseededLikeTheReference) {
+  const int64_t dim = 8, k = 5;
+  std::vector<float> x, w, init;
+  test::groups_and_a_heavy_row(dim, test::test_seed(5), &x, &w, &init);
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<int64_t> idx(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  for (const int32_t iters : {1, 10}) {
+    SCOPED_TRACE("iters=" + std::to_string(iters));
+    std::vector<float> c_cu = init, c_ref = init;
+    std::vector<int32_t> a_cu(n), a_ref(n);
+    double in_cu = 0, in_ref = 0;
+    int64_t sp_cu = 0, sp_ref = 0;
+    KMeansCuda(x.data(), n, dim, idx.data(), w.data(), n, k, iters, true, c_cu.data(),
+               a_cu.data(), &in_cu, &sp_cu);
+    KMeansReference(x.data(), n, dim, idx.data(), w.data(), n, k, iters, true, c_ref.data(),
+                    a_ref.data(), &in_ref, &sp_ref);
+    EXPECT_EQ(sp_cu, sp_ref);
+    EXPECT_GE(sp_cu, 1);
+    EXPECT_EQ(a_cu, a_ref);
+    for (size_t e = 0; e < c_cu.size(); ++e) ASSERT_NEAR(c_cu[e], c_ref[e], 1e-6) << "value " << e;
+    EXPECT_NEAR(in_cu, in_ref, 1e-9 * (1.0 + in_ref));
+    double cos42 = 0.0;
+    for (int64_t t = 0; t < dim; ++t) cos42 += double(c_cu[4 * dim + t]) * c_cu[2 * dim + t];
+    EXPECT_GT(cos42, 0.99) << "centroid 4 was not split from the 300-row group";
+    std::printf("  iters %d: splits cuda %ld reference %ld; inertia cuda %.6f reference %.6f\n",
+                iters, (long)sp_cu, (long)sp_ref, in_cu, in_ref);
   }
-  EXPECT_NEAR(cu.inertia, inertia, 1e-9 * (1.0 + inertia));
-  std::printf("  splits: cuda %ld reference %ld; inertia cuda %.6f reference %.6f\n",
-              (long)cu.splits, (long)ref.splits, cu.inertia, ref.inertia);
 }
 
 TEST_F(KMeansGpu, Deterministic) {
@@ -469,10 +507,13 @@ TEST_F(KMeansGpu, Deterministic) {
 // The compiler's largest shapes: k = 16384 centroids of dim 1024 (the scores are computed
 // in chunks of rows). Checks the assignment of a sample of points against fp64.
 TEST_F(KMeansGpu, LargeShape) {
-  const int64_t n = 150000, dim = 1024, k = 16384;
+  const int64_t n = 150000, dim = 1024;
+  int64_t k = 16384;
   const std::vector<float> x = test::make_mixture(n, dim, 4096, 1.0, 2.0, 36);
   const KMeansResult r = kmeans(x.data(), n, dim, params("cuda", k, 2, 7));
-  ASSERT_EQ(r.k, k);
+  ASSERT_LE(r.k, k);
+  EXPECT_GE(r.k, k - k / 100) << r.dropped << " centroids dropped";
+  k = r.k;
   ASSERT_EQ(static_cast<int64_t>(r.assign.size()), n);
   double inertia = 0.0;
   for (int64_t i = 0; i < n; ++i) {

@@ -3,13 +3,17 @@
 //
 // k-means, for every backend: the input is validated (finite values, shapes), k is clipped
 // to the number of distinct rows (when k >= that number every distinct row is its own
-// centroid and no iteration runs). Otherwise, for our backends (reference, cuda), one
-// seeded permutation of the rows gives both the training sample (its first
-// k * max_points_per_centroid rows, used in increasing row order) and the initial
-// centroids (the first k pairwise distinct rows in permutation order, which come from the
-// sample first); the backend then runs Lloyd's iterations (asmem/kmeans.h). FAISS samples
-// and initializes on its own (random rows, seeded), so its result differs from ours for
-// the same seed; it is deterministic too.
+// centroid and no iteration runs). Otherwise every backend trains on the distinct rows,
+// each weighted by its multiplicity (weighted k-means on the distinct rows is k-means on
+// the multiset; calibration keys repeat a lot: layer-0 queries depend on the token alone,
+// and the first tokens of every trace give the same query in every trace). For our
+// backends (reference, cuda) one seeded permutation of the distinct rows gives both the
+// training sample (its first k * max_points_per_centroid rows, used in increasing row
+// order) and the initial centroids (its first k rows); the backend then runs Lloyd's
+// iterations (asmem/kmeans.h). FAISS samples and initializes on its own (random rows,
+// seeded), so its result differs from ours for the same seed; it is deterministic too.
+// Finally, for every backend, centroids that own no point after the final assignment are
+// dropped (KMeansResult::dropped).
 #include "asmem/compiler/cluster.h"
 
 #include <algorithm>
@@ -152,6 +156,28 @@ void MemberLists(const int32_t* assign, int64_t n, int64_t k, const std::string&
   order->assign(static_cast<size_t>(n), 0);
   std::vector<int64_t> next(offsets->begin(), offsets->end() - 1);
   for (int64_t i = 0; i < n; ++i) (*order)[next[assign[i]]++] = i;
+}
+
+// Drops the centroids that own no point; the others keep their order and the assignment
+// is renumbered.
+void DropEmptyCentroids(KMeansResult* r) {
+  std::vector<int64_t> members(static_cast<size_t>(r->k), 0);
+  for (int32_t a : r->assign) ++members[a];
+  std::vector<int32_t> new_id(static_cast<size_t>(r->k), -1);
+  int32_t kept = 0;
+  for (int64_t j = 0; j < r->k; ++j) {
+    if (members[j] == 0) continue;
+    if (kept != j) {
+      std::copy(r->centroids.begin() + j * r->dim, r->centroids.begin() + (j + 1) * r->dim,
+                r->centroids.begin() + int64_t{kept} * r->dim);
+    }
+    new_id[j] = kept++;
+  }
+  if (kept == r->k) return;
+  r->dropped += r->k - kept;
+  r->k = kept;
+  r->centroids.resize(static_cast<size_t>(r->k * r->dim));
+  for (int32_t& a : r->assign) a = new_id[a];
 }
 
 std::string BackendName(const std::string& backend) {
@@ -370,63 +396,73 @@ KMeansResult kmeans(const float* x, int64_t n, int64_t dim, const KMeansParams& 
   const int64_t k = params.k;
   res.k = k;
   res.assign.resize(static_cast<size_t>(n));
-#ifdef ASMEM_WITH_FAISS
-  if (backend == "cpu") {
-    // FAISS trains on the distinct rows weighted by multiplicity (see KMeansFaiss).
-    std::vector<float> ux, uw;
+  // The distinct rows (each row's first occurrence, in row order) and their multiplicities.
+  std::vector<int64_t> uniq;
+  std::vector<float> weight;
+  {
     std::vector<int64_t> slot(static_cast<size_t>(n), -1);
-    ux.reserve(static_cast<size_t>(distinct * dim));
+    uniq.reserve(static_cast<size_t>(distinct));
+    weight.reserve(static_cast<size_t>(distinct));
     for (int64_t i = 0; i < n; ++i) {
       if (rep[i] == i) {
-        slot[i] = int64_t(uw.size());
-        ux.insert(ux.end(), x + i * dim, x + (i + 1) * dim);
-        uw.push_back(0.f);
+        slot[i] = static_cast<int64_t>(uniq.size());
+        uniq.push_back(i);
+        weight.push_back(0.f);
       }
-      uw[slot[rep[i]]] += 1.f;
+      weight[slot[rep[i]]] += 1.f;
     }
-    KMeansFaiss(x, n, dim, k, params, ux.data(), distinct, uw.data(), &res);
+  }
+#ifdef ASMEM_WITH_FAISS
+  if (backend == "cpu") {
+    std::vector<float> ux(static_cast<size_t>(distinct * dim));
+    for (int64_t u = 0; u < distinct; ++u) {
+      std::copy(x + uniq[u] * dim, x + (uniq[u] + 1) * dim, ux.begin() + u * dim);
+    }
+    KMeansFaiss(x, n, dim, k, params, ux.data(), distinct, weight.data(), &res);
     res.inertia = KMeansInertiaReference(x, n, dim, res.centroids.data(), res.assign.data());
+    DropEmptyCentroids(&res);
     return res;
   }
 #endif
 
-  // Our backends: one permutation gives the training sample and the initial centroids.
+  // Our backends: one permutation of the distinct rows gives the training sample and the
+  // initial centroids.
   SplitMix64 rng(params.seed);
-  std::vector<int64_t> perm(static_cast<size_t>(n));
+  std::vector<int64_t> perm(static_cast<size_t>(distinct));
   std::iota(perm.begin(), perm.end(), int64_t{0});
-  for (int64_t i = n - 1; i > 0; --i) {
+  for (int64_t i = distinct - 1; i > 0; --i) {
     const int64_t j = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(i + 1));
     std::swap(perm[i], perm[j]);
   }
   const int64_t mppc = params.max_points_per_centroid;
-  const bool subsample = mppc > 0 && mppc < (n + k - 1) / k;  // n > k * mppc
-  const int64_t m = subsample ? k * mppc : n;
-  std::vector<int64_t> train_idx;
-  if (subsample) {
-    train_idx.assign(perm.begin(), perm.begin() + m);
-    std::sort(train_idx.begin(), train_idx.end());
+  const bool subsample = mppc > 0 && mppc < (distinct + k - 1) / k;  // distinct > k * mppc
+  const int64_t m = subsample ? k * mppc : distinct;
+  std::vector<int64_t> sample(perm.begin(), perm.begin() + m);
+  std::sort(sample.begin(), sample.end());
+  std::vector<int64_t> train_idx(static_cast<size_t>(m));
+  std::vector<float> train_w(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) {
+    train_idx[i] = uniq[sample[i]];
+    train_w[i] = weight[sample[i]];
   }
   res.centroids.resize(static_cast<size_t>(k * dim));
-  std::vector<char> taken(static_cast<size_t>(n), 0);
-  int64_t picked = 0;
-  for (int64_t q = 0; q < n && picked < k; ++q) {
-    const int64_t r = perm[q];
-    if (taken[rep[r]]) continue;
-    taken[rep[r]] = 1;
-    std::copy(x + r * dim, x + (r + 1) * dim, res.centroids.begin() + picked * dim);
-    ++picked;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = uniq[perm[j]];
+    std::copy(x + r * dim, x + (r + 1) * dim, res.centroids.begin() + j * dim);
   }
 
-  const int64_t* tidx = subsample ? train_idx.data() : nullptr;
   if (backend == "cuda") {
 #ifdef ASMEM_WITH_CUDA
-    KMeansCuda(x, n, dim, tidx, m, k, params.iters, params.spherical, res.centroids.data(),
-               res.assign.data(), &res.inertia, &res.splits);
+    KMeansCuda(x, n, dim, train_idx.data(), train_w.data(), m, k, params.iters,
+               params.spherical, res.centroids.data(), res.assign.data(), &res.inertia,
+               &res.splits);
 #endif
   } else {
-    KMeansReference(x, n, dim, tidx, m, k, params.iters, params.spherical, res.centroids.data(),
-                    res.assign.data(), &res.inertia, &res.splits);
+    KMeansReference(x, n, dim, train_idx.data(), train_w.data(), m, k, params.iters,
+                    params.spherical, res.centroids.data(), res.assign.data(), &res.inertia,
+                    &res.splits);
   }
+  DropEmptyCentroids(&res);
   return res;
 }
 

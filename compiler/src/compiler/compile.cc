@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "asmem/compiler/chunk_cache.h"
 #include "asmem/compiler/cluster.h"
 #include "asmem/compiler/fingerprint.h"
 #include "asmem/compiler/traces.h"
@@ -411,7 +413,6 @@ void compile_dictionary(const CompileOptions& opt) {
   const at::Device device = parse_device(opt.device);
   LlamaModel model(*weights, device, parse_dtype(opt.model_dtype, device));
   const ModelFingerprint fp = fingerprint_of(*weights);
-  weights.reset();
   const ModelConfig& cfg = model.config();
   const int64_t L = cfg.n_layers, Hq = cfg.n_heads, Hkv = cfg.n_kv_heads, G = cfg.group_size(),
                 d = cfg.head_dim, D = G * d;
@@ -475,25 +476,104 @@ void compile_dictionary(const CompileOptions& opt) {
   std::fprintf(stderr, "compile: prefix %lld tokens; %zu traces (%zu held out)\n", (long long)P,
                tt.size(), n_hold);
 
+  // The dictionary to update (its responses, and in chunked mode its chunk files).
+  std::unique_ptr<DictionaryFile> old;
+  if (!opt.update_path.empty()) {
+    old = DictionaryFile::open(opt.update_path, /*verify_data=*/false);
+    old->check_model(fp);
+  }
+
   // --- prefill ------------------------------------------------------------------------------
   t0 = Clock::now();
   // Exact mode: one part, the whole prefix at 0..P-1. Chunked calibration: parts of
-  // calib_chunk tokens, each encoded on its own at positions 0..len-1.
+  // calib_chunk tokens, each encoded on its own at positions 0..len-1; each part's KV is
+  // kept in OUT.chunks/ and, with --update, taken from OLD.chunks/ when its file holds
+  // exactly that part (same tokens, model, dtype, device type and prefill step).
   std::vector<KVCache> prefix;
   std::vector<uint64_t> chunk_hashes;
+  const bool use_chunk_files = chunked && opt.chunk_cache;
+  const std::string chunk_dir = opt.out_path + ".chunks";
+  const std::string old_chunk_dir = old ? opt.update_path + ".chunks" : "";
+  ChunkKeyContext chunk_ctx;
+  std::vector<std::string> chunk_files;
+  std::vector<int64_t> chunks_reused;
+  std::vector<std::pair<int64_t, std::string>> chunks_recomputed;  // chunk (1-based), why
+  if (use_chunk_files) {
+    chunk_ctx.weights_hash = weights_hash(*weights);
+    chunk_ctx.dtype = model.dtype() == at::kBFloat16 ? "bf16" : model.dtype() == at::kHalf ? "fp16" : "fp32";
+    chunk_ctx.device = device.is_cuda() ? "cuda" : "cpu";
+    chunk_ctx.prefill_chunk = opt.chunk;
+    std::error_code ec;
+    std::filesystem::create_directories(chunk_dir, ec);
+    if (ec) throw IoError("cannot create the chunk directory '" + chunk_dir + "': " + ec.message());
+  }
+  weights.reset();
   {
     Progress bar("prefill", P, "tok");
     const int64_t step = chunked ? opt.calib_chunk : P;
+    const std::vector<uint64_t> no_hashes;
+    const std::vector<uint64_t>& old_hashes = old ? old->manifest().prefix.chunk_hashes : no_hashes;
+    const int64_t old_chunk_tokens = old ? old->manifest().prefix.chunk_tokens : 0;
     for (int64_t s0 = 0; s0 < P; s0 += step) {
       const int64_t n = std::min(step, P - s0);
+      const int64_t ci = int64_t(prefix.size());
+      const std::vector<int32_t> toks(prefix_ids.begin() + s0, prefix_ids.begin() + s0 + n);
+      const uint64_t h = hash_bytes(toks.data(), toks.size() * sizeof(int32_t));
+      if (chunked) chunk_hashes.push_back(h);
+      std::string name;
+      if (use_chunk_files) {
+        name = chunk_file_name(toks, chunk_ctx);
+        chunk_files.push_back(name);
+      }
+      if (use_chunk_files && old) {
+        KVCache kv;
+        std::string why;
+        if (read_chunk_kv(old_chunk_dir + "/" + name, toks, chunk_ctx, model, &kv, &why)) {
+          prefix.push_back(std::move(kv));
+          chunks_reused.push_back(ci + 1);
+          if (old_chunk_dir != chunk_dir) write_chunk_kv(chunk_dir + "/" + name, toks, chunk_ctx, model, prefix.back());
+          bar.update(s0 + n);
+          continue;
+        }
+        if (why == "no cached file") {
+          if (old_chunk_tokens != opt.calib_chunk) {
+            why = old_chunk_tokens == 0 ? "the old dictionary is not chunked"
+                                        : "chunk size changed (" + std::to_string(old_chunk_tokens) + " -> " +
+                                              std::to_string(opt.calib_chunk) + " tokens)";
+          } else if (ci >= int64_t(old_hashes.size())) {
+            why = "new chunk";
+          } else if (old_hashes[ci] != h) {
+            why = "tokens changed";
+          } else {
+            why = "not cached for this model, dtype, device and --chunk";
+          }
+        }
+        chunks_recomputed.emplace_back(ci + 1, why);
+      }
       prefix.push_back(model.new_cache(1, n));
-      at::Tensor ids = at::tensor(std::vector<int64_t>(prefix_ids.begin() + s0, prefix_ids.begin() + s0 + n),
+      at::Tensor ids = at::tensor(std::vector<int64_t>(toks.begin(), toks.end()),
                                   at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
       ForwardOptions fo;
       fo.logits = false;
       model.prefill(ids, prefix.back(), opt.chunk, fo, [&](int64_t d2, int64_t) { bar.update(s0 + d2); });
-      if (chunked) chunk_hashes.push_back(hash_bytes(prefix_ids.data() + s0, size_t(n) * sizeof(int32_t)));
+      if (use_chunk_files) write_chunk_kv(chunk_dir + "/" + name, toks, chunk_ctx, model, prefix.back());
     }
+  }
+  if (use_chunk_files && old) {
+    // e.g. "update: chunks 1,2,4 reused, chunk 3 recomputed (tokens changed)"
+    auto list = [](const std::vector<int64_t>& v) {
+      std::string r = v.size() == 1 ? "chunk " : "chunks ";
+      for (size_t i = 0; i < v.size(); ++i) r += (i ? "," : "") + std::to_string(v[i]);
+      return r;
+    };
+    std::vector<std::string> parts;
+    if (!chunks_reused.empty()) parts.push_back(list(chunks_reused) + " reused");
+    std::map<std::string, std::vector<int64_t>> by_reason;
+    for (const auto& [c, why] : chunks_recomputed) by_reason[why].push_back(c);
+    for (const auto& [why, cs] : by_reason) parts.push_back(list(cs) + " recomputed (" + why + ")");
+    std::string line;
+    for (size_t i = 0; i < parts.size(); ++i) line += (i ? ", " : "") + parts[i];
+    std::fprintf(stderr, "update: %s\n", line.c_str());
   }
   timings["prefill_s"] = since(t0);
 
@@ -501,9 +581,7 @@ void compile_dictionary(const CompileOptions& opt) {
   t0 = Clock::now();
   const std::string model_key = std::to_string(fp.attn_weights_hash);
   std::unordered_map<std::string, std::vector<int32_t>> reuse;
-  if (!opt.update_path.empty()) {
-    std::unique_ptr<DictionaryFile> old = DictionaryFile::open(opt.update_path, /*verify_data=*/false);
-    old->check_model(fp);
+  if (old) {
     std::ifstream in(opt.update_path + ".responses.jsonl");
     std::string line;
     while (in && std::getline(in, line)) {
@@ -536,7 +614,7 @@ void compile_dictionary(const CompileOptions& opt) {
   }
   if (!opt.update_path.empty()) {
     std::fprintf(stderr, "update: reusing %lld generated responses; generating %zu (new or changed prompts); "
-                 "recomputing prefill, collection and clustering (the prefix states depend on the prefix)\n",
+                 "recomputing collection and clustering (the prefix states depend on the whole prefix)\n",
                  (long long)n_reused, todo.size() + todo_hold.size());
   }
   // Generation captures the collection data of the traces it writes.
@@ -750,6 +828,16 @@ void compile_dictionary(const CompileOptions& opt) {
     }
   }
   write_dictionary(opt.out_path, man);
+  if (use_chunk_files) {
+    // Chunk files of earlier prefixes that this one no longer has.
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(chunk_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (is_chunk_file_name(name) && std::find(chunk_files.begin(), chunk_files.end(), name) == chunk_files.end()) {
+        std::filesystem::remove(e.path(), ec);
+      }
+    }
+  }
   timings["write_s"] = since(t0);
   timings["total_s"] = since(t_all);
 
@@ -764,6 +852,11 @@ void compile_dictionary(const CompileOptions& opt) {
   rep["holdout_tokens"] = n_hold_tok;
   rep["generated_responses"] = n_generated;
   rep["reused_responses"] = n_reused;
+  if (use_chunk_files && old) {
+    nlohmann::json rc = nlohmann::json::array();
+    for (const auto& [c, why] : chunks_recomputed) rc.push_back({{"chunk", c}, {"reason", why}});
+    rep["update_chunks"] = {{"reused", chunks_reused}, {"recomputed", rc}};
+  }
   rep["entries"] = opt.entries;
   rep["value_dtype"] = dtype_name(vdtype);
   rep["kmeans_backend"] = kp.backend;

@@ -16,11 +16,12 @@ namespace asmem {
 // naive loops with fp64 accumulation (dot products, sums, norms, distances). The points
 // are assigned in parallel (OpenMP, when built with it); every reduction runs in a fixed
 // order, so the result does not depend on the number of threads.
-//   x: [n, dim]; train_idx: [m] rows of x to train on (null: all, m == n);
-//   centroids: [k, dim] initial on input, final on output; assign: [n] output.
+//   x: [n, dim]; train_idx: [m] rows of x to train on (null: all, m == n); train_w: [m]
+//   their weights (null: all 1); centroids: [k, dim] initial on input, final on output;
+//   assign: [n] output.
 void KMeansReference(const float* x, int64_t n, int64_t dim, const int64_t* train_idx,
-                     int64_t m, int64_t k, int32_t iters, bool spherical, float* centroids,
-                     int32_t* assign, double* inertia, int64_t* splits);
+                     const float* train_w, int64_t m, int64_t k, int32_t iters, bool spherical,
+                     float* centroids, int32_t* assign, double* inertia, int64_t* splits);
 
 // Step 1 of an iteration (see asmem/kmeans.h) for the points x [n, dim]: the nearest of
 // the k centroids, by inner product (spherical) or L2, in fp64; ties to the lowest index.

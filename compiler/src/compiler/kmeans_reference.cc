@@ -18,24 +18,29 @@
 namespace asmem {
 namespace {
 
-// Step 2: c_j = fp32(sum of members in fp64 / count) for clusters with members (summed in
-// increasing point order); counts[j] = members of j.
-void UpdateReference(const float* x, int64_t n, int64_t dim, const int32_t* assign, int64_t k,
-                     float* centroids, int64_t* counts) {
+// Step 2: c_j = fp32(sum of w_i x_i in fp64 / mass_j) for clusters with members (summed
+// in increasing row order); counts[j] = members of j, mass[j] = sum of their weights
+// (w == null: all 1).
+void UpdateReference(const float* x, const float* w, int64_t n, int64_t dim,
+                     const int32_t* assign, int64_t k, float* centroids, int64_t* counts,
+                     double* mass) {
   std::vector<double> sums(static_cast<size_t>(k * dim), 0.0);
   std::fill(counts, counts + k, int64_t{0});
+  std::fill(mass, mass + k, 0.0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t a = assign[i];
+    const double wi = w ? static_cast<double>(w[i]) : 1.0;
     ++counts[a];
+    mass[a] += wi;
     double* s = sums.data() + a * dim;
     const float* r = x + i * dim;
-    for (int64_t t = 0; t < dim; ++t) s[t] += static_cast<double>(r[t]);
+    for (int64_t t = 0; t < dim; ++t) s[t] += wi * static_cast<double>(r[t]);
   }
   for (int64_t j = 0; j < k; ++j) {
     if (counts[j] == 0) continue;
     const double* s = sums.data() + j * dim;
     float* c = centroids + j * dim;
-    for (int64_t t = 0; t < dim; ++t) c[t] = static_cast<float>(s[t] / static_cast<double>(counts[j]));
+    for (int64_t t = 0; t < dim; ++t) c[t] = static_cast<float>(s[t] / mass[j]);
   }
 }
 
@@ -115,8 +120,8 @@ double KMeansInertiaReference(const float* x, int64_t n, int64_t dim, const floa
 }
 
 void KMeansReference(const float* x, int64_t n, int64_t dim, const int64_t* train_idx,
-                     int64_t m, int64_t k, int32_t iters, bool spherical, float* centroids,
-                     int32_t* assign, double* inertia, int64_t* splits) {
+                     const float* train_w, int64_t m, int64_t k, int32_t iters, bool spherical,
+                     float* centroids, int32_t* assign, double* inertia, int64_t* splits) {
   const std::string fn = "KMeansReference";
   if (!x || !centroids || !assign || !inertia) {
     throw InvalidArgument(fn + ": null x, centroids, assign or inertia");
@@ -126,6 +131,14 @@ void KMeansReference(const float* x, int64_t n, int64_t dim, const int64_t* trai
     throw InvalidArgument(fn + ": bad shape n=" + std::to_string(n) + " dim=" +
                           std::to_string(dim) + " m=" + std::to_string(m) +
                           " k=" + std::to_string(k) + " iters=" + std::to_string(iters));
+  }
+  if (train_w) {
+    for (int64_t i = 0; i < m; ++i) {
+      if (!(train_w[i] > 0.0f) || !std::isfinite(train_w[i])) {
+        throw InvalidArgument(fn + ": train_w[" + std::to_string(i) + "] = " +
+                              std::to_string(train_w[i]) + " is not a positive finite weight");
+      }
+    }
   }
   std::vector<float> gathered;
   const float* train = x;
@@ -146,11 +159,13 @@ void KMeansReference(const float* x, int64_t n, int64_t dim, const int64_t* trai
   if (spherical) normalize_rows(centroids, k, dim);
   std::vector<int32_t> labels(static_cast<size_t>(m));
   std::vector<int64_t> counts(static_cast<size_t>(k));
+  std::vector<double> mass(static_cast<size_t>(k));
   int64_t total_splits = 0;
   for (int32_t it = 0; it < iters; ++it) {
     KMeansAssignReference(train, m, dim, centroids, k, spherical, labels.data());
-    UpdateReference(train, m, dim, labels.data(), k, centroids, counts.data());
-    total_splits += KMeansSplitEmpty(centroids, counts.data(), k, dim);
+    UpdateReference(train, train_w, m, dim, labels.data(), k, centroids, counts.data(),
+                    mass.data());
+    total_splits += KMeansSplitEmpty(centroids, counts.data(), mass.data(), k, dim);
     if (spherical) normalize_rows(centroids, k, dim);
   }
   KMeansAssignReference(x, n, dim, centroids, k, spherical, assign);

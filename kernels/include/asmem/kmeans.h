@@ -3,13 +3,18 @@
 // KMeansCuda(); its CPU reference (compiler/src/compiler/kmeans_reference.cc) follows the
 // same rules step by step, with double accumulation.
 //
-// One Lloyd iteration over points x [n, dim] and centroids c [k, dim] (fp32, row-major):
+// Training rows may carry weights (the compiler trains on the distinct rows of its keys,
+// each weighted by how often it occurs: k-means on a multiset is weighted k-means on its
+// distinct rows). One Lloyd iteration over training rows x [m, dim] with weights w [m]
+// (all 1 when none are given) and centroids c [k, dim] (fp32, row-major):
 //   1. assign: a_i = argmax_j x_i.c_j (spherical) or argmin_j ||c_j||^2 - 2 x_i.c_j (L2);
 //      ties go to the lowest j.
-//   2. update: c_j = mean of its members (summed in fp64, in increasing point order
-//      within fixed chunks of members), for every cluster with members; clusters without
-//      members keep their centroid for step 3.
-//   3. KMeansSplitEmpty() re-seeds every empty cluster from the largest one.
+//   2. update: for every cluster with members, c_j = sum w_i x_i / sum w_i over its
+//      members (fp64, in increasing row order within fixed chunks of members); counts[j] =
+//      its members (rows), mass[j] = sum of their weights. Clusters without members keep
+//      their centroid for step 3.
+//   3. KMeansSplitEmpty() re-seeds every empty cluster by splitting the heaviest cluster
+//      that has two members or more.
 //   4. spherical: every centroid is L2-normalized (fp64 norm; a zero centroid stays zero).
 //
 // The launchers take raw device pointers and run asynchronously on a stream. Everything
@@ -30,22 +35,28 @@ namespace asmem {
 // Relative perturbation applied when a cluster is split.
 constexpr float kKMeansSplitEps = 1.0f / 1024.0f;
 
-// Re-seeds every empty cluster j (counts[j] == 0), in increasing j: the largest cluster ci
-// at that moment (most members; the lowest index on ties) is split in two,
+// Re-seeds every empty cluster j (counts[j] == 0), in increasing j: the heaviest cluster ci
+// at that moment among those with two members or more (largest mass; the lowest index on
+// ties) is split in two,
 //   c_j[t] = c_ci[t] * (1 + s_t * eps),   c_ci[t] = c_ci[t] * (1 - s_t * eps),
-// with s_t = +1 for even t and -1 for odd t and eps = kKMeansSplitEps; its members are
-// shared out, counts[j] = counts[ci] / 2 and counts[ci] -= counts[j]. Nothing happens when
-// no cluster has two members or more (then no split can help). centroids: [k, dim] host
-// fp32; counts: [k] host. Returns the number of clusters re-seeded.
-inline int64_t KMeansSplitEmpty(float* centroids, int64_t* counts, int64_t k, int64_t dim) {
+// with s_t = +1 for even t and -1 for odd t and eps = kKMeansSplitEps; its members and
+// mass are shared out: counts[j] = counts[ci] / 2, counts[ci] -= counts[j], mass[j] =
+// mass[ci] / 2, mass[ci] -= mass[j]. A cluster of one member is never split, however heavy:
+// its member (one distinct row, or a row repeated many times) would stay on one side and
+// the copy would stay empty. Nothing happens when no cluster has two members or more.
+// centroids: [k, dim] host fp32; counts: [k] host; mass: [k] host, or null to weigh every
+// member 1 (mass = counts). Returns the number of clusters re-seeded.
+inline int64_t KMeansSplitEmpty(float* centroids, int64_t* counts, double* mass, int64_t k,
+                                int64_t dim) {
+  auto weight = [&](int64_t c) { return mass ? mass[c] : static_cast<double>(counts[c]); };
   int64_t splits = 0;
   for (int64_t j = 0; j < k; ++j) {
     if (counts[j] != 0) continue;
-    int64_t ci = 0;
-    for (int64_t c = 1; c < k; ++c) {
-      if (counts[c] > counts[ci]) ci = c;
+    int64_t ci = -1;
+    for (int64_t c = 0; c < k; ++c) {
+      if (counts[c] >= 2 && (ci < 0 || weight(c) > weight(ci))) ci = c;
     }
-    if (counts[ci] < 2) break;
+    if (ci < 0) break;
     float* cj = centroids + j * dim;
     float* cc = centroids + ci * dim;
     for (int64_t t = 0; t < dim; ++t) {
@@ -55,6 +66,10 @@ inline int64_t KMeansSplitEmpty(float* centroids, int64_t* counts, int64_t k, in
     }
     counts[j] = counts[ci] / 2;
     counts[ci] -= counts[j];
+    if (mass) {
+      mass[j] = mass[ci] / 2.0;
+      mass[ci] -= mass[j];
+    }
     ++splits;
   }
   return splits;
@@ -96,17 +111,18 @@ void KMeansAssign(const KMeansBlas& blas, const float* x, int64_t n, int64_t dim
 // Bytes of workspace KMeansUpdate needs for n points, dim values, k clusters.
 size_t KMeansUpdateWorkspaceBytes(int64_t n, int64_t dim, int64_t k);
 
-// Centroid update (step 2 above): counts[j] = members of j; for every j with members,
-// c[j] = fp32(sum of members in fp64 / counts[j]); other rows of c are left as they are.
-// Deterministic: members are ordered by a stable radix sort of `assign` and summed in
-// fixed chunks of 256, the chunks' fp64 partial sums then added in order.
-// Points whose label lies outside [0, k) are ignored.
-//   x: [n, dim] fp32, assign: [n] int32, c: [k, dim] fp32 (in/out),
-//   counts: [k] int32 (output), workspace: KMeansUpdateWorkspaceBytes(n, dim, k) bytes,
-//   256-byte aligned. All device pointers; 1 <= n < 2^31, 1 <= dim, 1 <= k < 2^31.
-void KMeansUpdate(const float* x, int64_t n, int64_t dim, const int32_t* assign, int64_t k,
-                  void* workspace, size_t workspace_bytes, float* c, int32_t* counts,
-                  cudaStream_t stream);
+// Centroid update (step 2 above): counts[j] = members of j, mass[j] = sum of their
+// weights (fp64); for every j with members, c[j] = fp32(sum of w_i x_i in fp64 / mass[j]);
+// other rows of c are left as they are. Deterministic: members are ordered by a stable
+// radix sort of `assign` and summed in fixed chunks of 256, the chunks' fp64 partial sums
+// then added in order. Points whose label lies outside [0, k) are ignored.
+//   x: [n, dim] fp32, w: [n] fp32 positive finite weights or null (all 1), assign: [n]
+//   int32, c: [k, dim] fp32 (in/out), counts: [k] int32 (output), mass: [k] fp64 (output),
+//   workspace: KMeansUpdateWorkspaceBytes(n, dim, k) bytes, 256-byte aligned. All device
+//   pointers; 1 <= n < 2^31, 1 <= dim, 1 <= k < 2^31.
+void KMeansUpdate(const float* x, const float* w, int64_t n, int64_t dim, const int32_t* assign,
+                  int64_t k, void* workspace, size_t workspace_bytes, float* c, int32_t* counts,
+                  double* mass, cudaStream_t stream);
 
 // Squared L2 norm of every row, accumulated in fp64: x [n, dim] fp32 -> out [n] fp32.
 void KMeansRowSqNorms(const float* x, int64_t n, int64_t dim, float* out, cudaStream_t stream);
@@ -132,16 +148,18 @@ bool KMeansCudaAvailable();
 
 // Lloyd's k-means from given initial centroids, all on the current device; host in,
 // host out. Trains on the rows train_idx[0..m) of x (train_idx == nullptr: all n rows,
-// m must equal n), `iters` iterations of the steps above (spherical: the initial centroids
-// are normalized first), then assigns all n points to the final centroids.
-//   x: [n, dim] host fp32; train_idx: [m] host int64 (or null);
-//   centroids: [k, dim] host fp32, initial on input, final on output;
-//   assign: [n] host int32 (output); *inertia = sum of squared L2 distances (fp64);
-//   *splits (may be null) = empty clusters re-seeded over all iterations.
+// m must equal n) with weights train_w[0..m) (null: all 1), `iters` iterations of the
+// steps above (spherical: the initial centroids are normalized first), then assigns all n
+// points to the final centroids.
+//   x: [n, dim] host fp32; train_idx: [m] host int64 (or null); train_w: [m] host fp32,
+//   positive and finite (or null); centroids: [k, dim] host fp32, initial on input, final
+//   on output; assign: [n] host int32 (output); *inertia = sum of squared L2 distances of
+//   all n points (fp64, unweighted); *splits (may be null) = empty clusters re-seeded over
+//   all iterations.
 // Requires 1 <= k <= m <= n < 2^31, 1 <= dim, iters >= 0. Throws asmem::InvalidArgument on
 // bad arguments and asmem::CudaError when CUDA fails (e.g. no device, out of memory).
-void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx, int64_t m,
-                int64_t k, int32_t iters, bool spherical, float* centroids, int32_t* assign,
-                double* inertia, int64_t* splits);
+void KMeansCuda(const float* x, int64_t n, int64_t dim, const int64_t* train_idx,
+                const float* train_w, int64_t m, int64_t k, int32_t iters, bool spherical,
+                float* centroids, int32_t* assign, double* inertia, int64_t* splits);
 
 }  // namespace asmem

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "asmem/error.h"
 #include "asmem/kmeans.h"
 #include "compiler/compiler/kmeans_test_data.h"
+#include "../compiler/src/compiler/kmeans_backends.h"  // KMeansReference
 #include "test_util.h"
 
 namespace asmem {
@@ -322,11 +324,11 @@ TEST(KMeansInit, DistinctPointsChosenBySeed) {
   }
 }
 
-TEST(KMeansSplitEmpty, SplitsTheLargestCluster) {
+TEST(KMeansSplitEmpty, SplitsTheHeaviestSplittableCluster) {
   // 3 clusters of dim 3: cluster 1 is empty, cluster 2 the largest.
   std::vector<float> c = {1, 2, 3, 9, 9, 9, 4, 8, 16};
   std::vector<int64_t> counts = {3, 0, 7};
-  EXPECT_EQ(KMeansSplitEmpty(c.data(), counts.data(), 3, 3), 1);
+  EXPECT_EQ(KMeansSplitEmpty(c.data(), counts.data(), nullptr, 3, 3), 1);
   const float e = kKMeansSplitEps;
   EXPECT_EQ(c[3], 4 * (1 + e));
   EXPECT_EQ(c[4], 8 * (1 - e));
@@ -336,31 +338,117 @@ TEST(KMeansSplitEmpty, SplitsTheLargestCluster) {
   EXPECT_EQ(c[8], 16 * (1 - e));
   EXPECT_EQ(c[0], 1);
   EXPECT_EQ(counts, (std::vector<int64_t>{3, 3, 4}));
-  // Ties between largest clusters go to the lowest index; nothing splits below 2 members.
+  // Ties between heaviest clusters go to the lowest index; nothing splits below 2 members.
   std::vector<float> d(8, 1.0f);
   std::vector<int64_t> k4 = {0, 2, 2, 0};
-  EXPECT_EQ(KMeansSplitEmpty(d.data(), k4.data(), 4, 2), 2);
+  EXPECT_EQ(KMeansSplitEmpty(d.data(), k4.data(), nullptr, 4, 2), 2);
   EXPECT_EQ(k4, (std::vector<int64_t>{1, 1, 1, 1}));
   std::vector<int64_t> ones = {1, 0, 1};
-  EXPECT_EQ(KMeansSplitEmpty(d.data(), ones.data(), 3, 2), 0);
+  EXPECT_EQ(KMeansSplitEmpty(d.data(), ones.data(), nullptr, 3, 2), 0);
+  // Weighted: the heaviest cluster is one row repeated 240 times (one member): it is not
+  // split, the heaviest cluster with two members is.
+  std::vector<float> w = {1, 1, 5, 5, 7, 7, 2, 2};
+  std::vector<int64_t> members = {1, 0, 3, 2};
+  std::vector<double> mass = {240, 0, 3, 9};
+  EXPECT_EQ(KMeansSplitEmpty(w.data(), members.data(), mass.data(), 4, 2), 1);
+  EXPECT_EQ(w[2], 2 * (1 + e));
+  EXPECT_EQ(w[6], 2 * (1 - e));
+  EXPECT_EQ(members, (std::vector<int64_t>{1, 1, 3, 1}));
+  EXPECT_EQ(mass, (std::vector<double>{240, 4.5, 3, 4.5}));
 }
 
-// Training on k points drawn from few distinct rows: the initial centroids that are not in
-// the sample own no training point (every training point sits on its own centroid), so the
-// first iteration must re-seed them.
-TEST(KMeansEmptyClusters, ReseededBySplitting) {
+// Three tight groups (100, 200 and 300 points), one row of weight 500 apart from them and
+// an initial centroid that no point is near. After one iteration that centroid is empty:
+// it must be re-seeded from the heaviest cluster with two members (the 300-point group),
+// not from the heavier cluster of the one repeated row.
+TEST(KMeansEmptyClusters, ReseededFromTheHeaviestSplittableCluster) {
+  const int64_t dim = 8, k = 5;
+  std::vector<float> x, w, init;
+  test::groups_and_a_heavy_row(dim, test::test_seed(5), &x, &w, &init);
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<int64_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), int64_t{0});
+  std::vector<float> c = init;
+  std::vector<int32_t> assign(static_cast<size_t>(n));
+  double inertia = 0.0;
+  int64_t splits = 0;
+  KMeansReference(x.data(), n, dim, idx.data(), w.data(), n, k, 1, true, c.data(),
+                  assign.data(), &inertia, &splits);
+  EXPECT_EQ(splits, 1);
+  double cos42 = 0.0, cos43 = 0.0;
+  for (int64_t t = 0; t < dim; ++t) {
+    cos42 += double(c[4 * dim + t]) * c[2 * dim + t];
+    cos43 += double(c[4 * dim + t]) * c[3 * dim + t];
+  }
+  EXPECT_GT(cos42, 0.999) << "not split from the 300-point group";
+  EXPECT_LT(cos43, 0.5) << "split from the cluster of one repeated row";
+  for (int64_t t = 0; t < dim; ++t) EXPECT_EQ(c[3 * dim + t], t == 3 ? 1.0f : 0.0f);
+  // The copies share the group, and both own points after the final assignment.
+  int64_t own2 = 0, own4 = 0;
+  for (int32_t a : assign) {
+    own2 += a == 2;
+    own4 += a == 4;
+  }
+  EXPECT_GT(own2, 0);
+  EXPECT_GT(own4, 0);
+  EXPECT_EQ(own2 + own4, 300);
+  // Bad weights are rejected.
+  w[7] = 0.0f;
+  test::expect_error<InvalidArgument>(
+      [&] {
+        KMeansReference(x.data(), n, dim, idx.data(), w.data(), n, k, 1, true, c.data(),
+                        assign.data(), &inertia, &splits);
+      },
+      {"train_w[7]"});
+}
+
+// Calibration-like keys: a few rows repeated in every trace (the largest clusters, which
+// no split can divide) and about 7 points per centroid. Every centroid of the result must
+// own a point: a centroid without members would carry the empty state into the dictionary,
+// and a query looking it up would get no prefix at all. (The empty-cluster rule used to
+// split the largest cluster by point count, i.e. a cluster of one repeated row, over and
+// over; the copies it left behind stayed empty.)
+class KMeansTemplateHeavy : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(KMeansTemplateHeavy, EveryCentroidOwnsAPoint) {
+  const uint64_t seed = test::test_seed(21);
+  SCOPED_TRACE(test::seed_trace(seed));
   int64_t n = 0;
-  const int64_t dim = 6, distinct = 60, k = 50;
-  const std::vector<float> x = test::duplicate_heavy(distinct, dim, 11, &n);
-  KMeansParams p = reference_params(k, 3);
-  p.max_points_per_centroid = 1;
+  const int64_t dim = 48, k = 700;
+  const std::vector<float> x = test::template_heavy(3600, dim, 300, 0.3, 3, 240, seed, &n);
+  KMeansParams p;
+  p.k = k;
+  p.iters = 10;
+  p.seed = seed;
+  p.backend = GetParam();
   const KMeansResult r = kmeans(x.data(), n, dim, p);
-  EXPECT_GT(r.splits, 0);
-  ASSERT_EQ(r.k, k);
   expect_valid_result(r, x, n, dim);
-  const KMeansResult again = kmeans(x.data(), n, dim, p);
-  EXPECT_EQ(r.centroids, again.centroids);
-  EXPECT_EQ(r.splits, again.splits);
+  std::vector<int64_t> members(static_cast<size_t>(r.k), 0);
+  for (int32_t a : r.assign) ++members[a];
+  int64_t empty = 0;
+  for (int64_t m : members) empty += m == 0;
+  EXPECT_EQ(empty, 0) << "of " << r.k << " centroids";
+  EXPECT_GE(r.k, k - k / 100) << "more than 1% of the centroids were dropped";
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, KMeansTemplateHeavy, ::testing::Values("cpu", "reference"),
+                         [](const auto& info) { return info.param; });
+
+TEST(KMeansTemplateHeavyFaiss, ReferenceNoWorseThanFaiss) {
+  if (!faiss_built()) GTEST_SKIP() << "built without FAISS";
+  int64_t n = 0;
+  const int64_t dim = 48, k = 700;
+  const std::vector<float> x = test::template_heavy(3600, dim, 300, 0.3, 3, 240, 22, &n);
+  KMeansParams p;
+  p.k = k;
+  p.iters = 10;
+  const KMeansResult f = kmeans(x.data(), n, dim, p);
+  p.backend = "reference";
+  const KMeansResult r = kmeans(x.data(), n, dim, p);
+  // No worse than FAISS by more than 1% (on such data our rules may do better).
+  EXPECT_LE(r.inertia, 1.01 * f.inertia)
+      << "reference " << r.inertia << " vs FAISS " << f.inertia << " (rel "
+      << (r.inertia / f.inertia - 1.0) << ")";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -373,10 +461,13 @@ nlohmann::json load_golden() {
   return nlohmann::json::parse(f);
 }
 
-std::vector<float> golden_data(const nlohmann::json& s) {
-  return test::make_mixture(s["n"].get<int64_t>(), s["dim"].get<int64_t>(),
-                            s["centers"].get<int64_t>(), s["noise"].get<double>(),
-                            s["skew"].get<double>(), s["data_seed"].get<uint64_t>());
+// The set's rows; *rows receives their number.
+std::vector<float> golden_data(const nlohmann::json& s, int64_t* rows) {
+  return test::recorded_set_data(
+      s.value("kind", std::string("mixture")), s["n"].get<int64_t>(), s["dim"].get<int64_t>(),
+      s["centers"].get<int64_t>(), s["noise"].get<double>(), s["skew"].get<double>(),
+      s["data_seed"].get<uint64_t>(), s.value("heavy", int64_t{0}),
+      s.value("repeats", int64_t{0}), rows);
 }
 
 KMeansParams golden_params(const nlohmann::json& s, const std::string& backend) {
@@ -400,8 +491,8 @@ TEST(FaissRecorded, InertiaMatchesJson) {
         "k-means within 1% of it.";
     out["generator"] =
         "ASMEM_RECORD_FAISS_INERTIA=1 asmem_cluster_tests --gtest_filter='FaissRecorded.*'; "
-        "data: make_mixture(n, dim, centers, noise, skew, data_seed) in "
-        "tests/compiler/compiler/kmeans_test_data.h";
+        "data: recorded_set_data(kind, n, dim, centers, noise, skew, data_seed, heavy, "
+        "repeats) in tests/compiler/compiler/kmeans_test_data.h (rows: the number of points)";
     out["faiss"] = "faiss::Clustering, IndexFlatIP (spherical), Debian libfaiss-dev 1.7.3";
     out["sets"] = nlohmann::json::array();
     for (const test::RecordedSet& s : test::recorded_sets()) {
@@ -411,8 +502,15 @@ TEST(FaissRecorded, InertiaMatchesJson) {
                           {"data_seed", s.data_seed}, {"k", s.k},
                           {"iters", s.iters},     {"kmeans_seed", s.kmeans_seed},
                           {"max_points_per_centroid", 256}, {"spherical", true}};
-      const std::vector<float> x = golden_data(j);
-      const KMeansResult r = kmeans(x.data(), s.n, s.dim, golden_params(j, "cpu"));
+      if (s.kind != "mixture") {
+        j["kind"] = s.kind;
+        j["heavy"] = s.heavy;
+        j["repeats"] = s.repeats;
+      }
+      int64_t rows = 0;
+      const std::vector<float> x = golden_data(j, &rows);
+      j["rows"] = rows;
+      const KMeansResult r = kmeans(x.data(), rows, s.dim, golden_params(j, "cpu"));
       j["inertia"] = r.inertia;
       out["sets"].push_back(j);
     }
@@ -420,12 +518,13 @@ TEST(FaissRecorded, InertiaMatchesJson) {
     GTEST_SKIP() << "recorded " << golden_path();
   }
   const nlohmann::json g = load_golden();
-  ASSERT_GE(g["sets"].size(), 4u);
+  ASSERT_GE(g["sets"].size(), 6u);
   bool first = true;
   for (const nlohmann::json& s : g["sets"]) {
     SCOPED_TRACE(s["name"].get<std::string>());
-    const std::vector<float> x = golden_data(s);
-    const int64_t n = s["n"].get<int64_t>(), dim = s["dim"].get<int64_t>();
+    int64_t n = 0;
+    const std::vector<float> x = golden_data(s, &n);
+    const int64_t dim = s["dim"].get<int64_t>();
     const KMeansResult r = kmeans(x.data(), n, dim, golden_params(s, "cpu"));
     const double want = s["inertia"].get<double>();
     // Other CPUs round FAISS's BLAS products differently and may end in another local
@@ -446,8 +545,9 @@ TEST(FaissRecorded, ReferenceWithinOnePercentOfFaiss) {
   const nlohmann::json g = load_golden();
   const nlohmann::json& s = g["sets"][0];  // the smallest set: the reference is slow
   SCOPED_TRACE(s["name"].get<std::string>());
-  const std::vector<float> x = golden_data(s);
-  const int64_t n = s["n"].get<int64_t>(), dim = s["dim"].get<int64_t>();
+  int64_t n = 0;
+  const std::vector<float> x = golden_data(s, &n);
+  const int64_t dim = s["dim"].get<int64_t>();
   const KMeansResult r = kmeans(x.data(), n, dim, golden_params(s, "reference"));
   const double want = s["inertia"].get<double>();
   EXPECT_NEAR(r.inertia, want, 0.01 * want)

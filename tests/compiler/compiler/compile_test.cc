@@ -1,13 +1,18 @@
 // End-to-end compile on the bundled model with a small prefix and a few traces.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "asmem/compiler/compile.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
+#include "asmem/model/tokenizer.h"
 #include "model_test_util.h"
 
 namespace asmem {
@@ -143,6 +148,136 @@ TEST_F(CompileSmall, ChunkedCalibrationRecordsChunksAndMeasuresAgainstExact) {
   EXPECT_GT(agree, 0.0);
   EXPECT_LE(agree, 1.0);
   EXPECT_GE(rep["chunked_vs_exact"]["mean_kl_exact_to_chunked"].get<double>(), 0.0);
+}
+
+// Chunked mode and --update: one edited chunk is recomputed, the others are read from the
+// old dictionary's chunk files, and the result is byte-identical to a fresh compile of the
+// edited prefix. Corrupt or mismatched chunk files are recomputed, never trusted.
+class CompileChunkedUpdate : public CompileSmall {
+ protected:
+  void SetUp() override {
+    CompileSmall::SetUp();
+    // Traces with given responses: nothing is generated, so every compile sees the same.
+    std::ofstream t(dir_ + "/given.jsonl");
+    const char* rows[][2] = {{"How long can I keep a book?", "21 days."},
+                             {"What is the late fee?", "25 cents per day, at most 5 dollars."},
+                             {"Can I renew a DVD?", "Yes, twice, unless it is reserved."},
+                             {"I lost my card.", "A new card costs 2 dollars."},
+                             {"How many books can I take?", "Up to 8 items."},
+                             {"Hi!", "Hello! How can I help?"}};
+    for (const auto& r : rows) {
+      t << "{\"prompt\": \"" << r[0] << "\", \"response\": \"" << r[1] << "\"}\n";
+    }
+    t.close();
+    std::unique_ptr<Tokenizer> tok = Tokenizer::from_model_path(test::model_path());
+    tokens_ = tok->encode(slurp(dir_ + "/prefix.txt"), false);
+    ASSERT_GE(tokens_.size(), 5 * kChunk);
+  }
+  static constexpr size_t kChunk = 16;
+  // Writes the prefix token ids with token `edit` (if >= 0) replaced; returns the path.
+  std::string write_prefix(const std::string& name, int64_t edit) const {
+    std::vector<int32_t> ids = tokens_;
+    if (edit >= 0) ids[edit] = ids[edit] == 1000 ? 1001 : 1000;
+    std::ofstream f(dir_ + "/" + name);
+    for (int32_t id : ids) f << id << " ";
+    return dir_ + "/" + name;
+  }
+  CompileOptions chunked(const std::string& prefix, const std::string& out) const {
+    CompileOptions o = options(out);
+    o.prefix_path.clear();
+    o.prefix_tokens_path = prefix;
+    o.traces_path = dir_ + "/given.jsonl";
+    o.calib_chunk = int64_t(kChunk);
+    return o;
+  }
+  nlohmann::json update_report(const std::string& out) const {
+    return nlohmann::json::parse(slurp(out + ".report.json")).at("update_chunks");
+  }
+  std::vector<int32_t> tokens_;
+};
+
+TEST_F(CompileChunkedUpdate, ReusesUnchangedChunksAndMatchesAFreshCompile) {
+  ASMEM_REQUIRE_MODEL();
+  const int64_t n_chunks = int64_t((tokens_.size() + kChunk - 1) / kChunk);
+  const std::string pa = write_prefix("a.ids", -1);
+  const std::string pb = write_prefix("b.ids", 2 * kChunk + 5);  // inside chunk 3 (1-based)
+  const std::string a = dir_ + "/a.asmd", b = dir_ + "/b.asmd";
+  compile_dictionary(chunked(pa, a));
+  compile_dictionary(chunked(pb, b));  // the fresh compile of the edited prefix
+  auto files_of = [](const std::string& dict) {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dict + ".chunks")) {
+      names.push_back(e.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  EXPECT_EQ(int64_t(files_of(a).size()), n_chunks);
+
+  // Update a in place to the edited prefix: only chunk 3 is recomputed, the bytes equal the
+  // fresh compile's, and the old chunk 3's file is gone.
+  CompileOptions uo = chunked(pb, a);
+  uo.update_path = a;
+  compile_dictionary(uo);
+  nlohmann::json rep = update_report(a);
+  std::vector<int64_t> want_reused;
+  for (int64_t c = 1; c <= n_chunks; ++c) {
+    if (c != 3) want_reused.push_back(c);
+  }
+  EXPECT_EQ(rep.at("reused").get<std::vector<int64_t>>(), want_reused);
+  ASSERT_EQ(rep.at("recomputed").size(), 1u);
+  EXPECT_EQ(rep["recomputed"][0]["chunk"].get<int64_t>(), 3);
+  EXPECT_EQ(rep["recomputed"][0]["reason"].get<std::string>(), "tokens changed");
+  EXPECT_EQ(slurp(a), slurp(b)) << "--update must give the same bytes as a fresh compile";
+  EXPECT_EQ(files_of(a), files_of(b));
+
+  // Damaged files: chunk 1 with a flipped byte, chunk 2 cut short, and chunk 4's file
+  // replaced by chunk 5's (intact, but made for other tokens). A file's chunk is told by
+  // the token ids it stores after its header.
+  const std::vector<int32_t> edited = [&] {
+    std::vector<int32_t> t = tokens_;
+    t[2 * kChunk + 5] = t[2 * kChunk + 5] == 1000 ? 1001 : 1000;
+    return t;
+  }();
+  std::map<int64_t, std::string> by_chunk;
+  for (const std::string& name : files_of(a)) {
+    const std::string path = a + ".chunks/" + name;
+    const std::string d = slurp(path);
+    uint64_t hl = 0;
+    std::memcpy(&hl, d.data() + 8, 8);
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const size_t len = std::min(kChunk, edited.size() - c * kChunk);
+      if (std::memcmp(edited.data() + c * kChunk, d.data() + 16 + hl, len * 4) == 0) {
+        by_chunk[c + 1] = path;
+      }
+    }
+  }
+  ASSERT_EQ(int64_t(by_chunk.size()), n_chunks);
+  std::string d = slurp(by_chunk[1]);
+  d[d.size() / 2] ^= 0x5a;
+  std::ofstream(by_chunk[1], std::ios::binary) << d;
+  d = slurp(by_chunk[2]);
+  std::ofstream(by_chunk[2], std::ios::binary) << d.substr(0, d.size() - 100);
+  std::filesystem::copy_file(by_chunk[5], by_chunk[4],
+                             std::filesystem::copy_options::overwrite_existing);
+  compile_dictionary(uo);
+  rep = update_report(a);
+  std::vector<int64_t> reused2;
+  for (int64_t c = 3; c <= n_chunks; ++c) {
+    if (c != 4) reused2.push_back(c);
+  }
+  EXPECT_EQ(rep.at("reused").get<std::vector<int64_t>>(), reused2);
+  std::map<int64_t, std::string> why;
+  for (const auto& r : rep.at("recomputed")) why[r["chunk"].get<int64_t>()] = r["reason"].get<std::string>();
+  ASSERT_EQ(why.size(), 3u);
+  EXPECT_EQ(why[1], "corrupt: checksum mismatch");
+  EXPECT_EQ(why[2], "corrupt: checksum mismatch");
+  EXPECT_EQ(why[4], "holds other tokens");
+  EXPECT_EQ(slurp(a), slurp(b)) << "damaged chunk files must be recomputed, not used";
+  for (int64_t c = 1; c <= n_chunks; ++c) {  // and they were rewritten
+    EXPECT_EQ(slurp(by_chunk[c]), slurp(b + ".chunks/" + std::filesystem::path(by_chunk[c]).filename().string()))
+        << "chunk " << c;
+  }
 }
 
 TEST_F(CompileSmall, PrefixLongerThanContextNeedsChunks) {

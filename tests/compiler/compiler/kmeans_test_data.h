@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -97,7 +98,71 @@ inline std::vector<float> duplicate_heavy(int64_t distinct, int64_t dim, uint64_
   return x;
 }
 
+// Template-heavy data, like the queries of calibration traces: `distinct` mixture rows
+// (`centers` centers, noise `noise`, uniform), every third one twice, plus `heavy` further
+// rows each repeated `repeats` times (the tokens every trace starts with: the same query
+// in every trace, so they form the largest clusters and cannot be split). Rows are
+// interleaved by a fixed stride. *n receives the number of rows.
+inline std::vector<float> template_heavy(int64_t distinct, int64_t dim, int64_t centers,
+                                         double noise, int64_t heavy, int64_t repeats,
+                                         uint64_t seed, int64_t* n) {
+  const std::vector<float> base = make_mixture(distinct + heavy, dim, centers, noise, 1.0, seed);
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < distinct; ++i) {
+    rows.push_back(i);
+    if (i % 3 == 0) rows.push_back(i);
+  }
+  for (int64_t h = 0; h < heavy; ++h) {
+    for (int64_t r = 0; r < repeats; ++r) rows.push_back(distinct + h);
+  }
+  *n = static_cast<int64_t>(rows.size());
+  int64_t stride = 7919;  // a permutation of the rows: stride coprime with n
+  while (std::gcd(stride, *n) != 1) stride += 2;
+  std::vector<float> x;
+  x.reserve(static_cast<size_t>(*n * dim));
+  for (int64_t q = 0; q < *n; ++q) {
+    const int64_t i = rows[static_cast<size_t>((q * stride) % *n)];
+    x.insert(x.end(), base.begin() + i * dim, base.begin() + (i + 1) * dim);
+  }
+  return x;
+}
+
+// Weighted training rows for the empty-cluster rule: three tight groups of 100, 200 and
+// 300 unit rows around e_0, e_1, e_2 (weight 1 each), then one row e_3 of weight 500.
+// *init receives 5 initial centroids: rows 0, 100 and 300 (one per group), the heavy row,
+// and e_4, which no row is near (so its cluster is empty after the first assignment).
+inline void groups_and_a_heavy_row(int64_t dim, uint64_t seed, std::vector<float>* x,
+                                   std::vector<float>* w, std::vector<float>* init) {
+  MixtureRng rng(seed);
+  x->clear();
+  w->clear();
+  for (int64_t g = 0; g < 3; ++g) {
+    for (int64_t i = 0; i < 100 * (g + 1); ++i) {
+      std::vector<double> p(static_cast<size_t>(dim), 0.0);
+      p[g] = 1.0;
+      double n2 = 0.0;
+      for (double& v : p) {
+        v += 0.05 * rng.noise();
+        n2 += v * v;
+      }
+      for (double v : p) x->push_back(static_cast<float>(v / std::sqrt(n2)));
+      w->push_back(1.0f);
+    }
+  }
+  const int64_t heavy = static_cast<int64_t>(w->size());
+  for (int64_t t = 0; t < dim; ++t) x->push_back(t == 3 ? 1.0f : 0.0f);
+  w->push_back(500.0f);
+  init->clear();
+  for (const int64_t row : {int64_t{0}, int64_t{100}, int64_t{300}, heavy}) {
+    init->insert(init->end(), x->begin() + row * dim, x->begin() + (row + 1) * dim);
+  }
+  for (int64_t t = 0; t < dim; ++t) init->push_back(t == 4 ? 1.0f : 0.0f);
+}
+
 // The data sets whose FAISS inertia is recorded in tests/golden/kmeans/faiss_inertia.json.
+// kind "mixture": make_mixture(n, dim, centers, noise, skew, data_seed);
+// kind "template_heavy": template_heavy(n, dim, centers, noise, heavy, repeats, data_seed)
+// (n distinct rows; skew unused), few points per centroid.
 struct RecordedSet {
   std::string name;
   int64_t n, dim, centers;
@@ -106,6 +171,8 @@ struct RecordedSet {
   int64_t k;
   int32_t iters;
   uint64_t kmeans_seed;
+  std::string kind = "mixture";
+  int64_t heavy = 0, repeats = 0;
 };
 
 inline std::vector<RecordedSet> recorded_sets() {
@@ -114,7 +181,23 @@ inline std::vector<RecordedSet> recorded_sets() {
       {"mix_d512_n30000_k256", 30000, 512, 1024, 1.2, 2.0, 202, 256, 20, 1234},
       {"mix_d192_n40000_k1024", 40000, 192, 4096, 1.2, 2.0, 303, 1024, 20, 1234},
       {"mix_d512_n20000_k1024", 20000, 512, 512, 1.0, 2.0, 404, 1024, 20, 1234},
+      {"tmpl_d192_u12000_k2048", 12000, 192, 2000, 0.3, 1.0, 505, 2048, 10, 1234,
+       "template_heavy", 3, 240},
+      {"tmpl_d192_u18000_k4096", 18000, 192, 3000, 0.3, 1.0, 606, 4096, 10, 1234,
+       "template_heavy", 3, 240},
   };
+}
+
+// The rows of a recorded set (fields as in RecordedSet); *rows receives their number.
+inline std::vector<float> recorded_set_data(const std::string& kind, int64_t n, int64_t dim,
+                                            int64_t centers, double noise, double skew,
+                                            uint64_t data_seed, int64_t heavy, int64_t repeats,
+                                            int64_t* rows) {
+  if (kind == "template_heavy") {
+    return template_heavy(n, dim, centers, noise, heavy, repeats, data_seed, rows);
+  }
+  *rows = n;
+  return make_mixture(n, dim, centers, noise, skew, data_seed);
 }
 
 }  // namespace asmem::test

@@ -25,7 +25,7 @@ struct KMeansParams {
 };
 
 struct KMeansResult {
-  int64_t k = 0;                 // centroids produced (<= params.k)
+  int64_t k = 0;                 // centroids produced (<= params.k); each owns a point
   int64_t dim = 0;
   std::vector<float> centroids;  // [k, dim]
   std::vector<int32_t> assign;   // [n] nearest centroid of every input point (all n, not the subsample)
@@ -33,11 +33,16 @@ struct KMeansResult {
   std::string backend;           // what actually ran ("faiss-cpu", "faiss-gpu", "asmem-cuda",
                                  // "asmem-reference")
   int64_t splits = 0;            // empty clusters re-seeded, summed over the iterations
+  int64_t dropped = 0;           // centroids without a point after the final assignment,
+                                 // removed from the result
 };
 
 // Clusters n points x [n, dim] (row-major fp32). Deterministic for a given seed and
 // backend. Handles n < k (k clipped to the number of distinct points; every point its own
-// centroid), duplicate points and empty clusters (re-seeded by splitting the largest).
+// centroid), duplicate points (training runs on the distinct points weighted by their
+// multiplicity) and empty clusters (re-seeded by splitting the heaviest cluster that has
+// two distinct points or more; a centroid still without a point at the end is dropped, so
+// every centroid of the result owns at least one point).
 // Throws asmem::InvalidArgument on NaN/Inf input (naming the first bad row), n == 0,
 // dim <= 0 or k <= 0; asmem::UnsupportedError when the backend is not built in.
 KMeansResult kmeans(const float* x, int64_t n, int64_t dim, const KMeansParams& params);

@@ -39,19 +39,27 @@ struct CompileOptions {
   // must build its lookup keys the same way; the manifest records both fields.
   std::string key_mode = "pre_rope";
   int64_t rope_position = -1;
-  std::string update_path;           // OLD.asmd: reuse its generated responses
+  std::string update_path;           // OLD.asmd: reuse its generated responses and, in
+                                     // chunked mode, its unchanged chunks' prefix KV
   bool skip_malformed = false;       // skip malformed trace lines instead of failing
   bool raw = false;                  // no chat format: prefix and traces as plain text
   int64_t batch = 16;                // traces per forward batch
   int64_t chunk = 512;               // prefill chunk size (memory bound of the forward)
   int64_t calib_chunk = 0;           // chunked calibration: tokens per chunk (0: exact mode)
+  // Chunked calibration: keep every chunk's prefix KV (model dtype, exact) in
+  // out_path + ".chunks/" so that a later --update recomputes only the chunks whose
+  // tokens changed (asmem/compiler/chunk_cache.h). About 2 * L * Hkv * d * dtype bytes
+  // per prefix token.
+  bool chunk_cache = true;
   std::vector<int64_t> report_entries;  // extra K values evaluated in the report (not written)
   int threads = 0;                   // CPU threads (0: torch default)
 };
 
 // Runs the compiler. Writes out_path atomically, the generated responses beside it
-// (out_path + ".responses.jsonl") and the report (out_path + ".report.json"), and prints
-// progress and the report table to stderr. Errors are asmem::Error with one-line messages.
+// (out_path + ".responses.jsonl"), the report (out_path + ".report.json") and, in chunked
+// mode, the chunk files (out_path + ".chunks/"), and prints progress and the report table
+// to stderr. With update_path, prints what it reused and what it recomputed and why.
+// Errors are asmem::Error with one-line messages.
 void compile_dictionary(const CompileOptions& options);
 
 }  // namespace asmem
