@@ -3,6 +3,7 @@
 // while steps are enqueued behind a blocked stream (earlier steps read the old dictionary,
 // later ones the new, the old memory is freed only after they ran), and a captured CUDA
 // graph that sees replacements, loads, dict-id changes and unloads between replays.
+#include <cuda.h>  // driver types only; no libcuda is linked
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -236,21 +237,66 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeGpuShapes,
                          });
 
 // A host function that holds the stream until the test opens the gate (or 30 s pass).
+// Holds a stream on the device: the stream waits (cuStreamWaitValue32, taken through the
+// runtime's driver entry point, so the test links no libcuda) until a mapped host word
+// becomes 1. Nothing on the host is blocked, so a host call that waits for the stream
+// would hang; a watchdog opens the gate after 30 s and records that instead.
 struct Gate {
-  std::atomic<bool> open{false};
+  using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  volatile uint32_t* word = nullptr;
   std::atomic<bool> timed_out{false};
-};
-void CUDART_CB WaitForGate(void* p) {
-  Gate* g = static_cast<Gate*>(p);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (!g->open.load()) {
-    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) {
-      g->timed_out = true;
-      return;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::atomic<bool> opened{false};
+  std::thread watchdog;
+
+  Gate() {
+    void* p = nullptr;
+    ASMEM_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped));
+    word = static_cast<volatile uint32_t*>(p);
+    *word = 0;
   }
-}
+  ~Gate() {
+    Open();
+    if (watchdog.joinable()) watchdog.join();
+    (void)cudaFreeHost(const_cast<uint32_t*>(word));
+  }
+  // Enqueues the wait on `stream`; false (with a test failure) when the driver lacks it.
+  bool Hold(cudaStream_t stream) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      (void)cudaGetLastError();
+      ADD_FAILURE() << "cuStreamWaitValue32 is not available";
+      return false;
+    }
+    void* dev = nullptr;
+    ASMEM_CUDA_CHECK(cudaHostGetDevicePointer(&dev, const_cast<uint32_t*>(word), 0));
+    const CUresult r = reinterpret_cast<WaitValue32>(fn)(
+        reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(dev), 1,
+        CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) {
+      ADD_FAILURE() << "cuStreamWaitValue32 failed with CUresult " << int(r);
+      return false;
+    }
+    watchdog = std::thread([this] {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!opened.load()) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) {
+          timed_out = true;
+          Open();
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+    return true;
+  }
+  void Open() {
+    opened = true;
+    __atomic_store_n(const_cast<uint32_t*>(word), 1u, __ATOMIC_SEQ_CST);
+  }
+};
 
 class RuntimeGpuSwap : public RuntimeGpu {
  protected:
@@ -309,7 +355,7 @@ TEST_F(RuntimeGpuSwap, ReplaceWhileStepsAreEnqueued) {
     after.push_back(std::make_unique<DeviceOutputs>(st));
   }
   Gate gate;
-  ASMEM_CUDA_CHECK(cudaLaunchHostFunc(stream_, WaitForGate, &gate));
+  ASSERT_TRUE(gate.Hold(stream_));
   for (int i = 0; i < kSteps; ++i) rt.decode(1, Args(dev, *before[size_t(i)]), stream_);
   const size_t bytes_a = rt.info(0)->device_bytes;
   rt.replace(0, b_, {}, stream_);  // opens, validates, uploads while the stream is held
@@ -319,7 +365,7 @@ TEST_F(RuntimeGpuSwap, ReplaceWhileStepsAreEnqueued) {
   for (int i = 0; i < kSteps; ++i) rt.decode(1, Args(dev, *after[size_t(i)]), stream_);
   EXPECT_EQ(cudaStreamQuery(stream_), cudaErrorNotReady);
   (void)cudaGetLastError();  // "not ready" is no error: clear it
-  gate.open = true;
+  gate.Open();
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   ASSERT_FALSE(gate.timed_out.load()) << "the stream was held 30 s: something waited for it";
   const StepOutputs first = before[0]->Download(), later = after[0]->Download();
