@@ -32,7 +32,8 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--parents", o->parents, "Hierarchy parents C1 (0: round(sqrt(K)))")->capture_default_str();
   cmd->add_option("--top-m", o->top_m, "Parents probed by hierarchical lookup")->capture_default_str();
   cmd->add_option("--kmeans-iters", o->kmeans_iters, "k-means iterations")->capture_default_str();
-  cmd->add_option("--kmeans-backend", o->kmeans_backend, "auto | cpu | cuda")->capture_default_str();
+  cmd->add_option("--kmeans-backend", o->kmeans_backend,
+                  "auto | cpu (FAISS) | cuda | reference (the CUDA path's CPU reference)")->capture_default_str();
   cmd->add_flag("--whitening", o->whitening, "Whiten lookup keys with the training keys' Sigma^-1/2");
   cmd->add_option("--key-mode", o->key_mode, "Lookup keys: pre_rope | rope_unified")->capture_default_str();
   cmd->add_option("--rope-position", o->rope_position,

@@ -32,7 +32,7 @@ struct CompileOptions {
   std::string model_dtype = "auto";  // forward dtype: auto (fp32 cpu, bf16 cuda) | fp32 | bf16
   uint64_t seed = 1234;              // holdout split, k-means
   int32_t kmeans_iters = 10;        // Lloyd iterations
-  std::string kmeans_backend = "auto";  // auto (cuda on a CUDA device, else cpu) | cpu | cuda
+  std::string kmeans_backend = "auto";  // auto (cuda on a CUDA device, else cpu) | cpu | cuda | reference
   bool whitening = false;            // whiten keys with Sigma^-1/2 of the training keys
   // Lookup keys: "pre_rope" (the pre-RoPE group queries) or "rope_unified" (the queries
   // rotated by RoPE as if every token sat at position `rope_position`; -1: P). Serving
