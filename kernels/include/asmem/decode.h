@@ -55,9 +55,10 @@
 // copies: capturable in a CUDA graph (replays may change every device value, including
 // seq_lens, block tables and dict_ids, but not the host-side config or params). The split
 // plan depends only on the config (not on the device), so a captured step is valid on any
-// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents),
-// main (lookup CTAs + split-KV attention CTAs; launched with programmatic dependent launch
-// after the parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
+// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents;
+// a no-op for bf16 dictionaries without whitening of up to 256 parents with bf16 queries,
+// whose lookup CTAs select the parents themselves), main (lookup CTAs + split-KV attention
+// CTAs; launched with programmatic dependent launch after the parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
 // requests that share a dictionary at once (f16 / f32 keys: CUDA cores, per request).
 #pragma once
 
