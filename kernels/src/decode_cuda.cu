@@ -95,15 +95,10 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   char* ws = static_cast<char*>(workspace);
 
   // Programmatic dependent launch of the main kernel after the parent pass (off with
-  // ASMEM_DECODE_NO_PDL=1), the lookup without the parent pass for FastView dictionaries
-  // (off with ASMEM_DECODE_NO_FAST_LOOKUP=1) and lookup CTAs per (KV head, chunk)
-  // (ASMEM_DECODE_LOOKUP_REPS, default kLookupReps): for comparison and tuning.
+  // ASMEM_DECODE_NO_PDL=1) and lookup CTAs per (KV head, chunk) (ASMEM_DECODE_LOOKUP_REPS,
+  // default kLookupReps): for comparison and tuning.
   static const bool no_pdl = [] {
     const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
-    return e != nullptr && e[0] == '1';
-  }();
-  static const bool no_fast = [] {
-    const char* e = std::getenv("ASMEM_DECODE_NO_FAST_LOOKUP");
     return e != nullptr && e[0] == '1';
   }();
   static const int lookup_reps = [] {
@@ -128,7 +123,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.lookup_part = reinterpret_cast<LookupPartial*>(ws + L.lookup_part);
   a.lookup = p.dict_ids != nullptr;
-  a.fast_lookup = !no_fast;
+  a.fast_lookup = c.fast_lookup;
+  a.attn_first = c.attention_first;
   if (a.lookup) {
     a.lookup_keys = reinterpret_cast<float*>(ws + L.lookup_keys);
     a.whitened = c.whitening ? a.lookup_keys : nullptr;

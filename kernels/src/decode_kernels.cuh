@@ -4,17 +4,18 @@
 //  * [whitening] (config.whitening): W (x - mean) of every (request, KV head) whose view
 //    has whitening, into the workspace's lookup keys.
 //  * parent pass (dictionaries only), one CTA per (request, KV head): prepares the lookup
-//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits; it
-//    returns at once for "fast" views (FastView: bf16 keys and queries, no whitening,
-//    C1 <= 256), whose lookup CTAs do all of it themselves.
+//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits. With
+//    config.fast_lookup it returns at once for "fast" views (FastView: bf16 keys and
+//    queries, no whitening, C1 <= 256), whose lookup CTAs do all of it themselves.
 //  * main kernel, two CTA roles (4 warps each), launched with programmatic dependent launch
 //    after the parent pass so the attention CTAs start at once:
 //    - lookup CTAs (rep, KV head, chunk): scan the chunk's key rows once for all requests
 //      that share a dictionary, on tensor cores (bf16 keys: mma.sync with the request keys
 //      split into exact bf16 terms; f16/f32 keys: fp32 CUDA cores); write each request's
-//      best (score, index) of the chunk. Fast views: the keys come from q_pre and every
-//      chunk CTA scores the C1 parents for its requests (tensor cores, L2-resident) and
-//      ranks them itself, so nothing waits for the parent pass; other views wait for it.
+//      best (score, index) of the chunk. Fast views (config.fast_lookup): the keys come
+//      from q_pre and every chunk CTA scores the C1 parents for its requests (tensor
+//      cores, L2-resident) and ranks them itself, so nothing waits for the parent pass;
+//      other views wait for it. Measured slower (B=32 hier 119 vs 102 us): off by default.
 //    - attention CTAs (request, KV head, KV split): K/V tiles through a 3-stage cp.async
 //      pipeline, Q K^T and P V on tensor cores for all G heads of the group, fp32 online
 //      softmax; write the split's normalized state (o, lse) to the workspace.
@@ -32,6 +33,9 @@
 //    + attention main kernel 83 us, combine 6-9 us. Next steps: fewer dependent round
 //    trips in the parent pass and the lookup CTA prologue, deeper lookup pipelines, and
 //    lookup work spread over the attention CTAs so it stops holding SM slots.
+//  * Lookups without the parent pass (fast_lookup) did not help: B=1 stays at 53 us and the
+//    lookups alone at 50 us; each dependent step of a lookup CTA costs 2-3 us, and a lookup
+//    CTA keeps only two 16 KB stages in flight (decode_h200_diagnostics.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -280,20 +284,21 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
          ((v.whitening == nullptr) == (v.whitening_mean == nullptr));
 }
 
-// Views whose lookup runs wholly inside the lookup CTAs, without the parent pass: bf16
-// keys, bf16 queries (the lookup key is q_pre itself, one exact bf16 term), no whitening,
-// at most kMaxChunkParents parents, and the members' parent scores [MB][C1 | 1] fit in the
-// query area next to the keys. The parent pass skips them and their lookup CTAs do not
-// wait for it.
+// Views whose lookup runs wholly inside the lookup CTAs when config.fast_lookup is set:
+// bf16 keys, bf16 queries (the lookup key is q_pre itself, one exact bf16 term), no
+// whitening, at most kMaxChunkParents parents, and the members' parent scores [MB][C1 | 1]
+// fit in the query area next to the keys. The parent pass skips them and their lookup CTAs
+// do not wait for it.
 template <typename DType, int KEY_DIM>
 __device__ __forceinline__ bool FastView(const DictLayerView& v) {
   using L = LookupTile<KEY_DIM>;
   if constexpr (!std::is_same<DType, __nv_bfloat16>::value) {
     return false;
   } else {
-    constexpr int kMB = 16 * (L::kQueryBytes / (16 * KEY_DIM * 2) < 2 ? L::kQueryBytes / (16 * KEY_DIM * 2) : 2);
-    if (kMB == 0 || !ViewUsable(v) || v.keys_dtype != KernelDType::kBF16 || v.whitening != nullptr ||
-        v.C1 > L::kMaxChunkParents) {
+    constexpr int kFit = L::kQueryBytes / (16 * KEY_DIM * 2);  // 16-member blocks that fit
+    constexpr int kMB = 16 * (kFit < 2 ? kFit : 2);           // as LookupBlock's MB
+    if (kMB == 0 || !ViewUsable(v) || v.keys_dtype != KernelDType::kBF16 ||
+        v.whitening != nullptr || v.C1 > L::kMaxChunkParents) {
       return false;
     }
     const int64_t ld = v.C1 | 1;
@@ -1247,6 +1252,14 @@ __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs
   extern __shared__ float4 decode_smem[];
   char* smem = reinterpret_cast<char*>(decode_smem);
   const int cta = int(blockIdx.x);
+  if (a.attn_first) {
+    if (cta < a.n_attn_ctas) {
+      AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta, smem);
+    } else {
+      LookupBlock<DType, HEAD_DIM * GROUP>(a, cta - a.n_attn_ctas, smem);
+    }
+    return;
+  }
   const int n_rep0 = a.n_lookup_ctas > 0 ? a.hkv * a.lookup_splits : 0;
   if (cta < n_rep0) {
     LookupBlock<DType, HEAD_DIM * GROUP>(a, cta, smem);

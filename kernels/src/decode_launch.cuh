@@ -34,7 +34,9 @@ struct LaunchArgs {
   uint32_t* probe = nullptr; // workspace: [B, Hkv, kProbeWords] probed-parent bits
   int32_t* probe_mode = nullptr;  // workspace: [B, Hkv] 1: probe bits, 2: scan all K
   bool lookup = false;       // dict_ids given: the parent pass and lookup CTAs run
-  bool fast_lookup = true;   // FastView dictionaries skip the parent pass (off: comparison)
+  bool fast_lookup = false;  // DecodeConfig::fast_lookup: FastView dictionaries skip the
+                             // parent pass
+  bool attn_first = false;   // DecodeConfig::attention_first: attention CTAs, then lookups
   int32_t n_lookup_ctas = 0; // Hkv * lookup_splits * lookup_reps, or 0 when no lookup runs
   int32_t n_attn_ctas = 0;   // B * Hkv * kv_splits
 };
