@@ -90,6 +90,9 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.max_seq_len < 0) return "max_seq_len must be >= 0";
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
   if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
+  if (c.lookup_rows_per_split < 0) {
+    return "lookup_rows_per_split must be >= 0, got " + std::to_string(c.lookup_rows_per_split);
+  }
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;
@@ -209,8 +212,10 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
                                                   kMinSplitTokens);
   plan.kv_splits = int32_t(std::max<int64_t>(1, std::min({want, by_len, int64_t(kMaxKvSplits)})));
   if (c.use_dictionaries) {
+    const int64_t rows_per_split =
+        c.lookup_rows_per_split > 0 ? int64_t(c.lookup_rows_per_split) : kLookupRowsPerSplit;
     const int64_t by_rows =
-        std::max<int64_t>(1, (c.max_lookup_rows + kLookupRowsPerSplit - 1) / kLookupRowsPerSplit);
+        std::max<int64_t>(1, (c.max_lookup_rows + rows_per_split - 1) / rows_per_split);
     plan.lookup_splits = int32_t(std::min<int64_t>(by_rows, kMaxLookupSplits));
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;

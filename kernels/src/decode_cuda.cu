@@ -94,6 +94,19 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   const WorkspaceLayout L = LayoutWorkspace(c, plan);
   char* ws = static_cast<char*>(workspace);
 
+  // Programmatic dependent launch of the main kernel after the parent pass (off with
+  // ASMEM_DECODE_NO_PDL=1) and lookup CTAs per (KV head, chunk) (ASMEM_DECODE_LOOKUP_REPS,
+  // default kLookupReps): for comparison and tuning.
+  static const bool no_pdl = [] {
+    const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
+    return e != nullptr && e[0] == '1';
+  }();
+  static const int lookup_reps = [] {
+    const char* e = std::getenv("ASMEM_DECODE_LOOKUP_REPS");
+    const int r = e != nullptr ? std::atoi(e) : 0;
+    return r >= 1 ? r : int(kLookupReps);
+  }();
+
   LaunchArgs a;
   a.p = p;
   a.batch = p.batch;
@@ -110,22 +123,17 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.lookup_part = reinterpret_cast<LookupPartial*>(ws + L.lookup_part);
   a.lookup = p.dict_ids != nullptr;
+  a.fast_lookup = c.fast_lookup;
+  a.attn_first = c.attention_first;
   if (a.lookup) {
     a.lookup_keys = reinterpret_cast<float*>(ws + L.lookup_keys);
     a.whitened = c.whitening ? a.lookup_keys : nullptr;
     a.probe = reinterpret_cast<uint32_t*>(ws + L.probe);
     a.probe_mode = reinterpret_cast<int32_t*>(ws + L.probe_mode);
-    a.lookup_reps = std::min(p.batch, kLookupReps);
+    a.lookup_reps = std::min(p.batch, lookup_reps);
     a.n_lookup_ctas = c.num_kv_heads * plan.lookup_splits * a.lookup_reps;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
-  // Programmatic dependent launch of the main kernel after the parent pass (off with
-  // ASMEM_DECODE_NO_PDL=1, for comparison).
-  static const bool no_pdl = [] {
-    const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
-    return e != nullptr && e[0] == '1';
-  }();
-
   DispatchDecode(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

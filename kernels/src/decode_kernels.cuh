@@ -4,13 +4,18 @@
 //  * [whitening] (config.whitening): W (x - mean) of every (request, KV head) whose view
 //    has whitening, into the workspace's lookup keys.
 //  * parent pass (dictionaries only), one CTA per (request, KV head): prepares the lookup
-//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits.
+//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits. With
+//    config.fast_lookup it returns at once for "fast" views (FastView: bf16 keys and
+//    queries, no whitening, C1 <= 256), whose lookup CTAs do all of it themselves.
 //  * main kernel, two CTA roles (4 warps each), launched with programmatic dependent launch
 //    after the parent pass so the attention CTAs start at once:
-//    - lookup CTAs (rep, KV head, chunk): wait for the parent pass, then scan the chunk's
-//      key rows once for all requests that share a dictionary, on tensor cores (bf16 keys:
-//      mma.sync with the request keys split into exact bf16 terms; f16/f32 keys: fp32 CUDA
-//      cores); write each request's best (score, index) of the chunk.
+//    - lookup CTAs (rep, KV head, chunk): scan the chunk's key rows once for all requests
+//      that share a dictionary, on tensor cores (bf16 keys: mma.sync with the request keys
+//      split into exact bf16 terms; f16/f32 keys: fp32 CUDA cores); write each request's
+//      best (score, index) of the chunk. Fast views (config.fast_lookup): the keys come
+//      from q_pre and every chunk CTA scores the C1 parents for its requests (tensor
+//      cores, L2-resident) and ranks them itself, so nothing waits for the parent pass;
+//      other views wait for it. Measured slower (B=32 hier 119 vs 102 us): off by default.
 //    - attention CTAs (request, KV head, KV split): K/V tiles through a 3-stage cp.async
 //      pipeline, Q K^T and P V on tensor cores for all G heads of the group, fp32 online
 //      softmax; write the split's normalized state (o, lse) to the workspace.
@@ -28,6 +33,9 @@
 //    + attention main kernel 83 us, combine 6-9 us. Next steps: fewer dependent round
 //    trips in the parent pass and the lookup CTA prologue, deeper lookup pipelines, and
 //    lookup work spread over the attention CTAs so it stops holding SM slots.
+//  * Lookups without the parent pass (fast_lookup) did not help: B=1 stays at 53 us and the
+//    lookups alone at 50 us; each dependent step of a lookup CTA costs 2-3 us, and a lookup
+//    CTA keeps only two 16 KB stages in flight (decode_h200_diagnostics.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -276,6 +284,28 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
          ((v.whitening == nullptr) == (v.whitening_mean == nullptr));
 }
 
+// Views whose lookup runs wholly inside the lookup CTAs when config.fast_lookup is set:
+// bf16 keys, bf16 queries (the lookup key is q_pre itself, one exact bf16 term), no
+// whitening, at most kMaxChunkParents parents, and the members' parent scores [MB][C1 | 1]
+// fit in the query area next to the keys. The parent pass skips them and their lookup CTAs
+// do not wait for it.
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ bool FastView(const DictLayerView& v) {
+  using L = LookupTile<KEY_DIM>;
+  if constexpr (!std::is_same<DType, __nv_bfloat16>::value) {
+    return false;
+  } else {
+    constexpr int kFit = L::kQueryBytes / (16 * KEY_DIM * 2);  // 16-member blocks that fit
+    constexpr int kMB = 16 * (kFit < 2 ? kFit : 2);           // as LookupBlock's MB
+    if (kMB == 0 || !ViewUsable(v) || v.keys_dtype != KernelDType::kBF16 ||
+        v.whitening != nullptr || v.C1 > L::kMaxChunkParents) {
+      return false;
+    }
+    const int64_t ld = v.C1 | 1;
+    return int64_t(kMB) * KEY_DIM * 2 + int64_t(kMB) * ld * 4 <= L::kQueryBytes;
+  }
+}
+
 // The lookup key of (b, h) into q (shared): whitened W (x - mean) when the view has
 // whitening (from the whitening launch when there was one). xm: [KEY_DIM] scratch.
 // Ends with a barrier.
@@ -397,6 +427,7 @@ __global__ void __launch_bounds__(kThreads) DecodeParentsKernel(const LaunchArgs
   if (id < 0 || id >= p.num_dicts) return;  // none; a bad id is flagged by the combine
   const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
   if (!ViewUsable(v)) return;  // the lookup CTAs write the empty result, the combine flags it
+  if (a.fast_lookup && FastView<DType, KEY_DIM>(v)) return;  // the lookup CTAs do it all
   PrepareKey<DType, KEY_DIM>(a, v, b, h, q, xm);
   const int64_t bh = int64_t(b) * a.hkv + h;
   if (!(v.whitening && a.whitened)) {  // (the whitening launch wrote whitened keys there)
@@ -452,6 +483,8 @@ struct LookupSmem {
   uint32_t* pw;     // [32][kPw] the members' probe words covering the pass
   int32_t* plist;   // [kMaxChunkParents + 1] probed parents with children (pass-relative)
   int32_t* pstart;  // [kMaxChunkParents + 1] exclusive prefix of their child counts
+  int32_t* prow;    // [kMaxChunkParents + 1] their first child row
+  int32_t* offs;    // [kMaxChunkParents + 1] child offsets (in-CTA parent selection)
   int32_t* srow;    // [kStages][kRows] key row of each stage row
   uint32_t* spm;    // [kStages][kRows] members that score it (0: padding)
   int32_t* mem;     // [32] member requests of the current block
@@ -472,6 +505,10 @@ struct LookupSmem {
     t += 4 * (L::kMaxChunkParents + 1);
     pstart = reinterpret_cast<int32_t*>(t);
     t += 4 * (L::kMaxChunkParents + 1);
+    prow = reinterpret_cast<int32_t*>(t);
+    t += 4 * (L::kMaxChunkParents + 1);
+    offs = reinterpret_cast<int32_t*>(t);
+    t += 4 * (L::kMaxChunkParents + 1);
     srow = reinterpret_cast<int32_t*>(t);
     t += 4 * L::kStages * L::kRows;
     spm = reinterpret_cast<uint32_t*>(t);
@@ -491,11 +528,13 @@ struct LookupSmem {
 // keys in shared memory with mma.sync (A = 16 members x 16 dims per term, B = 8 rows x 16
 // dims), through a kStages-deep cp.async pipeline of 32-row x kCols stages; warp w scores
 // stage rows 8w..8w+7. Keeps each lane's best (score, row) of members mt*16 + g (best[mt][0])
-// and mt*16 + g + 8 (best[mt][1]) over rows the member scores.
+// and mt*16 + g + 8 (best[mt][1]) over rows the member scores. With `scores` set, member i's
+// score of row r goes to scores[i * ld + r] instead (rows with a non-zero member mask).
 template <int KEY_DIM, typename RowFn>
 __device__ __forceinline__ void LookupScan(const __nv_bfloat16* __restrict__ keys, int64_t N,
                                            RowFn row_of, int nmt, int terms, int term_bytes,
-                                           const LookupSmem<KEY_DIM>& sm, Best (&best)[2][2]) {
+                                           const LookupSmem<KEY_DIM>& sm, Best (&best)[2][2],
+                                           float* scores = nullptr, int ld = 0) {
   using L = LookupTile<KEY_DIM>;
   constexpr int kNKC = KEY_DIM / L::kCols;   // stages per 32-row tile
   constexpr int kRC = L::kCols / 8;          // 16-byte chunks per stage row
@@ -586,6 +625,13 @@ __device__ __forceinline__ void LookupScan(const __nv_bfloat16* __restrict__ key
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const int i0 = mt * 16 + g, i1 = i0 + 8;
+          if (scores != nullptr) {
+            if (mt < nmt && pmr != 0u) {
+              scores[i0 * ld + row] = acc[mt][c];
+              scores[i1 * ld + row] = acc[mt][2 + c];
+            }
+            continue;
+          }
           if (((pmr >> i0) & 1u) && Beats(acc[mt][c], row, best[mt][0].score, best[mt][0].index)) {
             best[mt][0] = {acc[mt][c], row};
           }
@@ -605,12 +651,17 @@ __device__ __forceinline__ void LookupScan(const __nv_bfloat16* __restrict__ key
   __syncthreads();  // the stages and tables are reused by the next scan
 }
 
-// Members sm.mem[0, n) of one dictionary (view v), bf16 keys: tensor-core scan.
+// Members sm.mem[0, n) of one dictionary (view v), bf16 keys: tensor-core scan. `fast`
+// (FastView): the member keys come from q_pre and a hierarchical view's probed parents are
+// selected here (every chunk CTA scores all C1 parents for its members, on tensor cores);
+// otherwise from the parent pass (lookup_keys, probe bits, probe_mode).
 template <typename DType, int KEY_DIM>
 __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& sm,
-                                const DictLayerView& v, int n, int MB, int terms, int h, int s) {
+                                const DictLayerView& v, int n, int MB, int terms, int h, int s,
+                                bool fast) {
   using L = LookupTile<KEY_DIM>;
   constexpr int kQRC = KEY_DIM / 8;
+  const DecodeParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int S = a.lookup_splits;
@@ -626,7 +677,15 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
     for (int u = 0; u < kFill; ++u) {
       const int c = c0 + u * kThreads;
       const int i = c / kQRC, ch = c % kQRC;
-      if (c < n_chunks && i < n) {
+      if (c < n_chunks && i < n && fast) {
+        const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
+        const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
+                           int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
+        float f[8];
+        Pack<DType>::ToFloat(__ldg(reinterpret_cast<const uint4*>(src)), f);
+        xv[u][0] = make_float4(f[0], f[1], f[2], f[3]);
+        xv[u][1] = make_float4(f[4], f[5], f[6], f[7]);
+      } else if (c < n_chunks && i < n) {
         const float4* src = reinterpret_cast<const float4*>(
             a.lookup_keys + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
         xv[u][0] = __ldcg(src);
@@ -657,7 +716,51 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
       }
     }
   }
-  if (warp == 0) {  // members scanned over the chunk's rows [K s/S, K (s+1)/S)
+  const __nv_bfloat16* keys = static_cast<const __nv_bfloat16*>(v.keys);
+  const int32_t* off = v.child_offsets;
+  const int C1 = int(v.C1);
+  const int m = C1 > 0 ? min(v.top_m, C1) : 0;
+  const int ld = C1 | 1;                                       // odd: conflict-free rows
+  float* psc = reinterpret_cast<float*>(sm.q + terms * term_bytes);  // fast: [MB][ld] scores
+  Best best[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) best[mt][0] = best[mt][1] = Best{-INFINITY, -1};
+  if (fast) {
+    if (tid == 0) sm.misc[4] = C1 > 0 ? 0 : int32_t(n == 32 ? 0xffffffffu : (1u << n) - 1);
+    if (C1 > 0) {
+      for (int i = tid; i <= C1; i += kThreads) sm.offs[i] = __ldg(off + i);
+    }
+    __syncthreads();  // member keys, offsets
+    if (C1 > 0) {
+      // Every member's score of every parent (ends with a barrier).
+      LookupScan<KEY_DIM>(
+          static_cast<const __nv_bfloat16*>(v.parent_keys), C1,
+          [&](int64_t vr, int64_t& row, uint32_t& pmr) {
+            row = vr;
+            pmr = 0xffffffffu;
+          },
+          nmt, terms, term_bytes, sm, best, psc, ld);
+      // Member i scans all K (linear) iff none of its probed parents has children, i.e. its
+      // best parent with children (score desc, index asc) is not among its top m.
+      for (int i = warp; i < n; i += kWarps) {
+        const float* si = psc + i * ld;
+        Best bc{-INFINITY, -1};
+        for (int k = lane; k < C1; k += 32) {
+          if (sm.offs[k + 1] > sm.offs[k] && Beats(si[k], k, bc.score, bc.index)) bc = {si[k], k};
+        }
+        WarpArgmax(bc);
+        int cnt = 0;
+        if (bc.index >= 0) {
+          for (int k = lane; k < C1; k += 32) cnt += Beats(si[k], k, bc.score, bc.index) ? 1 : 0;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        if (lane == 0 && (bc.index < 0 || cnt >= m)) {
+          atomicOr(reinterpret_cast<unsigned*>(sm.misc + 4), 1u << i);
+        }
+      }
+    }
+  } else if (warp == 0) {  // members scanned over the chunk's rows [K s/S, K (s+1)/S)
     const bool is_lin =
         lane < n && (v.C1 == 0 || __ldcg(a.probe_mode + int64_t(sm.mem[lane]) * a.hkv + h) != 1);
     const unsigned lin = __ballot_sync(0xffffffffu, is_lin);
@@ -665,36 +768,55 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
   }
   __syncthreads();
   const uint32_t lin = uint32_t(sm.misc[4]);
-  const __nv_bfloat16* keys = static_cast<const __nv_bfloat16*>(v.keys);
-  Best best[2][2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) best[mt][0] = best[mt][1] = Best{-INFINITY, -1};
 
   if (v.C1 > 0 && lin != (n == 32 ? 0xffffffffu : (1u << n) - 1)) {
-    const int32_t* off = v.child_offsets;
     const int64_t p0 = v.C1 * s / S, p1 = v.C1 * (s + 1) / S;
     for (int64_t sub = p0; sub < p1; sub += L::kMaxChunkParents) {
       const int np = int(min(p1 - sub, int64_t(L::kMaxChunkParents)));
-      const int w0 = int(sub >> 5), nw = int((sub + np - 1) >> 5) - w0 + 1;  // <= kPw
-      for (int e = tid; e < n * nw; e += kThreads) {  // the members' probe words of the pass
-        const int i = e / nw, w = e % nw;
-        const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
-        sm.pw[i * L::kPw + w] = ((lin >> i) & 1u) ? 0u : __ldcg(a.probe + bh * kProbeWords + w0 + w);
+      if (fast) {  // members (not linear) whose rank of parent sub + j is below m
+        for (int j = warp; j < np; j += kWarps) {
+          const int pj = int(sub) + j;
+          bool probed = false;
+          if (lane < n && !((lin >> lane) & 1u)) {
+            const float* si = psc + lane * ld;
+            const float sp = si[pj];
+            int rank = 0;
+            if (m < C1) {
+              for (int k = 0; k < C1; ++k) {
+                const float sk = si[k];
+                rank += (sk > sp || (sk == sp && k < pj)) ? 1 : 0;
+              }
+            }
+            probed = rank < m;
+          }
+          const unsigned bits = __ballot_sync(0xffffffffu, probed);
+          if (lane == 0) sm.pm[j] = bits;
+        }
+      } else {
+        const int w0 = int(sub >> 5), nw = int((sub + np - 1) >> 5) - w0 + 1;  // <= kPw
+        for (int e = tid; e < n * nw; e += kThreads) {  // the members' probe words of the pass
+          const int i = e / nw, w = e % nw;
+          const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
+          sm.pw[i * L::kPw + w] = ((lin >> i) & 1u) ? 0u : __ldcg(a.probe + bh * kProbeWords + w0 + w);
+        }
+        __syncthreads();
+        for (int j = tid; j < np; j += kThreads) {
+          const int rel = int(sub + j) - 32 * w0;  // bit of parent sub + j in the staged words
+          uint32_t bits = 0;
+          for (int i = 0; i < n; ++i) bits |= ((sm.pw[i * L::kPw + (rel >> 5)] >> (rel & 31)) & 1u) << i;
+          sm.pm[j] = bits;
+        }
       }
       __syncthreads();
-      for (int j = tid; j < np; j += kThreads) {
-        const int rel = int(sub + j) - 32 * w0;  // bit of parent sub + j in the staged words
-        uint32_t bits = 0;
-        for (int i = 0; i < n; ++i) bits |= ((sm.pw[i * L::kPw + (rel >> 5)] >> (rel & 31)) & 1u) << i;
-        sm.pm[j] = bits;
-      }
-      __syncthreads();
-      if (warp == 0) {  // probed parents with children, and where their rows start
+      if (warp == 0) {  // probed parents with children, where their rows start (row and rank)
         int32_t carry = 0, taken = 0;
         for (int base = 0; base < np; base += 32) {
           const int j = base + lane;
-          int32_t cnt = 0;
-          if (j < np && sm.pm[j] != 0) cnt = __ldg(off + sub + j + 1) - __ldg(off + sub + j);
+          int32_t cnt = 0, first = 0;
+          if (j < np && sm.pm[j] != 0) {
+            first = fast ? sm.offs[sub + j] : __ldg(off + sub + j);
+            cnt = (fast ? sm.offs[sub + j + 1] : __ldg(off + sub + j + 1)) - first;
+          }
           const bool take = cnt > 0;
           const unsigned bal = __ballot_sync(0xffffffffu, take);
           const int rank = __popc(bal & ((1u << lane) - 1u));
@@ -707,6 +829,7 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
           if (take) {
             sm.plist[taken + rank] = j;
             sm.pstart[taken + rank] = carry + incl - cnt;
+            sm.prow[taken + rank] = first;
           }
           carry += __shfl_sync(0xffffffffu, incl, 31);
           taken += __popc(bal);
@@ -728,9 +851,8 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
                 const int mid = (lo + hi) >> 1;
                 if (sm.pstart[mid] <= vr) lo = mid; else hi = mid;
               }
-              const int j = sm.plist[lo];
-              row = int64_t(__ldg(off + sub + j)) + (vr - sm.pstart[lo]);
-              pmr = sm.pm[j];
+              row = int64_t(sm.prow[lo]) + (vr - sm.pstart[lo]);
+              pmr = sm.pm[sm.plist[lo]];
             },
             nmt, terms, term_bytes, sm, best);
       } else {
@@ -837,21 +959,22 @@ __device__ void LookupBlock(const LaunchArgs& a, int cta, char* smem) {
   const int n_cache = min(a.batch, L::kIdCache);
   for (int i = tid; i < n_cache; i += kThreads) sm.ids[i] = p.dict_ids[i];
   __syncthreads();
-  // Lookup CTA 0 always waits for the parent pass, so the main kernel never completes
-  // before it (the combine and the next step rely on stream order).
-  bool waited = cta == 0;
-  if (waited) GridDependencyWait();
+  // Lookup CTA 0 always waits for the parent pass (at the end at the latest), so the main
+  // kernel never completes before it (the combine and the next step rely on stream order).
+  bool waited = false;
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
     bool dup = false;  // not the dictionary's first request
     for (int bb = tid; bb < b0; bb += kThreads) dup |= sm.IdOf(p, bb) == id;
     if (__syncthreads_or(dup)) continue;
-    if (!waited) {
+    // The views are inputs (not written by the parent pass): read before waiting for it.
+    const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
+    const bool fast = a.fast_lookup && FastView<DType, KEY_DIM>(v);
+    if (!fast && !waited) {
       GridDependencyWait();  // lookup_keys / probe bits of the parent pass
       waited = true;
     }
-    const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     const bool usable = ViewUsable(v);
     const int terms = (v.whitening != nullptr || !std::is_same<DType, __nv_bfloat16>::value) ? 3 : 1;
     int MB = 16 * min(2, L::kQueryBytes / (16 * KEY_DIM * terms * 2));
@@ -892,13 +1015,14 @@ __device__ void LookupBlock(const LaunchArgs& a, int cta, char* smem) {
           a.lookup_part[(int64_t(sm.mem[i]) * a.hkv + h) * S + s] = {-INFINITY, -1};
         }
       } else if (tc) {
-        LookupMembersTc<DType, KEY_DIM>(a, sm, v, n, MB, terms, h, s);
+        LookupMembersTc<DType, KEY_DIM>(a, sm, v, n, MB, terms, h, s, fast);
       } else {
         LookupMembersCc<KEY_DIM>(a, sm, v, n, h, s);
       }
       __syncthreads();  // mem / misc are rewritten for the next block
     }
   }
+  if (cta == 0 && !waited) GridDependencyWait();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1128,6 +1252,14 @@ __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs
   extern __shared__ float4 decode_smem[];
   char* smem = reinterpret_cast<char*>(decode_smem);
   const int cta = int(blockIdx.x);
+  if (a.attn_first) {
+    if (cta < a.n_attn_ctas) {
+      AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta, smem);
+    } else {
+      LookupBlock<DType, HEAD_DIM * GROUP>(a, cta - a.n_attn_ctas, smem);
+    }
+    return;
+  }
   const int n_rep0 = a.n_lookup_ctas > 0 ? a.hkv * a.lookup_splits : 0;
   if (cta < n_rep0) {
     LookupBlock<DType, HEAD_DIM * GROUP>(a, cta, smem);

@@ -34,6 +34,9 @@ struct LaunchArgs {
   uint32_t* probe = nullptr; // workspace: [B, Hkv, kProbeWords] probed-parent bits
   int32_t* probe_mode = nullptr;  // workspace: [B, Hkv] 1: probe bits, 2: scan all K
   bool lookup = false;       // dict_ids given: the parent pass and lookup CTAs run
+  bool fast_lookup = false;  // DecodeConfig::fast_lookup: FastView dictionaries skip the
+                             // parent pass
+  bool attn_first = false;   // DecodeConfig::attention_first: attention CTAs, then lookups
   int32_t n_lookup_ctas = 0; // Hkv * lookup_splits * lookup_reps, or 0 when no lookup runs
   int32_t n_attn_ctas = 0;   // B * Hkv * kv_splits
 };
@@ -48,7 +51,8 @@ struct AttnTile {
 };
 
 // Lookup CTA shared memory (tensor-core scan of a dictionary chunk for up to 32 requests):
-// the requests' keys as bf16 split terms (kQueryBytes), kStages stages of kRows key rows x
+// the requests' keys as bf16 split terms (kQueryBytes; with one term the rest holds the
+// members' parent scores of the in-CTA parent selection), kStages stages of kRows key rows x
 // kCols columns, and small tables (kTableBytes).
 template <int KEY_DIM>
 struct LookupTile {
@@ -62,12 +66,12 @@ struct LookupTile {
   static constexpr int kRows = 32;               // key rows per stage (8 per warp)
   static constexpr int kStages = 3;
   static constexpr int kStageBytes = kRows * kCols * 2;
-  static constexpr int kQueryBytes = 48 * 1024;
+  static constexpr int kQueryBytes = 49 * 1024;
   static constexpr int kMaxChunkParents = 256;   // parents per pass over a chunk
   static constexpr int kPw = kMaxChunkParents / 32 + 1;  // probe words per member and pass
   static constexpr int kIdCache = 512;           // dict ids cached in shared memory
   static constexpr int kTableBytes =
-      4 * (kMaxChunkParents + 32 * kPw + 2 * (kMaxChunkParents + 1) + 2 * kStages * kRows + 32 +
+      4 * (kMaxChunkParents + 32 * kPw + 4 * (kMaxChunkParents + 1) + 2 * kStages * kRows + 32 +
            kIdCache + 8) +
       8 * kWarps * 32;
   static constexpr size_t kBytes = size_t(kQueryBytes) + size_t(kStages) * kStageBytes + kTableBytes;

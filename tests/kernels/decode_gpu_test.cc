@@ -224,6 +224,16 @@ void CheckAgainstReference(Problem& pb, const DecodeConfig& config, const char* 
   (void)G;
 }
 
+// The same config with every lookup tuning knob away from its default: in-CTA lookup
+// (fast_lookup), attention CTAs first, 32-row lookup chunks. Results must not change.
+DecodeConfig Tuned(const DecodeConfig& c) {
+  DecodeConfig t = c;
+  t.fast_lookup = !c.fast_lookup;
+  t.attention_first = !c.attention_first;
+  t.lookup_rows_per_split = 32;
+  return t;
+}
+
 CaseSpec SweepCase(KernelDType dt, int d, int G) {
   CaseSpec s;
   s.dtype = dt;
@@ -255,6 +265,7 @@ TEST(DecodeGpu, SweepMatchesCpuReference) {
         DecodeConfig one_split = pb.config;
         one_split.max_seq_len = 1;
         CheckAgainstReference(pb, one_split, "one split");
+        CheckAgainstReference(pb, Tuned(pb.config), "tuned lookup");
       }
     }
   }
@@ -302,6 +313,7 @@ TEST(DecodeGpu, HierarchicalAllParentsEqualsLinear) {
     BuildProblem(s, seed + K, &pb);
     pb.config.max_lookup_rows = K + C1;
     CheckAgainstReference(pb, pb.config, "hierarchical");
+    CheckAgainstReference(pb, Tuned(pb.config), "hierarchical, tuned lookup");
     DeviceProblem hier;
     hier.Upload(pb, pb.config);
     hier.Poison(nullptr);
@@ -339,11 +351,13 @@ TEST(DecodeGpu, HierarchicalPartialProbeAndChildlessFallback) {
   Problem pb;
   BuildProblem(s, seed, &pb);
   CheckAgainstReference(pb, pb.config, "top_m=3");
+  CheckAgainstReference(pb, Tuned(pb.config), "top_m=3, tuned lookup");
   // Make parent 1 (childless) the best parent of request 0 and probe only it.
   s.dicts[0].top_m = 1;
   BuildProblem(s, seed, &pb);
   for (int64_t j = 0; j < 4 * 64; ++j) pb.dicts[0].parent_keys[0].set(64 * 4 + j, pb.q_pre.get(j));
   CheckAgainstReference(pb, pb.config, "childless");
+  CheckAgainstReference(pb, Tuned(pb.config), "childless, tuned lookup");
 }
 
 TEST(DecodeGpu, WhiteningPassAndInCtaFallbackAgree) {

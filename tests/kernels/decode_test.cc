@@ -494,6 +494,9 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   bad = c;
   bad.whitening = true;  // without use_dictionaries
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  bad = c;
+  bad.lookup_rows_per_split = -1;
+  EXPECT_THROW(PlanDecode(bad), InvalidArgument);
 }
 
 // The plan: a pure function of the config; splits fill the GPU for small batches and stay
@@ -523,6 +526,10 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   EXPECT_GE(pd.lookup_splits, 1);
   EXPECT_GT(pd.workspace_bytes, 0u);
   EXPECT_EQ(DecodeWorkspaceBytes(c), pd.workspace_bytes);
+  c.lookup_rows_per_split = 32;  // smaller lookup chunks: more of them (up to the cap)
+  EXPECT_GE(PlanDecode(c).lookup_splits, pd.lookup_splits);
+  c.max_lookup_rows = 1000;
+  EXPECT_EQ(PlanDecode(c).lookup_splits, 32);  // ceil(1000 / 32)
 }
 
 TEST(DecodeCpu, BadArgumentsThrow) {

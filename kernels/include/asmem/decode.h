@@ -55,9 +55,11 @@
 // copies: capturable in a CUDA graph (replays may change every device value, including
 // seq_lens, block tables and dict_ids, but not the host-side config or params). The split
 // plan depends only on the config (not on the device), so a captured step is valid on any
-// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents),
-// main (lookup CTAs + split-KV attention CTAs; launched with programmatic dependent launch
-// after the parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
+// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents;
+// with config.fast_lookup a no-op for bf16 dictionaries without whitening of up to 256
+// parents with bf16 queries, whose lookup CTAs select the parents themselves), main (lookup
+// CTAs + split-KV attention CTAs; launched with programmatic dependent launch after the
+// parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
 // requests that share a dictionary at once (f16 / f32 keys: CUDA cores, per request).
 #pragma once
 
@@ -122,6 +124,16 @@ struct DecodeConfig {
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM).
                              // A tuning knob; like every field it only changes the plan.
+  // Lookup tuning knobs (only speed changes, never a result):
+  bool fast_lookup = false;  // views that allow it (bf16 keys and q_pre, no whitening,
+                             // C1 <= 256) are looked up wholly inside the lookup CTAs: the
+                             // keys read from q_pre, every chunk CTA scoring and ranking the
+                             // C1 parents itself, nothing waiting for the parent pass. Off:
+                             // slower on the H200 at B >= 8 (decode_h200_diagnostics.md).
+  bool attention_first = false;    // main grid order: the attention CTAs ahead of the
+                                   // lookup CTAs (default: the first dictionary's lookups
+                                   // first)
+  int32_t lookup_rows_per_split = 0;  // scanned rows per lookup chunk; 0: the default (64)
 };
 
 // Per-step arguments. Pointers: see the contract at the top of this file.
