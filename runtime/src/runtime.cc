@@ -89,6 +89,17 @@ int64_t LookupRows(const DictLayerView& v) {
   }
 }
 
+// The caller's KV strides, or (`hnd`: none given) those of the HND layout for `c`.
+void SetKvStrides(const DecodeConfig& c, const DecodeArgs& a, bool hnd, DecodeParams* p) {
+  if (hnd) {
+    DecodeKvStrides(c, p);
+  } else {
+    p->kv_stride_page = a.kv_stride_page;
+    p->kv_stride_head = a.kv_stride_head;
+    p->kv_stride_token = a.kv_stride_token;
+  }
+}
+
 }  // namespace
 
 std::string Device::str() const {
@@ -541,13 +552,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
 
   if (!s.cuda) {
     const DecodeConfig c = s.config(step, 0, false);
-    if (n_kv == 0) {
-      DecodeKvStrides(c, &p);
-    } else {
-      p.kv_stride_page = a.kv_stride_page;
-      p.kv_stride_head = a.kv_stride_head;
-      p.kv_stride_token = a.kv_stride_token;
-    }
+    SetKvStrides(c, a, n_kv == 0, &p);
     // The snapshot keeps every dictionary this call may read mapped until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
     if (a.dict_ids) {
@@ -570,13 +575,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   }
 
   const DecodeConfig c = s.config(step, s.plan_rows.load(), s.plan_whitening.load());
-  if (n_kv == 0) {
-    DecodeKvStrides(c, &p);
-  } else {
-    p.kv_stride_page = a.kv_stride_page;
-    p.kv_stride_head = a.kv_stride_head;
-    p.kv_stride_token = a.kv_stride_token;
-  }
+  SetKvStrides(c, a, n_kv == 0, &p);
   if (a.dict_ids) {
     p.dict_ids = a.dict_ids;
     p.num_dicts = s.max_dicts;

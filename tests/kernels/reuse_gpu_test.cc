@@ -24,6 +24,7 @@ namespace {
 
 using test::MacCase;
 using test::MacSeqStats;
+using test::MakeMac;
 
 struct Counts {
   int64_t sequences = 0, steps = 0, decisions = 0, hits = 0, ties = 0, mixed = 0, mismatches = 0;
@@ -204,16 +205,6 @@ class CudaMac : public test::MacDevice {
   MacLayerState state_;
 };
 
-MacConfig Mac(int32_t W, int32_t r, int32_t F, int32_t min_ctx, float tau = 0.45f) {
-  MacConfig m;
-  m.window = W;
-  m.band = r;
-  m.front_sink = F;
-  m.min_context = min_ctx;
-  m.tau = tau;
-  return m;
-}
-
 void Record(const MacSeqStats& st) {
   ++g_counts.sequences;
   g_counts.steps += st.steps;
@@ -225,66 +216,26 @@ void Record(const MacSeqStats& st) {
   g_counts.max_rel_l2 = std::max(g_counts.max_rel_l2, st.max_dev_rel_l2);
 }
 
-// The CPU test's sweep plus larger shapes (LLaMA-8B and GQA-8 heads, long prompts).
+// Runs `c` through the CUDA op (captured in a graph with `graph`), records its counts and
+// checks that every decision matched the reference and that some heads hit.
+MacSeqStats RunOnGpu(const MacCase& c, uint64_t seed, bool graph = false) {
+  CudaMac dev(graph);
+  const MacSeqStats st = test::RunMacSequence(c, seed, &dev);
+  Record(st);
+  EXPECT_EQ(st.dev_hit_mismatch, 0) << c.name;
+  EXPECT_GT(st.hits, 0) << c.name;
+  return st;
+}
+
+// The common sweep plus larger shapes (LLaMA-8B and GQA-8 heads, long prompts).
 std::vector<MacCase> GpuCases() {
-  std::vector<MacCase> v;
+  std::vector<MacCase> v = test::CommonMacCases();
   MacCase c;
-  c.name = "base";
-  c.mac = Mac(16, 8, 0, 0);
-  c.T0 = {40, 5, 100};
-  c.steps = 70;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g3-f16-d128-short-contexts-sink";
-  c.Hq = 6;
-  c.Hkv = 2;
-  c.d = 128;
-  c.dtype = KernelDType::kF16;
-  c.mac = Mac(33, 40, 4, 10);
-  c.T0 = {3, 20};
-  c.fill = {1, 0};
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g8-clustered-sink";
-  c.Hq = 16;
-  c.Hkv = 2;
-  c.mac = Mac(24, 16, 2, 0);
-  c.T0 = {50, 150};
-  c.clustered = true;
-  c.p_hit = 0.6;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g1-page1-tiny-window";
-  c.Hq = 3;
-  c.Hkv = 3;
-  c.page_size = 1;
-  c.mac = Mac(7, 1, 0, 0);
-  c.T0 = {12};
-  c.steps = 80;
-  c.p_exact = 0.3;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "nhd-prefix-sink-longer-than-context";
-  c.Hq = 8;
-  c.Hkv = 4;
-  c.page_size = 8;
-  c.nhd = true;
-  c.mac = Mac(20, 6, 10, 0);
-  c.T0 = {6, 30, 9};
-  c.with_prefix = true;
-  c.sm_scale = 0.2f;
-  v.push_back(c);
-
-  c = MacCase{};
   c.name = "llama8b-heads-bf16";
   c.Hq = 32;
   c.Hkv = 8;
   c.d = 128;
-  c.mac = Mac(40, 32, 4, 0);
+  c.mac = MakeMac(40, 32, 4, 0);
   c.T0 = {500, 1100, 90};
   c.p_hit = 0.85;
   v.push_back(c);
@@ -295,7 +246,7 @@ std::vector<MacCase> GpuCases() {
   c.Hkv = 4;
   c.d = 128;
   c.dtype = KernelDType::kF16;
-  c.mac = Mac(48, 64, 0, 0);
+  c.mac = MakeMac(48, 64, 0, 0);
   c.T0 = {800, 300};
   c.clustered = true;
   c.with_prefix = true;
@@ -307,7 +258,7 @@ std::vector<MacCase> GpuCases() {
   c.Hkv = 2;
   c.d = 64;
   c.page_size = 32;
-  c.mac = Mac(40, 20, 8, 0);
+  c.mac = MakeMac(40, 20, 8, 0);
   c.T0 = {2000};
   c.p_hit = 0.9;
   v.push_back(c);
@@ -317,7 +268,7 @@ std::vector<MacCase> GpuCases() {
   c.Hq = 12;
   c.Hkv = 2;
   c.d = 128;
-  c.mac = Mac(30, 10, 0, 400);
+  c.mac = MakeMac(30, 10, 0, 400);
   c.T0 = {380, 200};
   v.push_back(c);
   c.name = "g7";
@@ -344,11 +295,7 @@ TEST(MacGpu, ChainedSequencesMatchReferenceAndOracle) {
   SCOPED_TRACE(test::seed_trace(seed));
   int i = 0;
   for (const MacCase& c : GpuCases()) {
-    CudaMac dev(false);
-    const MacSeqStats st = test::RunMacSequence(c, seed + 31 * i++, &dev);
-    Record(st);
-    EXPECT_EQ(st.dev_hit_mismatch, 0) << c.name;
-    EXPECT_GT(st.hits, 0) << c.name;
+    RunOnGpu(c, seed + 31 * i++);
     if (HasFailure()) break;
   }
 }
@@ -364,18 +311,14 @@ TEST(MacGpu, CapturedGraphReplaysWithEpochsAndReady) {
   c.Hq = 8;
   c.Hkv = 2;
   c.d = 128;
-  c.mac = Mac(32, 12, 1, 0);
+  c.mac = MakeMac(32, 12, 1, 0);
   c.T0 = {64, 300};
   c.steps = 72;
   c.reset_step = 30;
   c.unready_from = 10;
   c.unready_to = 25;
   c.with_prefix = true;
-  CudaMac dev(true);
-  const MacSeqStats st = test::RunMacSequence(c, seed, &dev);
-  Record(st);
-  EXPECT_EQ(st.dev_hit_mismatch, 0);
-  EXPECT_GT(st.hits, 0);
+  RunOnGpu(c, seed, true);
 }
 
 // Contexts long enough that the plan's chunk size exceeds its minimum (total tokens above
@@ -389,16 +332,12 @@ TEST(MacGpu, LongContextsSplitOverManyChunks) {
   c.Hq = 16;
   c.Hkv = 8;
   c.d = 128;
-  c.mac = Mac(16, 256, 4, 2048);
+  c.mac = MakeMac(16, 256, 4, 2048);
   c.T0 = {20000, 15000};
   c.steps = 6;
   c.p_hit = 0.8;
   c.fill = {1, 0};
-  CudaMac dev(false);
-  const MacSeqStats st = test::RunMacSequence(c, seed, &dev);
-  Record(st);
-  EXPECT_EQ(st.dev_hit_mismatch, 0);
-  EXPECT_GT(st.hits, 0);
+  const MacSeqStats st = RunOnGpu(c, seed);
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
 }
 

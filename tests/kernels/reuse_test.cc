@@ -21,89 +21,20 @@ namespace {
 
 using test::MacCase;
 using test::MacSeqStats;
-
-MacConfig Mac(int32_t W, int32_t r, int32_t F, int32_t min_ctx, float tau = 0.45f) {
-  MacConfig m;
-  m.window = W;
-  m.band = r;
-  m.front_sink = F;
-  m.min_context = min_ctx;
-  m.tau = tau;
-  return m;
-}
+using test::MakeMac;
 
 // The sweep: >= 64 chained steps each, ring wrap-around (W < steps), ties (exact copies),
 // contexts shorter than r, F > 0 (also F > T), mixed and clustered groups, G 1/2/3/8,
 // d 64/128, bf16/f16, page sizes 1/8/16, both KV layouts, prefix states, epoch resets,
 // not-ready stretches, min_context gating.
 std::vector<MacCase> SweepCases() {
-  std::vector<MacCase> v;
+  std::vector<MacCase> v = test::CommonMacCases();
   MacCase c;
-  c.name = "base";
-  c.Hq = 4;
-  c.Hkv = 2;
-  c.d = 64;
-  c.mac = Mac(16, 8, 0, 0);
-  c.T0 = {40, 5, 100};
-  c.steps = 70;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g3-f16-d128-short-contexts-sink";
-  c.Hq = 6;
-  c.Hkv = 2;
-  c.d = 128;
-  c.dtype = KernelDType::kF16;
-  c.mac = Mac(33, 40, 4, 10);
-  c.T0 = {3, 20};
-  c.fill = {1, 0};
-  c.steps = 64;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g8-clustered";
-  c.Hq = 16;
-  c.Hkv = 2;
-  c.d = 64;
-  c.mac = Mac(24, 16, 2, 0);
-  c.T0 = {50, 150};
-  c.clustered = true;
-  c.p_hit = 0.6;
-  c.steps = 64;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "g1-page1-tiny-window";
-  c.Hq = 3;
-  c.Hkv = 3;
-  c.d = 64;
-  c.page_size = 1;
-  c.mac = Mac(7, 1, 0, 0);
-  c.T0 = {12};
-  c.steps = 80;
-  c.p_exact = 0.3;
-  v.push_back(c);
-
-  c = MacCase{};
-  c.name = "nhd-prefix-sink-longer-than-context";
-  c.Hq = 8;
-  c.Hkv = 4;
-  c.d = 64;
-  c.page_size = 8;
-  c.nhd = true;
-  c.mac = Mac(20, 6, 10, 0);
-  c.T0 = {6, 30, 9};
-  c.with_prefix = true;
-  c.steps = 64;
-  c.sm_scale = 0.2f;
-  v.push_back(c);
-
-  c = MacCase{};
   c.name = "epoch-reset-and-not-ready";
   c.Hq = 4;
   c.Hkv = 1;
   c.d = 128;
-  c.mac = Mac(32, 12, 1, 0);
+  c.mac = MakeMac(32, 12, 1, 0);
   c.T0 = {64, 70};
   c.steps = 72;
   c.reset_step = 30;
@@ -117,7 +48,7 @@ std::vector<MacCase> SweepCases() {
   c.Hkv = 2;
   c.d = 64;
   c.dtype = KernelDType::kF16;
-  c.mac = Mac(16, 0, 0, 60);
+  c.mac = MakeMac(16, 0, 0, 60);
   c.T0 = {28};
   c.steps = 64;
   v.push_back(c);
@@ -250,7 +181,7 @@ struct Tiny {
 
 TEST(MacCpuDecision, ThresholdIsStrict) {
   // tau 0.5, d 64: threshold 2 * 64 * 0.25 = 32; bf16 values 0.5 and 1.5 are exact.
-  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
   EXPECT_EQ(MacThreshold(mac, 64), 32.f);
   {
     Tiny t(21, mac);
@@ -265,7 +196,7 @@ TEST(MacCpuDecision, ThresholdIsStrict) {
 }
 
 TEST(MacCpuDecision, TiesGoToTheSmallerDistanceThenTheEarlierPosition) {
-  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
   {
     Tiny t(21, mac);  // candidates 12..19
     t.Put(13, 0.5f, 3);
@@ -282,7 +213,7 @@ TEST(MacCpuDecision, TiesGoToTheSmallerDistanceThenTheEarlierPosition) {
 }
 
 TEST(MacCpuDecision, OnlyTheLastWindowPositionsOfTheCurrentEpochAreCandidates) {
-  const MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+  const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
   {
     Tiny t(21, mac);  // m = 20: candidates 12..19; 12 = m - W is the oldest
     t.Put(12, 0.5f);
@@ -317,12 +248,12 @@ TEST(MacCpuDecision, OnlyTheLastWindowPositionsOfTheCurrentEpochAreCandidates) {
 
 TEST(MacCpuDecision, GatesMinContextReadyEnable) {
   for (int32_t min_ctx : {20, 21, 22}) {
-    Tiny t(21, Mac(8, 2, 0, min_ctx, 0.5f));
+    Tiny t(21, MakeMac(8, 2, 0, min_ctx, 0.5f));
     t.Put(16, 0.5f);
     EXPECT_EQ(t.Run(0.5f), min_ctx <= 21 ? 16 : -1) << "min_context " << min_ctx;
   }
   {
-    Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+    Tiny t(21, MakeMac(8, 2, 0, 0, 0.5f));
     t.Put(16, 0.5f);
     t.slots[1].ready = 0;
     EXPECT_EQ(t.Run(0.5f), -1);
@@ -335,14 +266,14 @@ TEST(MacCpuDecision, GatesMinContextReadyEnable) {
     EXPECT_EQ(t.Run(0.5f), -1);
   }
   {
-    MacConfig mac = Mac(8, 2, 0, 0, 0.5f);
+    MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
     mac.enable = false;
     Tiny t(21, mac);
     t.Put(16, 0.5f);
     EXPECT_EQ(t.Run(0.5f), -1);
   }
   {
-    Tiny t(1, Mac(8, 2, 0, 0, 0.5f));  // m = 0: no candidates
+    Tiny t(1, MakeMac(8, 2, 0, 0, 0.5f));  // m = 0: no candidates
     EXPECT_EQ(t.Run(0.5f), -1);
   }
 }
@@ -350,7 +281,7 @@ TEST(MacCpuDecision, GatesMinContextReadyEnable) {
 // The step's ring write and its output, by hand: a hit merges the stored entry with the band
 // [e(p), e(m)), the tail [e(m), m] and nothing else.
 TEST(MacCpuDecision, HitOutputAndAmendByHand) {
-  const MacConfig mac = Mac(8, 3, 0, 0, 0.5f);
+  const MacConfig mac = MakeMac(8, 3, 0, 0, 0.5f);
   Tiny t(21, mac);  // m = 20, e(m) = 18; hit p = 15: e(p) = 13, band [13, 18), tail [18, 21)
   t.Put(15, 0.5f);
   ASSERT_EQ(t.Run(0.5f), 15);
@@ -405,7 +336,7 @@ TEST(MacCpu, ConstantQueryEqualsFullAttention) {
   c.Hq = 6;
   c.Hkv = 3;
   c.d = 64;
-  c.mac = Mac(12, 5, 3, 0);
+  c.mac = MakeMac(12, 5, 3, 0);
   c.T0 = {30, 4};
   c.steps = 64;
   c.constant_q = true;
@@ -433,30 +364,8 @@ TEST(MacCpu, ConstantQueryEqualsFullAttention) {
     for (int64_t b = 0; b < B; ++b) seq[b] = c.T0[b] + k + 1;
     // q_pre: the same vector every step, so every step after the first hits its predecessor.
     for (int64_t i = 0; i < B * Hq * d; ++i) qp.set(i, 0.25f);
-    MacParams p;
-    p.batch = int32_t(B);
-    p.q = q.data();
-    p.q_stride_h = d;
-    p.q_stride_b = Hq * d;
-    p.q_pre = qp.data();
-    p.q_pre_stride_h = d;
-    p.q_pre_stride_b = Hq * d;
-    p.k_cache = pb.k_cache.data();
-    p.v_cache = pb.v_cache.data();
-    p.kv_stride_page = pb.kv_stride_page;
-    p.kv_stride_head = pb.kv_stride_head;
-    p.kv_stride_token = pb.kv_stride_token;
-    p.block_table = pb.block_table.data();
-    p.block_table_stride = pb.bt_stride;
-    p.seq_lens = seq.data();
-    p.slot_ids = pb.slot_ids.data();
-    p.slots = slots.data();
-    p.state = ring.state;
-    p.o = o.data();
-    p.o_stride_h = d;
-    p.o_stride_b = Hq * d;
-    p.lse = lse.data();
-    p.hit_pos = hit.data();
+    const MacParams p = test::ProblemStepParams(pb, q.data(), qp.data(), seq.data(), slots.data(), ring.state,
+                                                o.data(), lse.data(), hit.data());
     MacAttentionCpu(pb.config, p);
     for (int32_t x : hit) hits += x >= 0;
 
@@ -501,7 +410,7 @@ TEST(MacCpu, DisabledNeverHits) {
   SCOPED_TRACE(test::seed_trace(seed));
   MacCase c;
   c.name = "disabled";
-  c.mac = Mac(16, 4, 1, 0);
+  c.mac = MakeMac(16, 4, 1, 0);
   c.mac.enable = false;
   c.T0 = {20, 33};
   c.steps = 64;
@@ -519,7 +428,7 @@ TEST(MacCpu, FillWritesExactEntries) {
   c.Hq = 4;
   c.Hkv = 2;
   c.d = 64;
-  c.mac = Mac(8, 5, 2, 0);
+  c.mac = MakeMac(8, 5, 2, 0);
   c.T0 = {30, 3};
   c.steps = 0;
   std::mt19937_64 rng(seed);
@@ -540,29 +449,8 @@ TEST(MacCpu, FillWritesExactEntries) {
     qp.set(i, nd(rng));
   }
   std::vector<int32_t> seq = {30, 3};
-  MacFillParams f;
-  f.batch = 2;
-  f.num_positions = int32_t(N);
-  f.positions = positions.data();
-  f.q = q.data();
-  f.q_stride_h = d;
-  f.q_stride_n = Hq * d;
-  f.q_stride_b = N * Hq * d;
-  f.q_pre = qp.data();
-  f.q_pre_stride_h = d;
-  f.q_pre_stride_n = Hq * d;
-  f.q_pre_stride_b = N * Hq * d;
-  f.k_cache = pb.k_cache.data();
-  f.v_cache = pb.v_cache.data();
-  f.kv_stride_page = pb.kv_stride_page;
-  f.kv_stride_head = pb.kv_stride_head;
-  f.kv_stride_token = pb.kv_stride_token;
-  f.block_table = pb.block_table.data();
-  f.block_table_stride = pb.bt_stride;
-  f.seq_lens = seq.data();
-  f.slot_ids = pb.slot_ids.data();
-  f.slots = slots.data();
-  f.state = ring.state;
+  const MacFillParams f = test::ProblemFillParams(pb, int32_t(N), positions.data(), q.data(), qp.data(), seq.data(),
+                                                   slots.data(), ring.state);
   MacFillCpu(pb.config, f);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t n = 0; n < N; ++n) {
@@ -604,7 +492,7 @@ TEST(MacCpu, FillWritesExactEntries) {
 }
 
 TEST(MacCpu, GroupTokens) {
-  MacConfig mac = Mac(512, 256, 4, 0);
+  MacConfig mac = MakeMac(512, 256, 4, 0);
   const int32_t miss[2] = {-1, -1}, hits[2] = {9000, 9990}, mixed[2] = {9990, -1};
   EXPECT_EQ(MacGroupTokens(mac, 10000, miss, 2), 10000);
   // hit at 9000: e(p) = 8745; hit at 9990: e(p) = 9735: lo = 8745, tokens 4 + (10000 - 8745)
@@ -674,7 +562,7 @@ TEST(MacConfigCheck, SupportedSet) {
 }
 
 TEST(MacCpu, BadArgumentsThrow) {
-  Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+  Tiny t(21, MakeMac(8, 2, 0, 0, 0.5f));
   auto expect_bad = [&](auto edit, const char* what) {
     MacParams p = t.Params();
     edit(p);
@@ -726,7 +614,7 @@ TEST(MacCpu, BadArgumentsThrow) {
 }
 
 TEST(MacCpu, BadFillArgumentsThrow) {
-  Tiny t(21, Mac(8, 2, 0, 0, 0.5f));
+  Tiny t(21, MakeMac(8, 2, 0, 0, 0.5f));
   std::vector<int32_t> positions = {18, 19};
   MacFillParams f;
   f.batch = 1;

@@ -397,6 +397,138 @@ inline double RelL2(const Buffer& got, const std::vector<std::vector<std::vector
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// MacConfig with window W, band r, front sink F, min_context and tau.
+inline MacConfig MakeMac(int32_t W, int32_t r, int32_t F, int32_t min_ctx, float tau = 0.45f) {
+  MacConfig m;
+  m.window = W;
+  m.band = r;
+  m.front_sink = F;
+  m.min_context = min_ctx;
+  m.tau = tau;
+  return m;
+}
+
+// The sequences both the CPU reference and the CUDA op run (each test adds its own).
+inline std::vector<MacCase> CommonMacCases() {
+  std::vector<MacCase> v;
+  MacCase c;
+  c.name = "base";
+  c.mac = MakeMac(16, 8, 0, 0);
+  c.T0 = {40, 5, 100};
+  c.steps = 70;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g3-f16-d128-short-contexts-sink";
+  c.Hq = 6;
+  c.Hkv = 2;
+  c.d = 128;
+  c.dtype = KernelDType::kF16;
+  c.mac = MakeMac(33, 40, 4, 10);
+  c.T0 = {3, 20};
+  c.fill = {1, 0};
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g8-clustered-sink";
+  c.Hq = 16;
+  c.Hkv = 2;
+  c.mac = MakeMac(24, 16, 2, 0);
+  c.T0 = {50, 150};
+  c.clustered = true;
+  c.p_hit = 0.6;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "g1-page1-tiny-window";
+  c.Hq = 3;
+  c.Hkv = 3;
+  c.page_size = 1;
+  c.mac = MakeMac(7, 1, 0, 0);
+  c.T0 = {12};
+  c.steps = 80;
+  c.p_exact = 0.3;
+  v.push_back(c);
+
+  c = MacCase{};
+  c.name = "nhd-prefix-sink-longer-than-context";
+  c.Hq = 8;
+  c.Hkv = 4;
+  c.page_size = 8;
+  c.nhd = true;
+  c.mac = MakeMac(20, 6, 10, 0);
+  c.T0 = {6, 30, 9};
+  c.with_prefix = true;
+  c.sm_scale = 0.2f;
+  v.push_back(c);
+  return v;
+}
+
+// MacParams for one decode step over pb's caches, with contiguous [B, Hq, d] q, q_pre, o.
+inline MacParams ProblemStepParams(const MacProblem& pb, const void* q, const void* q_pre, const int32_t* seq_lens,
+                                   const MacSlot* slots, const MacLayerState& state, void* o, float* lse,
+                                   int32_t* hit_pos) {
+  const int64_t Hq = pb.cs.Hq, d = pb.cs.d;
+  MacParams p;
+  p.batch = int32_t(pb.B);
+  p.q = q;
+  p.q_stride_h = d;
+  p.q_stride_b = Hq * d;
+  p.q_pre = q_pre;
+  p.q_pre_stride_h = d;
+  p.q_pre_stride_b = Hq * d;
+  p.k_cache = pb.k_cache.data();
+  p.v_cache = pb.v_cache.data();
+  p.kv_stride_page = pb.kv_stride_page;
+  p.kv_stride_head = pb.kv_stride_head;
+  p.kv_stride_token = pb.kv_stride_token;
+  p.block_table = pb.block_table.data();
+  p.block_table_stride = pb.bt_stride;
+  p.seq_lens = seq_lens;
+  p.slot_ids = pb.slot_ids.data();
+  p.slots = slots;
+  p.state = state;
+  p.o = o;
+  p.o_stride_h = d;
+  p.o_stride_b = Hq * d;
+  p.lse = lse;
+  p.hit_pos = hit_pos;
+  p.sm_scale = pb.cs.sm_scale;
+  return p;
+}
+
+// MacFillParams over pb's caches for N positions per request, contiguous [B, N, Hq, d] q, q_pre.
+inline MacFillParams ProblemFillParams(const MacProblem& pb, int32_t N, const int32_t* positions, const void* q,
+                                       const void* q_pre, const int32_t* seq_lens, const MacSlot* slots,
+                                       const MacLayerState& state) {
+  const int64_t Hq = pb.cs.Hq, d = pb.cs.d;
+  MacFillParams f;
+  f.batch = int32_t(pb.B);
+  f.num_positions = N;
+  f.positions = positions;
+  f.q = q;
+  f.q_stride_h = d;
+  f.q_stride_n = Hq * d;
+  f.q_stride_b = N * Hq * d;
+  f.q_pre = q_pre;
+  f.q_pre_stride_h = d;
+  f.q_pre_stride_n = Hq * d;
+  f.q_pre_stride_b = N * Hq * d;
+  f.k_cache = pb.k_cache.data();
+  f.v_cache = pb.v_cache.data();
+  f.kv_stride_page = pb.kv_stride_page;
+  f.kv_stride_head = pb.kv_stride_head;
+  f.kv_stride_token = pb.kv_stride_token;
+  f.block_table = pb.block_table.data();
+  f.block_table_stride = pb.bt_stride;
+  f.seq_lens = seq_lens;
+  f.slot_ids = pb.slot_ids.data();
+  f.slots = slots;
+  f.state = state;
+  f.sm_scale = pb.cs.sm_scale;
+  return f;
+}
+
 // Runs the case on the CPU reference (and `dev` when given) against the oracle. Checks every
 // step: the reference's decisions == the oracle's; outputs and the written entries within
 // per-element tolerances; the device's decisions == the reference's and its outputs within
@@ -467,30 +599,7 @@ inline MacSeqStats RunMacSequence(const MacCase& cs, uint64_t seed, MacDevice* d
         oracle.Fill(b, x, q, qp, slots.data());
       }
     }
-    MacFillParams f;
-    f.batch = int32_t(B);
-    f.num_positions = N;
-    f.positions = positions.data();
-    f.q = fq.data();
-    f.q_stride_h = d;
-    f.q_stride_n = Hq * d;
-    f.q_stride_b = N * Hq * d;
-    f.q_pre = fqp.data();
-    f.q_pre_stride_h = d;
-    f.q_pre_stride_n = Hq * d;
-    f.q_pre_stride_b = N * Hq * d;
-    f.k_cache = pb.k_cache.data();
-    f.v_cache = pb.v_cache.data();
-    f.kv_stride_page = pb.kv_stride_page;
-    f.kv_stride_head = pb.kv_stride_head;
-    f.kv_stride_token = pb.kv_stride_token;
-    f.block_table = pb.block_table.data();
-    f.block_table_stride = pb.bt_stride;
-    f.seq_lens = seq.data();
-    f.slot_ids = pb.slot_ids.data();
-    f.slots = slots.data();
-    f.state = ring.state;
-    f.sm_scale = cs.sm_scale;
+    const MacFillParams f = ProblemFillParams(pb, N, positions.data(), fq.data(), fqp.data(), seq.data(), slots.data(), ring.state);
     MacFillCpu(c, f);
     if (dev) dev->Fill(f);
     std::vector<int32_t> all(pb.slot_ids);
@@ -570,37 +679,14 @@ inline MacSeqStats RunMacSequence(const MacCase& cs, uint64_t seed, MacDevice* d
     for (int64_t i = 0; i < B * Hq * d; ++i) o_buf.set(i, nan);
     std::fill(lse.begin(), lse.end(), nan);
     std::fill(hit.begin(), hit.end(), -7);
-    MacParams p;
-    p.batch = int32_t(B);
-    p.q = q_buf.data();
-    p.q_stride_h = d;
-    p.q_stride_b = Hq * d;
-    p.q_pre = qp_buf.data();
-    p.q_pre_stride_h = d;
-    p.q_pre_stride_b = Hq * d;
-    p.k_cache = pb.k_cache.data();
-    p.v_cache = pb.v_cache.data();
-    p.kv_stride_page = pb.kv_stride_page;
-    p.kv_stride_head = pb.kv_stride_head;
-    p.kv_stride_token = pb.kv_stride_token;
-    p.block_table = pb.block_table.data();
-    p.block_table_stride = pb.bt_stride;
-    p.seq_lens = seq.data();
-    p.slot_ids = pb.slot_ids.data();
-    p.slots = slots.data();
-    p.state = ring.state;
+    MacParams p = ProblemStepParams(pb, q_buf.data(), qp_buf.data(), seq.data(), slots.data(), ring.state,
+                                    o_buf.data(), lse.data(), hit.data());
     if (cs.with_prefix) {
       p.prefix_o = po_buf.data();
       p.prefix_stride_h = d;
       p.prefix_stride_b = Hq * d;
       p.prefix_lse = prefix_lse.data();
     }
-    p.o = o_buf.data();
-    p.o_stride_h = d;
-    p.o_stride_b = Hq * d;
-    p.lse = lse.data();
-    p.hit_pos = hit.data();
-    p.sm_scale = cs.sm_scale;
 
     if (dev) {  // the device keeps its own rings; it sees the same inputs
       MacParams dp = p;

@@ -170,15 +170,7 @@ class RuntimeGpu : public ::testing::Test {
   uint64_t seed_ = 0;
 };
 
-struct GpuCase {
-  KernelDType dtype;
-  int32_t Hq, Hkv, d, page_size;
-  bool nhd;
-};
-void PrintTo(const GpuCase& c, std::ostream* os) {
-  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
-      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
-}
+using GpuCase = test::StepShape;
 class RuntimeGpuShapes : public RuntimeGpu, public ::testing::WithParamInterface<GpuCase> {};
 
 TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
@@ -228,13 +220,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeGpuShapes,
                                            GpuCase{KernelDType::kF16, 9, 3, 64, 1, false},
                                            GpuCase{KernelDType::kBF16, 8, 1, 64, 32, true},
                                            GpuCase{KernelDType::kF16, 4, 4, 128, 64, true}),
-                         [](const ::testing::TestParamInfo<GpuCase>& i) {
-                           const auto& c = i.param;
-                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
-                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
-                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
-                                  (c.nhd ? "_NHD" : "_HND");
-                         });
+                         test::StepShapeName());
 
 // A host function that holds the stream until the test opens the gate (or 30 s pass).
 // Holds a stream on the device: the stream waits (cuStreamWaitValue32, taken through the

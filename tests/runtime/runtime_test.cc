@@ -194,15 +194,7 @@ TEST_F(RuntimeTest, DecodeArgumentsAreChecked) {
 // Several dictionaries, one mixed batch
 // ---------------------------------------------------------------------------------------
 
-struct MixedCase {
-  KernelDType dtype;
-  int32_t Hq, Hkv, d, page_size;
-  bool nhd;
-};
-void PrintTo(const MixedCase& c, std::ostream* os) {
-  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
-      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
-}
+using MixedCase = test::StepShape;
 
 class RuntimeMixedBatch : public RuntimeTest, public ::testing::WithParamInterface<MixedCase> {};
 
@@ -276,13 +268,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeMixedBatch,
                                            MixedCase{KernelDType::kF16, 9, 3, 16, 1, false},
                                            MixedCase{KernelDType::kF32, 3, 3, 24, 4, true},
                                            MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}),
-                         [](const ::testing::TestParamInfo<MixedCase>& i) {
-                           const auto& c = i.param;
-                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
-                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
-                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
-                                  (c.nhd ? "_NHD" : "_HND");
-                         });
+                         test::StepShapeName());
 
 TEST_F(RuntimeTest, OwnWorkspaceStepAndTopM) {
   SynthSpec s;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -343,5 +344,26 @@ inline StepOutputs RunReference(const HostStep& s, int32_t layer,
   DecodeAttentionCpu(c, p);
   return out;
 }
+
+// One decode-step shape for parametrized tests: dtype, heads, head dim, page size, KV layout.
+struct StepShape {
+  KernelDType dtype;
+  int32_t Hq, Hkv, d, page_size;
+  bool nhd;
+};
+inline void PrintTo(const StepShape& c, std::ostream* os) {
+  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
+      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
+}
+// The test-name generator for INSTANTIATE_TEST_SUITE_P over StepShape (gtest's
+// TestParamInfo), e.g. "bf16_Hq32_Hkv8_d128_page16_HND".
+struct StepShapeName {
+  template <class ParamInfo>
+  std::string operator()(const ParamInfo& i) const {
+    const StepShape& c = i.param;
+    return std::string(KernelDTypeName(c.dtype)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) +
+           "_d" + std::to_string(c.d) + "_page" + std::to_string(c.page_size) + (c.nhd ? "_NHD" : "_HND");
+  }
+};
 
 }  // namespace asmem::test

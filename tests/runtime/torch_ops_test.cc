@@ -125,15 +125,7 @@ class TorchOpsTest : public ::testing::Test {
   uint64_t seed_ = 0;
 };
 
-struct OpsCase {
-  KernelDType dtype;
-  int32_t Hq, Hkv, d, page_size;
-  bool nhd;
-};
-void PrintTo(const OpsCase& c, std::ostream* os) {
-  *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
-      << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
-}
+using OpsCase = test::StepShape;
 class TorchOpsDecode : public TorchOpsTest, public ::testing::WithParamInterface<OpsCase> {};
 
 TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
@@ -178,13 +170,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, TorchOpsDecode,
                          ::testing::Values(OpsCase{KernelDType::kBF16, 6, 2, 8, 16, false},
                                            OpsCase{KernelDType::kF16, 3, 1, 16, 4, true},
                                            OpsCase{KernelDType::kF32, 4, 4, 8, 1, false}),
-                         [](const ::testing::TestParamInfo<OpsCase>& i) {
-                           const auto& c = i.param;
-                           return std::string(KernelDTypeName(c.dtype)) + "_Hq" +
-                                  std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
-                                  std::to_string(c.d) + "_page" + std::to_string(c.page_size) +
-                                  (c.nhd ? "_NHD" : "_HND");
-                         });
+                         test::StepShapeName());
 
 TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   SynthSpec s;
