@@ -179,7 +179,8 @@ void run_eval_mac(const EvalMacArgs& a) {
       {"model", a.model},
       {"device", device.str()},
       {"dtype", c10::toString(dtype)},
-      {"op_dtype", "f16 (fp32 model: q, q_pre, KV and the output rounded to f16; lse and entries fp32)"},
+      {"op_dtype", std::string(KernelDTypeName(r.op_dtype)) +
+                       " (q, q_pre, KV, the prefix state and the output o in this dtype; lse and ring entries fp32)"},
       {"prompt_file", a.prompt_file},
       {"prompts_file", a.prompts},
       {"system_file", a.system_file},

@@ -88,6 +88,7 @@ MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int3
     o.mac = st.configs[c];
     hooks.push_back(std::make_unique<MacDecode>(model, o));
   }
+  rep.op_dtype = hooks[0]->op_dtype();
   for (size_t i = 0; i < prompts.size(); ++i) {
     const std::vector<int32_t>& prompt = prompts[i];
     MacEvalPrompt pr;

@@ -67,6 +67,7 @@ struct MacEvalPrompt {
 struct MacEvalReport {
   std::vector<MacEvalPrompt> prompts;
   std::vector<MacEvalRun> runs;  // one per setting
+  KernelDType op_dtype = KernelDType::kF16;  // the dtype the MAC op ran in
   double reference_s = 0, total_s = 0;
 };
 
