@@ -30,6 +30,7 @@ struct EvalMacArgs {
   bool raw = false;
   int64_t limit = 0;
   std::vector<float> taus;
+  bool baseline = false;
   MacConfig mac;
   MacEvalSettings settings;
   std::string device = "cpu";
@@ -86,6 +87,11 @@ void run_eval_mac(const EvalMacArgs& a) {
       st.configs.push_back(c);
     }
   }
+  if (a.baseline) {
+    MacConfig off = a.mac;
+    off.enable = false;
+    st.configs.insert(st.configs.begin(), off);
+  }
   for (const MacConfig& c : st.configs) ValidateMacConfig(c);
 
   const at::Device device = parse_device(a.device);
@@ -120,7 +126,9 @@ void run_eval_mac(const EvalMacArgs& a) {
                "elig. hits", "KV read", "time s");
   for (const MacEvalRun& run : r.runs) {
     const MacLayerStats t = run.stats.total();
-    std::fprintf(stderr, "  %6.3f %8lld %9.2f%% %9.5f %8.2f%% %10.2f%% %9.2f%% %9.1f\n", run.mac.tau,
+    char tau[16];
+    std::snprintf(tau, sizeof tau, run.mac.enable ? "%.3f" : "off", run.mac.tau);
+    std::fprintf(stderr, "  %6s %8lld %9.2f%% %9.5f %8.2f%% %10.2f%% %9.2f%% %9.1f\n", tau,
                  (long long)run.fidelity.tokens, 100.0 * run.fidelity.agreement(), run.fidelity.mean_kl(),
                  100.0 * t.hit_rate(), 100.0 * t.eligible_hit_rate(), 100.0 * t.kv_fraction(), run.seconds);
   }
@@ -154,6 +162,7 @@ void run_eval_mac(const EvalMacArgs& a) {
     nlohmann::json rr = nlohmann::json::array();
     for (size_t c = 0; c < p.runs.size(); ++c) {
       rr.push_back({{"tau", st.configs[c].tau},
+                    {"enable", st.configs[c].enable},
                     {"tokens", p.runs[c].tokens},
                     {"top1_agreement", p.runs[c].agreement()},
                     {"mean_kl", p.runs[c].mean_kl()},
@@ -213,6 +222,8 @@ void add_eval_mac_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0));
   AddMacFlags(*cmd, &a->mac);
+  cmd->add_flag("--baseline", a->baseline,
+                "Also run the MAC op with reuse off (every head misses): the op's dtype rounding alone");
   cmd->add_option("--json", a->json_out, "Write the results here");
   cmd->add_option("--device", a->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on CUDA)")

@@ -112,7 +112,11 @@ MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int3
       hook.reset();
       const MacStats before = hook.stats();
       const int64_t n = int64_t(ref.tokens.size());
-      if (st.progress) bar = std::make_unique<Progress>("mac tau " + std::to_string(st.configs[c].tau).substr(0, 4), n, "tok");
+      if (st.progress) {
+        const std::string label =
+            st.configs[c].enable ? "mac tau " + std::to_string(st.configs[c].tau).substr(0, 4) : std::string("mac off");
+        bar = std::make_unique<Progress>(label, n, "tok");
+      }
       auto t1 = Clock::now();
       KVCache cache = model.new_cache(1, cap);
       StepwiseRun run = run_stepwise(model, cache, prompt, 0, &ref.tokens, stops, false, &hook, st.chunk,
