@@ -122,13 +122,13 @@ void run_eval_mac(const EvalMacArgs& a) {
   const MacEvalReport r = evaluate_mac(model, prompts, tok->stop_ids(), st);
 
   std::fprintf(stderr, "\nMAC vs full attention (teacher-forced on the full-attention greedy reference):\n");
-  std::fprintf(stderr, "  %6s %8s %10s %9s %9s %11s %10s %9s\n", "tau", "tokens", "top-1", "mean KL", "hit rate",
+  std::fprintf(stderr, "  %6s %8s %10s %10s %9s %11s %10s %9s\n", "tau", "tokens", "top-1", "mean KL", "hit rate",
                "elig. hits", "KV read", "time s");
   for (const MacEvalRun& run : r.runs) {
     const MacLayerStats t = run.stats.total();
     char tau[16];
     std::snprintf(tau, sizeof tau, run.mac.enable ? "%.3f" : "off", run.mac.tau);
-    std::fprintf(stderr, "  %6s %8lld %9.2f%% %9.5f %8.2f%% %10.2f%% %9.2f%% %9.1f\n", tau,
+    std::fprintf(stderr, "  %6s %8lld %9.2f%% %10.3g %8.2f%% %10.2f%% %9.2f%% %9.1f\n", tau,
                  (long long)run.fidelity.tokens, 100.0 * run.fidelity.agreement(), run.fidelity.mean_kl(),
                  100.0 * t.hit_rate(), 100.0 * t.eligible_hit_rate(), 100.0 * t.kv_fraction(), run.seconds);
   }
