@@ -26,7 +26,7 @@ namespace {
 
 struct EvalMacArgs {
   std::string model = default_model_path();
-  std::string prompt_file, prompts, system_file, json_out;
+  std::string prompt_file, prompts, system_file, json_out, continuation_file;
   bool raw = false;
   int64_t limit = 0;
   std::vector<float> taus;
@@ -115,6 +115,12 @@ void run_eval_mac(const EvalMacArgs& a) {
     }
     prompts.push_back(std::move(ids));
   }
+  if (!a.continuation_file.empty()) {
+    if (prompts.size() != 1) throw InvalidArgument("--continuation-file applies with --prompt-file (one prompt)");
+    const std::vector<int32_t> c = tok->encode(read_text_file(a.continuation_file, "continuation"), false);
+    if (c.empty()) throw InvalidArgument("--continuation-file '" + a.continuation_file + "' has no tokens");
+    st.continuations.push_back(c);
+  }
   std::fprintf(stderr, "eval-mac: %s (%s, %s, %s); %zu prompt(s) (first: %zu tokens), %lld reference tokens each%s, %zu setting(s)\n",
                a.model.c_str(), model.config().summary().c_str(), device.str().c_str(), c10::toString(dtype),
                prompts.size(), prompts[0].size(), (long long)st.max_new_tokens, st.no_stop ? " (stop tokens never chosen)" : "",
@@ -196,6 +202,7 @@ void run_eval_mac(const EvalMacArgs& a) {
       {"prompts", r.prompts.size()},
       {"max_new_tokens", st.max_new_tokens},
       {"no_stop", st.no_stop},
+      {"continuation_file", a.continuation_file},
       {"runs", runs},
       {"timings_s", {{"reference", r.reference_s}, {"total", r.total_s}}},
       {"per_prompt", per}};
@@ -218,6 +225,8 @@ void add_eval_mac_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", a->settings.max_new_tokens, "Reference tokens per prompt (greedy, full attention)")
       ->capture_default_str();
   cmd->add_flag("--no-stop", a->settings.no_stop, "The reference never chooses a stop token (fixed length)");
+  cmd->add_option("--continuation-file", a->continuation_file,
+                  "Reference = this text's tokens (raw) teacher-forced with full attention, not a greedy generation");
   cmd->add_option("--taus", a->taus, "Several match margins, one MAC run each (overrides --mac-tau)")
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0));

@@ -76,6 +76,10 @@ MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int3
   if (prompts.empty()) throw InvalidArgument("eval-mac: no prompts");
   if (st.configs.empty()) throw InvalidArgument("eval-mac: no MAC settings");
   for (const MacConfig& c : st.configs) ValidateMacConfig(c);
+  if (!st.continuations.empty() && st.continuations.size() != prompts.size()) {
+    throw InvalidArgument("eval-mac: " + std::to_string(st.continuations.size()) + " continuations for " +
+                          std::to_string(prompts.size()) + " prompts");
+  }
   for (size_t i = 0; i < prompts.size(); ++i) {
     if (prompts[i].empty()) throw InvalidArgument("eval-mac: prompt " + std::to_string(i) + " has no tokens");
   }
@@ -101,8 +105,14 @@ MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int3
     StepwiseRun ref;
     {
       KVCache cache = model.new_cache(1, cap);
-      ref = run_stepwise(model, cache, prompt, st.max_new_tokens, nullptr, stops, st.no_stop, nullptr, st.chunk,
-                         [&](int64_t d) { if (bar) bar->update(d); });
+      std::vector<int32_t> forced;
+      if (!st.continuations.empty()) {
+        const std::vector<int32_t>& c = st.continuations[i];
+        if (c.empty()) throw InvalidArgument("eval-mac: continuation " + std::to_string(i) + " has no tokens");
+        forced.assign(c.begin(), c.begin() + std::min<int64_t>(int64_t(c.size()), st.max_new_tokens));
+      }
+      ref = run_stepwise(model, cache, prompt, st.max_new_tokens, forced.empty() ? nullptr : &forced, stops,
+                         st.no_stop, nullptr, st.chunk, [&](int64_t d) { if (bar) bar->update(d); });
     }
     if (bar) bar->finish();
     rep.reference_s += since(t0);

@@ -4,7 +4,8 @@
 //   reference: greedy generation with full attention: the prompt prefilled in chunks, then
 //              one token per forward (the decode path), up to max_new_tokens; with no_stop the
 //              stop tokens are never chosen (the next best token is), so every reference is
-//              max_new_tokens long;
+//              max_new_tokens long; or, with given continuations, those tokens teacher-forced
+//              with full attention (natural text instead of the model's own output);
 //   MAC run:   for each setting, the prompt prefilled through a MacDecode hook (which records
 //              the last W queries), then the reference tokens fed one per forward, each decode
 //              step's own-token attention computed by the MAC op;
@@ -44,6 +45,9 @@ StepwiseRun run_stepwise(LlamaModel& model, KVCache& cache, const std::vector<in
 struct MacEvalSettings {
   int64_t max_new_tokens = 256;  // reference tokens per prompt (>= 1)
   bool no_stop = false;          // the reference never chooses a stop token
+  // Given (one per prompt): the reference tokens are these (first max_new_tokens of them),
+  // teacher-forced with full attention, instead of a greedy generation.
+  std::vector<std::vector<int32_t>> continuations;
   std::vector<MacConfig> configs;  // one MAC run per setting (>= 1)
   int64_t chunk = 512;           // prefill chunk size
   bool progress = true;          // progress bars on stderr
