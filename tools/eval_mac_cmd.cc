@@ -127,7 +127,8 @@ void run_eval_mac(const EvalMacArgs& a) {
                st.configs.size());
   const MacEvalReport r = evaluate_mac(model, prompts, tok->stop_ids(), st);
 
-  std::fprintf(stderr, "\nMAC vs full attention (teacher-forced on the full-attention greedy reference):\n");
+  std::fprintf(stderr, "\nMAC vs full attention, teacher-forced on the %s:\n",
+               st.continuations.empty() ? "full-attention greedy reference" : "given continuation");
   std::fprintf(stderr, "  %6s %8s %10s %10s %9s %11s %10s %9s\n", "tau", "tokens", "top-1", "mean KL", "hit rate",
                "elig. hits", "KV read", "time s");
   for (const MacEvalRun& run : r.runs) {
@@ -184,7 +185,8 @@ void run_eval_mac(const EvalMacArgs& a) {
   nlohmann::json out = {
       {"command", "asmem eval-mac"},
       {"metric",
-       "reference: greedy generation with full attention (prompt prefilled, then one token per forward); MAC: the "
+       "reference: greedy generation with full attention (prompt prefilled, then one token per forward), or the "
+       "continuation file's tokens teacher-forced with full attention; MAC: the "
        "same tokens teacher-forced, every decode step's attention over the sequence's tokens computed by the MAC op "
        "(CPU reference on CPU). At every position that predicts a reference token: top-1 agreement of the argmax "
        "with the reference's and KL(full || mac) in nats. hit_rate = hits / query-head decisions over all decode "
