@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   asmem::cli::add_generate_command(app);
   asmem::cli::add_compile_command(app);
   asmem::cli::add_eval_command(app);
+  asmem::cli::add_eval_mac_command(app);
   asmem::cli::add_info_command(app);
   asmem::cli::add_inspect_command(app);
   asmem::cli::add_verify_command(app);

@@ -11,5 +11,6 @@ void add_inspect_command(CLI::App& app);
 void add_verify_command(CLI::App& app);
 void add_compile_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
+void add_eval_mac_command(CLI::App& app);
 
 }  // namespace asmem::cli

@@ -2,6 +2,10 @@
 // the system prompt is served from a compiled dictionary (asmem/engine/dictionary_prefix.h):
 // only the user's turn and the generated tokens run, and every layer's prefix attention
 // comes from a lookup. --compare also runs the full prefix over the same tokens.
+// With --mac (asmem/engine/mac_decode.h) every decode step's attention over the request's
+// own tokens is computed by the MAC op (in-request reuse); --compare then also runs full
+// attention (and the full prefix, with --dict) teacher-forced over the generated tokens and
+// reports top-1 agreement, KL, the hit rate per layer and the fraction of KV read.
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -14,6 +18,8 @@
 
 #include "asmem/engine/dictionary_prefix.h"
 #include "asmem/engine/fidelity.h"
+#include "asmem/engine/mac_decode.h"
+#include "asmem/engine/mac_eval.h"
 #include "asmem/error.h"
 #include "asmem/model/llama.h"
 #include "asmem/model/paths.h"
@@ -22,6 +28,7 @@
 #include "asmem/model/weights.h"
 #include "asmem/util/progress.h"
 #include "commands.h"
+#include "mac_flags.h"
 
 namespace asmem::cli {
 namespace {
@@ -56,6 +63,8 @@ struct GenerateArgs {
   int64_t top_m = 0;  // parents probed (0: the dictionary's)
   bool linear = false;
   bool compare = false;
+  MacConfig mac;          // --mac / --no-mac / --mac-*
+  bool use_mac = false;   // --mac or --no-mac given: decode through the MAC op
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -114,6 +123,24 @@ void print_fidelity(const char* name, const FidelityStats& s) {
                100.0 * s.agreement(), (long long)s.agree, (long long)s.tokens, name, s.mean_kl());
 }
 
+// The MAC statistics of a generation: overall and per layer.
+void print_mac_stats(const MacDecode& mac) {
+  const MacStats& s = mac.stats();
+  const MacLayerStats t = s.total();
+  const MacConfig& c = mac.op_config().mac;
+  std::fprintf(stderr,
+               "mac (%s, tau %.3f, W %d, r %d, F %d, min_context %d, op dtype %s): %lld decode steps; hit rate %.2f%% "
+               "(%.2f%% of the heads with the gate open); KV read %.2f%% (per KV group %.2f%%)\n",
+               c.enable ? "on" : "off", c.tau, c.window, c.band, c.front_sink, c.min_context,
+               KernelDTypeName(mac.op_dtype()), (long long)s.steps, 100.0 * t.hit_rate(), 100.0 * t.eligible_hit_rate(),
+               100.0 * t.kv_fraction(), 100.0 * t.group_kv_fraction());
+  std::fprintf(stderr, "  hit rate per layer (%%):");
+  for (const MacLayerStats& l : s.layers) std::fprintf(stderr, " %.1f", 100.0 * l.hit_rate());
+  std::fprintf(stderr, "\n  KV read per layer (%%):");
+  for (const MacLayerStats& l : s.layers) std::fprintf(stderr, " %.1f", 100.0 * l.kv_fraction());
+  std::fprintf(stderr, "\n");
+}
+
 void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const std::string& system,
                          const at::Device& device, at::ScalarType dtype) {
   if (!system.empty() && !a.compare) {
@@ -142,6 +169,14 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   if (turn.empty()) throw InvalidArgument("the prompt has no tokens");
   const int64_t base = served_base_position(m);
   DictionaryPrefix hook(*sv.dict, model, {a.top_m, a.linear});
+  std::unique_ptr<MacDecode> mac;
+  if (a.use_mac) {
+    MacDecodeOptions mo;
+    mo.mac = a.mac;
+    mo.inner = &hook;
+    mac = std::make_unique<MacDecode>(model, mo);
+  }
+  AttentionHook* served_hook = mac ? static_cast<AttentionHook*>(mac.get()) : &hook;
   const ModelConfig& cfg = model.config();
   if (base + int64_t(turn.size()) + a.max_new_tokens > cfg.max_context) {
     std::fprintf(stderr, "asmem: warning: served tokens reach position %lld, past the model's context of %lld\n",
@@ -158,22 +193,32 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   std::vector<at::Tensor> rows;
   double prefill_s = 0, decode_s = 0;
   int64_t generated = 0;
-  const std::vector<int32_t> chosen = decode_turn(model, *sv.tok, a, turn, base, &hook, a.compare ? &rows : nullptr,
-                                                  &prefill_s, &decode_s, &generated);
+  const std::vector<int32_t> chosen = decode_turn(model, *sv.tok, a, turn, base, served_hook,
+                                                  a.compare ? &rows : nullptr, &prefill_s, &decode_s, &generated);
   if (!a.quiet_stats) {
     std::fprintf(stderr, "prompt: %lld tokens in %.3f s; decode: %lld tokens in %.3f s (%.1f tok/s); %lld lookups\n",
                  (long long)turn.size(), prefill_s, (long long)generated, decode_s,
                  generated > 0 ? double(generated) / decode_s : 0.0, (long long)hook.lookups());
   }
+  if (mac) print_mac_stats(*mac);
   if (!a.compare || chosen.empty()) return;
   // The same tokens teacher-forced with the full prefix in context, and with no prefix.
   auto t2 = std::chrono::steady_clock::now();
   const std::vector<KVCache> parts = prefill_prefix(model, prefix_ids, m.prefix.chunk_tokens, a.chunk);
   const CacheFactory full = [&](int64_t b, int64_t cap) { return model.share_as_prefix(parts, b, cap); };
   const CacheFactory none = [&](int64_t b, int64_t cap) { return model.new_cache(b, cap, base); };
+  const at::Tensor served = at::stack(rows, 0);
+  if (mac) {
+    // Full prefix and full attention, decoded token by token as the MAC run was.
+    KVCache fc = model.share_as_prefix(parts, 1, int64_t(turn.size() + chosen.size()) + 1);
+    const at::Tensor ref = run_stepwise(model, fc, turn, 0, &chosen, {}, false, nullptr, a.chunk).logprobs;
+    std::fprintf(stderr, "compare (%lld predicted tokens, full prefix of %lld tokens and full attention teacher-forced "
+                 "on them, %.2f s):\n", (long long)chosen.size(), (long long)prefix_ids.size(), seconds_since(t2));
+    print_fidelity("dictionary + mac", compare_next_token(ref, served));
+    return;
+  }
   const at::Tensor ref = predict_continuations(model, full, {&turn}, {&chosen})[0];
   const at::Tensor bare = predict_continuations(model, none, {&turn}, {&chosen})[0];
-  const at::Tensor served = at::stack(rows, 0);
   std::fprintf(stderr, "compare (%lld predicted tokens, full prefix of %lld tokens teacher-forced on them, %.2f s):\n",
                (long long)chosen.size(), (long long)prefix_ids.size(), seconds_since(t2));
   print_fidelity("dictionary", compare_next_token(ref, served));
@@ -195,9 +240,8 @@ void run_generate(const GenerateArgs& a) {
   const at::Device device = parse_device(a.device);
   const at::ScalarType dtype = parse_dtype(a.dtype, device);
   if (!a.dict.empty()) return run_with_dictionary(a, prompt, system, device, dtype);
-  if (a.compare || a.linear || a.top_m != 0) {
-    throw InvalidArgument("--compare, --linear and --top-m apply only with --dict");
-  }
+  if (a.linear || a.top_m != 0) throw InvalidArgument("--linear and --top-m apply only with --dict");
+  if (a.compare && !a.use_mac) throw InvalidArgument("--compare applies only with --dict or --mac");
   auto t_load = std::chrono::steady_clock::now();
   std::unique_ptr<WeightSource> weights = open_weights(a.model);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_model_path(a.model);
@@ -231,6 +275,30 @@ void run_generate(const GenerateArgs& a) {
                a.model.c_str(), cfg.summary().c_str(), device.str().c_str(),
                c10::toString(dtype), load_s, (long long)P);
 
+  if (a.use_mac) {
+    MacDecodeOptions mo;
+    mo.mac = a.mac;
+    MacDecode mac(model, mo);
+    std::vector<at::Tensor> rows;
+    double prefill_s = 0, decode_s = 0;
+    int64_t generated = 0;
+    const std::vector<int32_t> chosen =
+        decode_turn(model, *tok, a, ids, 0, &mac, a.compare ? &rows : nullptr, &prefill_s, &decode_s, &generated);
+    if (!a.quiet_stats) {
+      std::fprintf(stderr, "prefill: %lld tokens in %.3f s; decode: %lld tokens in %.3f s (%.1f tok/s)\n", (long long)P,
+                   prefill_s, (long long)generated, decode_s, generated > 0 ? double(generated) / decode_s : 0.0);
+    }
+    print_mac_stats(mac);
+    if (!a.compare || chosen.empty()) return;
+    auto t2 = std::chrono::steady_clock::now();
+    KVCache fc = model.new_cache(1, P + int64_t(chosen.size()) + 1);
+    const at::Tensor ref = run_stepwise(model, fc, ids, 0, &chosen, {}, false, nullptr, a.chunk).logprobs;
+    std::fprintf(stderr, "compare (%lld predicted tokens, context %lld..%lld, full attention teacher-forced on them, "
+                 "%.2f s):\n", (long long)chosen.size(), (long long)P, (long long)(P + int64_t(chosen.size()) - 1),
+                 seconds_since(t2));
+    print_fidelity("mac", compare_next_token(ref, at::stack(rows, 0)));
+    return;
+  }
   KVCache cache = model.new_cache(1, P + a.max_new_tokens + 1);
   at::Tensor input = at::tensor(std::vector<int64_t>(ids.begin(), ids.end()),
                                 at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
@@ -297,9 +365,23 @@ void add_generate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--linear", args->linear, "With --dict: exact linear lookup over all entries");
   cmd->add_flag("--compare", args->compare,
-                "With --dict and --system-file (the prefix text): also run the full prefix over the same "
-                "tokens and report top-1 agreement and KL");
-  cmd->callback([args] { run_generate(*args); });
+                "With --dict and --system-file (the prefix text), or with --mac: also run the full prefix / full "
+                "attention over the same tokens and report top-1 agreement and KL");
+  AddMacFlags(*cmd, &args->mac);
+  cmd->callback([args, cmd] {
+    // MAC runs when --mac or --no-mac is given (--no-mac: the MAC op with reuse off); the
+    // --mac-* settings need one of them.
+    args->use_mac = cmd->get_option("--mac")->count() > 0;
+    if (!args->use_mac) {
+      for (const char* f : {"--mac-tau", "--mac-window", "--mac-band", "--mac-front-sink", "--mac-min-context"}) {
+        if (cmd->get_option(f)->count() > 0) {
+          throw InvalidArgument(std::string(f) + " applies only with --mac (or --no-mac)");
+        }
+      }
+    }
+    if (args->use_mac) ValidateMacConfig(args->mac);
+    run_generate(*args);
+  });
 }
 
 }  // namespace asmem::cli

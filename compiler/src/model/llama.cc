@@ -293,10 +293,6 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
 
     cache.k[l].narrow(2, cache.length, T).copy_(k.permute({0, 2, 1, 3}));
     cache.v[l].narrow(2, cache.length, T).copy_(v.permute({0, 2, 1, 3}));
-    at::Tensor own_k = cache.k[l].narrow(2, 0, cache.length + T);
-    at::Tensor own_v = cache.v[l].narrow(2, 0, cache.length + T);
-    AttnState own = attention_state(q, own_k, own_v, scale, /*causal_offset=*/cache.length, key_start);
-
     AttnState prefix;
     if (cache.prefix_len > 0 && cache.prefix_segments.empty()) {
       prefix = attention_state(q, cache.prefix_k[l], cache.prefix_v[l], scale);
@@ -309,7 +305,16 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
       }
     }
     if (opts.hook) prefix = opts.hook->prefix_state(l, q_pre, q, positions, prefix);
-    AttnState st = merge_states(prefix, own);
+    AttnState own, st;
+    if (opts.hook && T == 1 && cache.start.empty()) {
+      st = opts.hook->decode_state(l, q_pre, q, cache.k[l], cache.v[l], cache.length + 1, prefix);
+    }
+    if (!st.defined()) {
+      at::Tensor own_k = cache.k[l].narrow(2, 0, cache.length + T);
+      at::Tensor own_v = cache.v[l].narrow(2, 0, cache.length + T);
+      own = attention_state(q, own_k, own_v, scale, /*causal_offset=*/cache.length, key_start);
+      st = merge_states(prefix, own);
+    }
     if (opts.hook) opts.hook->on_attention(l, own, st);
 
     at::Tensor attn = st.o.to(dtype_).reshape({B, T, Hq * d});

@@ -62,6 +62,22 @@ class AttentionHook {
   // the cache has none). Returns the state to merge as the prefix part (undefined: none).
   virtual AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
                                  const at::Tensor& positions, const AttnState& exact_prefix) = 0;
+  // Decode steps only (one new token per sequence, no left padding): may compute the
+  // attention over the sequences' own tokens itself instead of the exact own state (e.g.
+  // in-request reuse, asmem/engine/mac_decode.h). Called after prefix_state() and after the
+  // step's K/V were appended to the cache, with
+  //   q_pre, q: [B, 1, Hq, d] pre-RoPE / post-RoPE queries (model dtype);
+  //   k, v:     the layer's cache tensors KVCache::k[layer] / v[layer], [B, Hkv, capacity, d],
+  //             holding `length` own tokens per sequence, the step's token last (length - 1);
+  //   prefix:   the state prefix_state() returned (undefined: no prefix part).
+  // Returns the merged state, prefix part included ([B, 1, Hq, d] / [B, 1, Hq] fp32), which
+  // then feeds the output projection as is; on_attention() receives an undefined `own`.
+  // Undefined (the default): the model computes the exact own state and merges as usual.
+  virtual AttnState decode_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, int64_t length,
+                                 const AttnState& prefix) {
+    return {};
+  }
   // Called after the merge at every layer with the state over the sequences' own tokens
   // and the merged state that feeds the output projection. Default: nothing.
   virtual void on_attention(int64_t layer, const AttnState& own, const AttnState& merged) {}
