@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "asmem/cuda_check.cuh"
+#include "bench_util.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
 
@@ -76,32 +77,10 @@ struct Options {
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
 };
 
-struct DevMem {
-  void* p = nullptr;
-  size_t n = 0;
-  DevMem() = default;
-  explicit DevMem(size_t bytes) : n(bytes) { ASMEM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  DevMem(DevMem&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
-  DevMem& operator=(DevMem&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(n, o.n);
-    return *this;
-  }
-  ~DevMem() {
-    if (p) cudaFree(p);
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
-template <typename T>
-DevMem Upload(const std::vector<T>& v) {
-  DevMem m(v.size() * sizeof(T));
-  ASMEM_CUDA_CHECK(cudaMemcpy(m.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return m;
-}
+using bench::DevMem;
+using bench::ElapsedUs;
+using bench::Median;
+using bench::Upload;
 
 // Fast normal variates (xorshift + Box-Muller); data quality is irrelevant to timing.
 struct Rng {
@@ -212,11 +191,6 @@ struct Timing {
   int iters = 0, rotations = 0;
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Captures one step per rotation in a graph, then times replays (see the file comment).
 Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotations,
@@ -253,12 +227,7 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> us(opt.iters);
-  for (int i = 0; i < opt.iters; ++i) {
-    float ms = 0;
-    ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us[i] = 1e3 * ms;
-  }
+  const std::vector<double> us = ElapsedUs(ev, opt.iters);
   for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
   for (auto& e : execs) ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
   Timing t;
@@ -356,12 +325,7 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
         ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
       }
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      std::vector<double> us(opt.iters);
-      for (int i = 0; i < opt.iters; ++i) {
-        float ms = 0;
-        ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-        us[i] = 1e3 * ms;
-      }
+      const std::vector<double> us = ElapsedUs(ev, opt.iters);
       for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
       res.ok = true;
       res.t.median_us = Median(us);

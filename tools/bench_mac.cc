@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "asmem/cuda_check.cuh"
+#include "bench_util.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
 #include "asmem/reuse.h"
@@ -70,32 +71,10 @@ struct Options {
   MacConfig mac;
 };
 
-struct DevMem {
-  void* p = nullptr;
-  size_t n = 0;
-  DevMem() = default;
-  explicit DevMem(size_t bytes) : n(bytes) { ASMEM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  DevMem(DevMem&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
-  DevMem& operator=(DevMem&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(n, o.n);
-    return *this;
-  }
-  ~DevMem() {
-    if (p) cudaFree(p);
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
-template <typename T>
-DevMem Upload(const std::vector<T>& v) {
-  DevMem m(v.size() * sizeof(T));
-  ASMEM_CUDA_CHECK(cudaMemcpy(m.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return m;
-}
+using bench::DevMem;
+using bench::ElapsedUs;
+using bench::Median;
+using bench::Upload;
 
 template <typename T>
 void Put(const DevMem& m, const std::vector<T>& v) {
@@ -140,11 +119,6 @@ struct Timing {
   int iters = 0;
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Captures `enqueue` once in a graph, then times replays (see the file comment).
 Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options& opt, cudaStream_t stream,
@@ -167,12 +141,7 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> us(opt.iters);
-  for (int i = 0; i < opt.iters; ++i) {
-    float ms = 0;
-    ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us[i] = 1e3 * ms;
-  }
+  const std::vector<double> us = ElapsedUs(ev, opt.iters);
   for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(x));
   ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
   Timing t;
