@@ -14,64 +14,14 @@
 #include "asmem/error.h"
 #include "decode_common.h"
 #include "decode_launch.cuh"
+#include "kernel_dispatch.cuh"
 
 namespace asmem {
 namespace decode {
 namespace {
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-template <int N>
-using IntTag = std::integral_constant<int, N>;
+using kernel_dispatch::Log2;
 
-template <typename F, typename DT, typename HD, int GROUP>
-void DispatchGroupFrom(int group, F&& f, DT dt, HD hd) {
-  if constexpr (GROUP <= kDecodeMaxGroup) {
-    if (group == GROUP) {
-      f(dt, hd, IntTag<GROUP>{});
-      return;
-    }
-    DispatchGroupFrom<F, DT, HD, GROUP + 1>(group, std::forward<F>(f), dt, hd);
-  } else {
-    throw UnsupportedError("decode attention: group size " + std::to_string(group) +
-                           " is not supported");
-  }
-}
-
-template <typename F, typename DT>
-void DispatchHeadDim(int head_dim, int group, F&& f, DT dt) {
-  switch (head_dim) {
-    case 64: return DispatchGroupFrom<F, DT, IntTag<64>, 1>(group, std::forward<F>(f), dt, IntTag<64>{});
-    case 128: return DispatchGroupFrom<F, DT, IntTag<128>, 1>(group, std::forward<F>(f), dt, IntTag<128>{});
-    default:
-      throw UnsupportedError("decode attention: head_dim " + std::to_string(head_dim) +
-                             " is not supported");
-  }
-}
-
-// The one place that maps (dtype, head dim, group size) to a kernel instantiation:
-// f(TypeTag<DType>, IntTag<HEAD_DIM>, IntTag<GROUP>). Unsupported values throw; the set
-// matches DecodeSupported (decode_cpu.cc), which every caller checks first.
-template <typename F>
-void DispatchDecode(KernelDType dtype, int head_dim, int group, F&& f) {
-  switch (dtype) {
-    case KernelDType::kBF16:
-      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__nv_bfloat16>{});
-    case KernelDType::kF16:
-      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__half>{});
-    default:
-      throw UnsupportedError(std::string("decode attention: dtype ") + KernelDTypeName(dtype) +
-                             " is not supported");
-  }
-}
-
-int Log2(int x) {
-  int s = 0;
-  while ((1 << s) < x) ++s;
-  return s;
-}
 
 }  // namespace
 }  // namespace decode
@@ -134,7 +84,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.n_lookup_ctas = c.num_kv_heads * plan.lookup_splits * a.lookup_reps;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
-  DispatchDecode(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+  kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;

@@ -12,60 +12,14 @@
 #include "asmem/reuse.h"
 #include "reuse_common.h"
 #include "reuse_launch.cuh"
+#include "kernel_dispatch.cuh"
 
 namespace asmem {
 namespace mac {
 namespace {
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-template <int N>
-using IntTag = std::integral_constant<int, N>;
+using kernel_dispatch::Log2;
 
-template <typename F, typename DT, typename HD, int GROUP>
-void DispatchGroupFrom(int group, F&& f, DT dt, HD hd) {
-  if constexpr (GROUP <= kDecodeMaxGroup) {
-    if (group == GROUP) {
-      f(dt, hd, IntTag<GROUP>{});
-      return;
-    }
-    DispatchGroupFrom<F, DT, HD, GROUP + 1>(group, std::forward<F>(f), dt, hd);
-  } else {
-    throw UnsupportedError("MAC attention: group size " + std::to_string(group) + " is not supported");
-  }
-}
-
-template <typename F, typename DT>
-void DispatchHeadDim(int head_dim, int group, F&& f, DT dt) {
-  switch (head_dim) {
-    case 64: return DispatchGroupFrom<F, DT, IntTag<64>, 1>(group, std::forward<F>(f), dt, IntTag<64>{});
-    case 128: return DispatchGroupFrom<F, DT, IntTag<128>, 1>(group, std::forward<F>(f), dt, IntTag<128>{});
-    default:
-      throw UnsupportedError("MAC attention: head_dim " + std::to_string(head_dim) + " is not supported");
-  }
-}
-
-// The one place that maps (dtype, head dim, group size) to an instantiation:
-// f(TypeTag<DType>, IntTag<HEAD_DIM>, IntTag<GROUP>). The set matches MacSupported.
-template <typename F>
-void Dispatch(KernelDType dtype, int head_dim, int group, F&& f) {
-  switch (dtype) {
-    case KernelDType::kBF16:
-      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__nv_bfloat16>{});
-    case KernelDType::kF16:
-      return DispatchHeadDim(head_dim, group, std::forward<F>(f), TypeTag<__half>{});
-    default:
-      throw UnsupportedError(std::string("MAC attention: dtype ") + KernelDTypeName(dtype) + " is not supported");
-  }
-}
-
-int Log2(int x) {
-  int s = 0;
-  while ((1 << s) < x) ++s;
-  return s;
-}
 
 void CheckWorkspace(void* ws, size_t have, size_t need, const char* fn, const char* sizer) {
   if (have < need) {
@@ -137,7 +91,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.pdl = c.programmatic_launch;
-  Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+  kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
@@ -175,7 +129,7 @@ void MacFill(const MacDecodeConfig& c, const MacFillParams& f, void* workspace, 
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   const int64_t ctas = int64_t(f.batch) * f.num_positions * c.num_kv_heads * a.fill_splits;
   if (ctas > int64_t(1) << 31) throw InvalidArgument(std::string(fn) + ": too many positions");
-  Dispatch(c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
+  kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
