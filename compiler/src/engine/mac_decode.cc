@@ -119,6 +119,7 @@ MacDecode::MacDecode(const LlamaModel& model, const MacDecodeOptions& options)
   slots_.assign(size_t(opt_.batch), MacSlot{});
   stats_.layers.assign(size_t(L_), MacLayerStats{});
   last_hits_.assign(size_t(L_), at::Tensor());
+  pending_hits_.assign(size_t(L_), at::Tensor());
 }
 
 MacDecode::~MacDecode() = default;
@@ -130,6 +131,7 @@ void MacDecode::reset() {
   }
   slots_dirty_ = true;
   seen_ = 0;
+  pending_hits_.assign(size_t(L_), at::Tensor());
   for (auto& ly : layers_) {
     ly->rec_q = at::Tensor();
     ly->rec_q_pre = at::Tensor();
@@ -343,30 +345,40 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
     MacAttentionCpu(cfg_, p);
   }
 
-  // Statistics (the hit positions on the host).
-  at::Tensor hits = hit.to(at::kCPU).contiguous();
-  const int32_t* hp = hits.data_ptr<int32_t>();
-  MacLayerStats& s = stats_.layers[size_t(layer)];
-  const int32_t T = int32_t(length);
+  // Statistics. The hit positions stay on the device until the step's last layer, so a
+  // CUDA step waits for the host once, not once per layer.
+  pending_hits_[size_t(layer)] = hit;
+  if (layer == L_ - 1) collect_stats(B, int32_t(length));
+  return {o.to(at::kFloat).reshape({B, 1, Hq_, d_}), lse.reshape({B, 1, Hq_})};
+}
+
+void MacDecode::collect_stats(int64_t B, int32_t T) {
   const int64_t G = Hq_ / Hkv_;
   const bool gate_open = opt_.mac.enable && T >= opt_.mac.min_context;
-  for (int64_t b = 0; b < B; ++b) {
-    const bool open = gate_open && slots_[size_t(b)].ready != 0;
-    for (int64_t hq = 0; hq < Hq_; ++hq) {
-      const int32_t h = hp[b * Hq_ + hq];
-      s.decisions += 1;
-      s.eligible += open ? 1 : 0;
-      s.hits += h >= 0 ? 1 : 0;
-      s.exact_tokens += MacGroupTokens(opt_.mac, T, &h, 1);
-      s.context_tokens += T;
+  for (int64_t layer = 0; layer < L_; ++layer) {
+    at::Tensor& pending = pending_hits_[size_t(layer)];
+    if (!pending.defined()) continue;
+    at::Tensor hits = pending.to(at::kCPU).contiguous();
+    pending = at::Tensor();
+    const int32_t* hp = hits.data_ptr<int32_t>();
+    MacLayerStats& s = stats_.layers[size_t(layer)];
+    for (int64_t b = 0; b < B; ++b) {
+      const bool open = gate_open && slots_[size_t(b)].ready != 0;
+      for (int64_t hq = 0; hq < Hq_; ++hq) {
+        const int32_t h = hp[b * Hq_ + hq];
+        s.decisions += 1;
+        s.eligible += open ? 1 : 0;
+        s.hits += h >= 0 ? 1 : 0;
+        s.exact_tokens += MacGroupTokens(opt_.mac, T, &h, 1);
+        s.context_tokens += T;
+      }
+      for (int64_t g = 0; g < Hkv_; ++g) {
+        s.group_tokens += MacGroupTokens(opt_.mac, T, hp + b * Hq_ + g * G, int32_t(G));
+        s.group_context += T;
+      }
     }
-    for (int64_t g = 0; g < Hkv_; ++g) {
-      s.group_tokens += MacGroupTokens(opt_.mac, T, hp + b * Hq_ + g * G, int32_t(G));
-      s.group_context += T;
-    }
+    if (record_hits_) last_hits_[size_t(layer)] = hits;
   }
-  if (record_hits_) last_hits_[size_t(layer)] = hits;
-  return {o.to(at::kFloat).reshape({B, 1, Hq_, d_}), lse.reshape({B, 1, Hq_})};
 }
 
 }  // namespace asmem

@@ -134,6 +134,9 @@ class MacDecode : public AttentionHook {
   MacStats stats_;
   bool record_hits_ = false;
   std::vector<at::Tensor> last_hits_;
+  std::vector<at::Tensor> pending_hits_;  // [L] this step's hit positions (device)
+  // Folds this step's hit positions of every layer into stats_ (one host wait per step).
+  void collect_stats(int64_t B, int32_t T);
 };
 
 }  // namespace asmem
