@@ -66,8 +66,7 @@ struct Options {
   bool quick = false, torch = true, full_ours = true, check_only = false;
   std::string out, commit;
   int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
-  bool fast_lookup = false, attention_first = false;  // DecodeConfig lookup tuning knobs
-  int lookup_rows = 0;
+  int lookup_ctas = 0;  // DecodeConfig::lookup_ctas (0: the default)
   double hbm_tbps = 4.3;
   std::vector<std::string> modes = {"linear", "hier"};
   std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
@@ -429,8 +428,7 @@ int Run(const Options& opt) {
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"T", T}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"top_m", opt.top_m},
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
-                     {"plan_ctas", opt.plan_ctas}, {"fast_lookup", opt.fast_lookup},
-                     {"attention_first", opt.attention_first}, {"lookup_rows", opt.lookup_rows}};
+                     {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -605,9 +603,7 @@ int Run(const Options& opt) {
           c.max_seq_len = T;
           c.plan_ctas = opt.plan_ctas;
           c.use_dictionaries = true;
-          c.fast_lookup = opt.fast_lookup;
-          c.attention_first = opt.attention_first;
-          c.lookup_rows_per_split = opt.lookup_rows;
+          c.lookup_ctas = opt.lookup_ctas;
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
           c.max_lookup_rows = rows;
@@ -683,10 +679,8 @@ int main(int argc, char** argv) {
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
-  app.add_flag("--fast-lookup", opt.fast_lookup, "DecodeConfig::fast_lookup (in-CTA parent selection)");
-  app.add_flag("--attention-first", opt.attention_first, "DecodeConfig::attention_first");
-  app.add_option("--lookup-rows", opt.lookup_rows, "DecodeConfig::lookup_rows_per_split (0: default)")
-      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--torch-backends", opt.torch_backends, "torch SDPA backends: cudnn flash efficient math");
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");

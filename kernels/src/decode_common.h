@@ -23,12 +23,11 @@ constexpr int32_t kMinSplitTokens = 128;
 // 103 / 109 / 120 us at two / four / eight waves. DecodeConfig::plan_ctas overrides it.
 constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
-// Lookup: the dictionary rows (linear) or parents (hierarchical) of one view are cut into
-// lookup_splits chunks, about kLookupRowsPerSplit of the scanned rows each, at most
-// kMaxLookupSplits. Each chunk is scanned once for all requests that share the
-// dictionary; up to kLookupReps CTAs per (KV head, chunk) take different dictionaries.
-constexpr int64_t kLookupRowsPerSplit = 64;
-constexpr int32_t kMaxLookupSplits = 64;
+// Lookup: CTA s of the S lookup CTAs per (rep, KV head) scores segments s, s + S, ... of
+// a view (decode_kernels.cuh). The default S puts one rep's CTAs at about one per SM
+// (DecodeConfig::lookup_ctas overrides it); up to kLookupReps reps take different
+// dictionaries.
+constexpr int32_t kMaxLookupCtas = 1024;
 constexpr int32_t kLookupReps = 4;
 // Largest lookup key (G * d) the kernels hold in shared memory.
 constexpr int32_t kMaxKeyDim = 8 * 128;
@@ -78,12 +77,12 @@ struct LookupPartial {
 
 // Byte offsets into the workspace (each 256-byte aligned).
 struct WorkspaceLayout {
-  size_t part_o = 0;       // [B, Hq, kv_splits, d] f32
-  size_t part_lse = 0;     // [B, Hq, kv_splits] f32
-  size_t lookup_part = 0;  // [B, Hkv, lookup_splits] LookupPartial
-  size_t lookup_keys = 0;  // [B, Hkv, G*d] f32 prepared lookup keys (use_dictionaries only)
-  size_t probe = 0;        // [B, Hkv, kProbeWords] u32 probed-parent bits (use_dictionaries)
-  size_t probe_mode = 0;   // [B, Hkv] i32: 1 probe bits valid, 2 scan all K (use_dictionaries)
+  size_t part_o = 0;    // [B, Hq, kv_splits, d] f32
+  size_t part_lse = 0;  // [B, Hq, kv_splits] f32
+  size_t pbest = 0;     // [B, Hkv, lookup_width] LookupPartial (use_dictionaries only)
+  size_t pscore = 0;    // [B, Hkv, parent_width] f32 parent scores (use_dictionaries)
+  size_t probe = 0;     // [B, Hkv, kProbeWords] u32 probed-parent bits (use_dictionaries)
+  size_t whitened = 0;  // [B, Hkv, G*d] f32 whitened lookup keys (config.whitening)
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);

@@ -90,9 +90,7 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.max_seq_len < 0) return "max_seq_len must be >= 0";
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
   if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
-  if (c.lookup_rows_per_split < 0) {
-    return "lookup_rows_per_split must be >= 0, got " + std::to_string(c.lookup_rows_per_split);
-  }
+  if (c.lookup_ctas < 0) return "lookup_ctas must be >= 0, got " + std::to_string(c.lookup_ctas);
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;
@@ -182,14 +180,15 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   off = AlignUp(off + B * Hq * S * d * sizeof(float));
   w.part_lse = off;
   off = AlignUp(off + B * Hq * S * sizeof(float));
-  w.lookup_part = off;
-  off = AlignUp(off + B * Hkv * size_t(plan.lookup_splits) * sizeof(LookupPartial));
-  w.lookup_keys = off;
-  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  const bool dicts = c.use_dictionaries;
+  w.pbest = off;
+  if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.lookup_width) * sizeof(LookupPartial));
+  w.pscore = off;
+  if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.parent_width) * sizeof(float));
   w.probe = off;
-  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * size_t(kProbeWords) * sizeof(uint32_t));
-  w.probe_mode = off;
-  if (c.use_dictionaries) off = AlignUp(off + B * Hkv * sizeof(int32_t));
+  if (dicts) off = AlignUp(off + B * Hkv * size_t(kProbeWords) * sizeof(uint32_t));
+  w.whitened = off;
+  if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
   w.total = off;
   return w;
 }
@@ -212,11 +211,13 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
                                                   kMinSplitTokens);
   plan.kv_splits = int32_t(std::max<int64_t>(1, std::min({want, by_len, int64_t(kMaxKvSplits)})));
   if (c.use_dictionaries) {
-    const int64_t rows_per_split =
-        c.lookup_rows_per_split > 0 ? int64_t(c.lookup_rows_per_split) : kLookupRowsPerSplit;
-    const int64_t by_rows =
-        std::max<int64_t>(1, (c.max_lookup_rows + rows_per_split - 1) / rows_per_split);
-    plan.lookup_splits = int32_t(std::min<int64_t>(by_rows, kMaxLookupSplits));
+    const int64_t per_head = (kDecodePlanSms + c.num_kv_heads - 1) / c.num_kv_heads;
+    plan.lookup_splits =
+        int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
+    plan.parent_width = int32_t(c.max_lookup_rows > 0
+                                    ? std::min<int64_t>(c.max_lookup_rows, kDecodeMaxParents)
+                                    : kDecodeMaxParents);
+    plan.lookup_width = std::max(plan.parent_width, plan.lookup_splits);
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;
   return plan;

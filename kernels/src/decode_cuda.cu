@@ -44,9 +44,9 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   const WorkspaceLayout L = LayoutWorkspace(c, plan);
   char* ws = static_cast<char*>(workspace);
 
-  // Programmatic dependent launch of the main kernel after the parent pass (off with
-  // ASMEM_DECODE_NO_PDL=1) and lookup CTAs per (KV head, chunk) (ASMEM_DECODE_LOOKUP_REPS,
-  // default kLookupReps): for comparison and tuning.
+  // The attention kernel starts beside the lookup kernel (programmatic dependent launch;
+  // off with ASMEM_DECODE_NO_PDL=1), and lookup CTA sets per KV head take different
+  // dictionaries (ASMEM_DECODE_LOOKUP_REPS, default kLookupReps): for comparison and tuning.
   static const bool no_pdl = [] {
     const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
     return e != nullptr && e[0] == '1';
@@ -71,28 +71,26 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   a.scale_log2 = sm_scale * 1.4426950408889634f;
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
-  a.lookup_part = reinterpret_cast<LookupPartial*>(ws + L.lookup_part);
   a.lookup = p.dict_ids != nullptr;
-  a.fast_lookup = c.fast_lookup;
-  a.attn_first = c.attention_first;
   if (a.lookup) {
-    a.lookup_keys = reinterpret_cast<float*>(ws + L.lookup_keys);
-    a.whitened = c.whitening ? a.lookup_keys : nullptr;
+    a.parent_width = plan.parent_width;
+    a.lookup_width = plan.lookup_width;
+    a.pbest = reinterpret_cast<LookupPartial*>(ws + L.pbest);
+    a.pscore = reinterpret_cast<float*>(ws + L.pscore);
     a.probe = reinterpret_cast<uint32_t*>(ws + L.probe);
-    a.probe_mode = reinterpret_cast<int32_t*>(ws + L.probe_mode);
+    a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
     a.lookup_reps = std::min(p.batch, lookup_reps);
-    a.n_lookup_ctas = c.num_kv_heads * plan.lookup_splits * a.lookup_reps;
+    a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
   kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
-    size_t smem = AttnTile<HEAD_DIM>::kBytes;
-    if (a.lookup) smem = std::max(smem, LookupTile<HEAD_DIM * GROUP>::kBytes);
     if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
-    if (a.lookup) LaunchDecodeParents<DType, HEAD_DIM, GROUP>(a, stream);
-    LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, smem, a.lookup && !no_pdl, stream);
+    if (a.lookup) LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
+    LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::kBytes, a.lookup && !no_pdl,
+                                             stream);
     LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
   });
 }

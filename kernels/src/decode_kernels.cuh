@@ -2,40 +2,22 @@
 //
 // Launches per step, in stream order:
 //  * [whitening] (config.whitening): W (x - mean) of every (request, KV head) whose view
-//    has whitening, into the workspace's lookup keys.
-//  * parent pass (dictionaries only), one CTA per (request, KV head): prepares the lookup
-//    key, scores a hierarchical view's C1 parents and writes the probed-parent bits. With
-//    config.fast_lookup it returns at once for "fast" views (FastView: bf16 keys and
-//    queries, no whitening, C1 <= 256), whose lookup CTAs do all of it themselves.
-//  * main kernel, two CTA roles (4 warps each), launched with programmatic dependent launch
-//    after the parent pass so the attention CTAs start at once:
-//    - lookup CTAs (rep, KV head, chunk): scan the chunk's key rows once for all requests
-//      that share a dictionary, on tensor cores (bf16 keys: mma.sync with the request keys
-//      split into exact bf16 terms; f16/f32 keys: fp32 CUDA cores); write each request's
-//      best (score, index) of the chunk. Fast views (config.fast_lookup): the keys come
-//      from q_pre and every chunk CTA scores the C1 parents for its requests (tensor
-//      cores, L2-resident) and ranks them itself, so nothing waits for the parent pass;
-//      other views wait for it. Measured slower (B=32 hier 119 vs 102 us): off by default.
-//    - attention CTAs (request, KV head, KV split): K/V tiles through a 3-stage cp.async
-//      pipeline, Q K^T and P V on tensor cores for all G heads of the group, fp32 online
-//      softmax; write the split's normalized state (o, lse) to the workspace.
-//  * combine, one warp per (request, query head): best entry over the chunks, gather of its
-//    (o, lse), the one merge (state.cuh) with every non-empty KV split.
+//    has whitening, into the workspace.
+//  * lookup (dictionaries only): CTAs (rep, KV head, s) score every key row of the views
+//    for all requests that share a dictionary at once: bf16 / f16 keys on tensor cores
+//    (mma.sync; whole 64-row tiles through a 4-stage cp.async pipeline), f32 keys on CUDA
+//    cores. A view is cut into segments (its parents; each parent's children; or slices of
+//    a linear view), each segment's best goes to the workspace, the CTA holding the parents
+//    also writes the probed-parent bits. No CTA waits for another.
+//  * attention, launched with programmatic dependent launch so its CTAs run beside the
+//    lookup CTAs: CTAs (request, KV head, KV split) stream K/V tiles through a 3-stage
+//    cp.async pipeline (page ids loaded one step ahead), Q K^T and P V on tensor cores for
+//    all G heads of the group, fp32 online softmax; write the split's normalized state.
+//  * combine, one warp per (request, query head): the entry (the best child of the probed
+//    parents, or of all rows when every probed parent is childless; linear: the best
+//    slice), its (o, lse), and the n-way merge (state.cuh LseSum) with every KV split.
 //
-// Measured (H200, bf16, LLaMA-8B shapes, page 16; tools/results/bench_decode_h200.json and
-// decode_h200_diagnostics.md):
-//  * Long sequences without a dictionary stream at 4.5-4.6 TB/s (104-106% of the 4.3 TB/s
-//    copy roofline), within 1-4% of cuDNN SDPA on contiguous K/V at B >= 32; one wave of
-//    short CTAs (B=1, or T=1K) does not: B=32 T=1K takes 51 us (62% of roofline).
-//  * The lookup chain is latency-bound and is the critical path of the op: at B=32 K=4096
-//    hierarchical the lookups alone (T=0) take 92 us against 51 us for the attention alone;
-//    ncu (kernels serialized): parent pass 14 us (8 CTAs or 256: dependent loads), lookup
-//    + attention main kernel 83 us, combine 6-9 us. Next steps: fewer dependent round
-//    trips in the parent pass and the lookup CTA prologue, deeper lookup pipelines, and
-//    lookup work spread over the attention CTAs so it stops holding SM slots.
-//  * Lookups without the parent pass (fast_lookup) did not help: B=1 stays at 53 us and the
-//    lookups alone at 50 us; each dependent step of a lookup CTA costs 2-3 us, and a lookup
-//    CTA keeps only two 16 KB stages in flight (decode_h200_diagnostics.md).
+// Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -284,28 +266,6 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
          ((v.whitening == nullptr) == (v.whitening_mean == nullptr));
 }
 
-// Views whose lookup runs wholly inside the lookup CTAs when config.fast_lookup is set:
-// bf16 keys, bf16 queries (the lookup key is q_pre itself, one exact bf16 term), no
-// whitening, at most kMaxChunkParents parents, and the members' parent scores [MB][C1 | 1]
-// fit in the query area next to the keys. The parent pass skips them and their lookup CTAs
-// do not wait for it.
-template <typename DType, int KEY_DIM>
-__device__ __forceinline__ bool FastView(const DictLayerView& v) {
-  using L = LookupTile<KEY_DIM>;
-  if constexpr (!std::is_same<DType, __nv_bfloat16>::value) {
-    return false;
-  } else {
-    constexpr int kFit = L::kQueryBytes / (16 * KEY_DIM * 2);  // 16-member blocks that fit
-    constexpr int kMB = 16 * (kFit < 2 ? kFit : 2);           // as LookupBlock's MB
-    if (kMB == 0 || !ViewUsable(v) || v.keys_dtype != KernelDType::kBF16 ||
-        v.whitening != nullptr || v.C1 > L::kMaxChunkParents) {
-      return false;
-    }
-    const int64_t ld = v.C1 | 1;
-    return int64_t(kMB) * KEY_DIM * 2 + int64_t(kMB) * ld * 4 <= L::kQueryBytes;
-  }
-}
-
 // The lookup key of (b, h) into q (shared): whitened W (x - mean) when the view has
 // whitening (from the whitening launch when there was one). xm: [KEY_DIM] scratch.
 // Ends with a barrier.
@@ -394,8 +354,46 @@ __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
   return y;
 }
 
-// Programmatic dependent launch: the parent pass lets the main kernel start early; the
-// main kernel's lookup CTAs wait for the parent pass (its completion and memory).
+// mbarriers and bulk (TMA) copies global -> shared, completion counted in bytes.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = SmemAddr(bar);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  }
+}
+// Orders this thread's earlier shared-memory accesses before later async-proxy (bulk copy)
+// writes, and mbarrier inits before their use by the async proxy.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void BulkCopyToShared(void* smem, const void* gmem, uint32_t bytes,
+                                                 uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          SmemAddr(smem)),
+      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+// Programmatic dependent launch: a kernel lets the next one in the stream start early; the
+// next one waits for its completion (and memory) where it needs it.
 __device__ __forceinline__ void GridLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
@@ -404,117 +402,50 @@ __device__ __forceinline__ void GridDependencyWait() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Parent pass: one CTA per (request, KV head) with a dictionary.
-// ---------------------------------------------------------------------------------------
-
-// Prepares the lookup key (whitened when the view says so) into lookup_keys; for a
-// hierarchical view scores the C1 parents (fp32, L2-resident), marks the top_m by rank
-// (score desc, index asc) in the probe bits, and sets probe_mode to 1, or to 2 (scan all K)
-// when every probed parent is childless. Linear views: probe_mode 2.
-template <typename DType, int KEY_DIM>
-__global__ void __launch_bounds__(kThreads) DecodeParentsKernel(const LaunchArgs a) {
-  GridLaunchDependents();  // the main kernel may start; its lookup CTAs wait for this grid
-  extern __shared__ float4 parent_smem[];
-  float* q = reinterpret_cast<float*>(parent_smem);                     // [KEY_DIM]
-  float* xm = q + KEY_DIM;                                               // [KEY_DIM]
-  float* pscore = xm + KEY_DIM;                                          // [kDecodeMaxParents]
-  uint32_t* mask = reinterpret_cast<uint32_t*>(pscore + kDecodeMaxParents);  // [kProbeWords]
-  int32_t* flag = reinterpret_cast<int32_t*>(mask + kProbeWords);
-  const DecodeParams& p = a.p;
-  const int b = int(blockIdx.x) / a.hkv, h = int(blockIdx.x) % a.hkv;
-  const int tid = threadIdx.x;
-  const int32_t id = p.dict_ids[b];
-  if (id < 0 || id >= p.num_dicts) return;  // none; a bad id is flagged by the combine
-  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-  if (!ViewUsable(v)) return;  // the lookup CTAs write the empty result, the combine flags it
-  if (a.fast_lookup && FastView<DType, KEY_DIM>(v)) return;  // the lookup CTAs do it all
-  PrepareKey<DType, KEY_DIM>(a, v, b, h, q, xm);
-  const int64_t bh = int64_t(b) * a.hkv + h;
-  if (!(v.whitening && a.whitened)) {  // (the whitening launch wrote whitened keys there)
-    for (int i = tid; i < KEY_DIM; i += kThreads) a.lookup_keys[bh * KEY_DIM + i] = q[i];
-  }
-  if (v.C1 == 0) {
-    if (tid == 0) a.probe_mode[bh] = 2;
-    return;
-  }
-  const int C1 = int(v.C1);
-  for (int w = tid; w < kProbeWords; w += kThreads) mask[w] = 0;
-  if (tid == 0) *flag = 0;
-  Best unused{-INFINITY, -1};
-  ScanRowsAny<KEY_DIM>(v.parent_keys, v.keys_dtype, 0, C1, q, pscore, unused);
-  __syncthreads();
-  const int m = min(v.top_m, C1);
-  const int32_t* off = v.child_offsets;
-  for (int pi = tid; pi < C1; pi += kThreads) {
-    int rank = pi;  // m == C1: every parent
-    if (m < C1) {   // rank by (score desc, index asc); the m best are probed
-      const float sp = pscore[pi];
-      rank = 0;
-      for (int j = 0; j < C1; ++j) {
-        const float sj = pscore[j];
-        rank += (sj > sp) || (sj == sp && j < pi);
-      }
-    }
-    if (rank < m) {
-      atomicOr(&mask[pi >> 5], 1u << (pi & 31));
-      if (__ldg(off + pi + 1) > __ldg(off + pi)) atomicOr(flag, 1);
-    }
-  }
-  __syncthreads();
-  for (int w = tid; w < (C1 + 31) / 32; w += kThreads) a.probe[bh * kProbeWords + w] = mask[w];
-  if (tid == 0) a.probe_mode[bh] = *flag ? 1 : 2;
-}
-
-// ---------------------------------------------------------------------------------------
-// Lookup CTAs of the main kernel: CTA (rep r, KV head h, chunk s) serves every dictionary
-// whose first request ("leader") b has b % lookup_reps == r; for it, the requests that use
-// the dictionary ("members") are scanned together against the chunk's key rows: rows of
-// the chunk's probed parents (hierarchical) or rows [K s/S, K (s+1)/S) (linear, and
-// members whose probed parents are all childless). Each member's best (score, index) of
-// the chunk goes to lookup_part; the combine takes the best over chunks.
+// Lookup kernel (dictionaries only), launched before the attention kernel, which starts
+// beside it (programmatic dependent launch: it reads nothing the lookup writes). CTA (rep r,
+// KV head h, s) of reps x Hkv x S serves every dictionary whose first request b0 has
+// b0 % reps == r, for all of that dictionary's requests ("members") at once, over the
+// dictionary's segments s, s + S, s + 2S, ...:
+//   hierarchical view (C1 > 0): segment 0 = the C1 parent rows, segment 1 + p = the
+//     children of parent p (key rows [off[p], off[p+1]));
+//   linear view: one segment per CTA, key rows [K s/S, K (s+1)/S).
+// Per (member b, KV head h) it writes to the workspace: every parent's score (pscore;
+// segment 0), the best (score, row) of every child segment (pbest[p]) or linear segment
+// (pbest[s]), and, from the CTA that scored the parents, the probed-parent bits (the top_m
+// parents by score desc, index asc). No CTA waits for another: every row of the view is
+// scored for every member (on tensor cores: one row tile serves up to 32 members), and
+// the combine picks the entry (the best child of the probed parents, or of all parents
+// when the probed ones are childless).
 // ---------------------------------------------------------------------------------------
 
 template <int KEY_DIM>
-struct LookupSmem {
-  using L = LookupTile<KEY_DIM>;
-  char* q;          // [terms][MB][KEY_DIM] bf16 member keys, 16-byte chunks swizzled
-  char* stages;     // [kStages][kRows][kCols] bf16 key rows, 16-byte chunks swizzled
-  uint32_t* pm;     // [kMaxChunkParents] members probing each parent of the pass
-  uint32_t* pw;     // [32][kPw] the members' probe words covering the pass
-  int32_t* plist;   // [kMaxChunkParents + 1] probed parents with children (pass-relative)
-  int32_t* pstart;  // [kMaxChunkParents + 1] exclusive prefix of their child counts
-  int32_t* prow;    // [kMaxChunkParents + 1] their first child row
-  int32_t* offs;    // [kMaxChunkParents + 1] child offsets (in-CTA parent selection)
-  int32_t* srow;    // [kStages][kRows] key row of each stage row
-  uint32_t* spm;    // [kStages][kRows] members that score it (0: padding)
-  int32_t* mem;     // [32] member requests of the current block
+struct SegSmem {
+  using L = SegTile<KEY_DIM>;
+  char* q;          // [terms][MB][KEY_DIM] member keys (16-byte chunks swizzled by row);
+                    // CUDA-core path: [2][KEY_DIM] f32; after the scan: ordered parent keys
+  char* stages;     // [kStages][kRows][kRowBytes] key rows (padded rows)
+  uint64_t* bars;   // [kStages] mbarriers: stage landed
+  int32_t* seg_lo;  // [kSegCache] bounds of the CTA's segments k = 0, 1, ...
+  int32_t* seg_hi;
+  int32_t* mem;     // [kMaxMembers] member requests of the current block
   int32_t* ids;     // [kIdCache] dict ids of the first requests
   int32_t* misc;    // [8]
-  Best* red;        // [kWarps][32]
-  __device__ explicit LookupSmem(char* base) {
+  Best* red;        // [kWarps][kMaxMembers]
+  __device__ explicit SegSmem(char* base) {
     q = base;
     stages = q + L::kQueryBytes;
     char* t = stages + L::kStages * L::kStageBytes;
+    bars = reinterpret_cast<uint64_t*>(t);
+    t += 8 * L::kStages;
     red = reinterpret_cast<Best*>(t);
-    t += sizeof(Best) * kWarps * 32;
-    pm = reinterpret_cast<uint32_t*>(t);
-    t += 4 * L::kMaxChunkParents;
-    pw = reinterpret_cast<uint32_t*>(t);
-    t += 4 * 32 * L::kPw;
-    plist = reinterpret_cast<int32_t*>(t);
-    t += 4 * (L::kMaxChunkParents + 1);
-    pstart = reinterpret_cast<int32_t*>(t);
-    t += 4 * (L::kMaxChunkParents + 1);
-    prow = reinterpret_cast<int32_t*>(t);
-    t += 4 * (L::kMaxChunkParents + 1);
-    offs = reinterpret_cast<int32_t*>(t);
-    t += 4 * (L::kMaxChunkParents + 1);
-    srow = reinterpret_cast<int32_t*>(t);
-    t += 4 * L::kStages * L::kRows;
-    spm = reinterpret_cast<uint32_t*>(t);
-    t += 4 * L::kStages * L::kRows;
+    t += sizeof(Best) * kWarps * L::kMaxMembers;
+    seg_lo = reinterpret_cast<int32_t*>(t);
+    t += 4 * L::kSegCache;
+    seg_hi = reinterpret_cast<int32_t*>(t);
+    t += 4 * L::kSegCache;
     mem = reinterpret_cast<int32_t*>(t);
-    t += 4 * 32;
+    t += 4 * L::kMaxMembers;
     ids = reinterpret_cast<int32_t*>(t);
     t += 4 * L::kIdCache;
     misc = reinterpret_cast<int32_t*>(t);
@@ -524,191 +455,151 @@ struct LookupSmem {
   }
 };
 
-// Scores rows [0, N) of a virtual row list (row_of(v, &row, &members)) against the member
-// keys in shared memory with mma.sync (A = 16 members x 16 dims per term, B = 8 rows x 16
-// dims), through a kStages-deep cp.async pipeline of 32-row x kCols stages; warp w scores
-// stage rows 8w..8w+7. Keeps each lane's best (score, row) of members mt*16 + g (best[mt][0])
-// and mt*16 + g + 8 (best[mt][1]) over rows the member scores. With `scores` set, member i's
-// score of row r goes to scores[i * ld + r] instead (rows with a non-zero member mask).
-template <int KEY_DIM, typename RowFn>
-__device__ __forceinline__ void LookupScan(const __nv_bfloat16* __restrict__ keys, int64_t N,
-                                           RowFn row_of, int nmt, int terms, int term_bytes,
-                                           const LookupSmem<KEY_DIM>& sm, Best (&best)[2][2],
-                                           float* scores = nullptr, int ld = 0) {
-  using L = LookupTile<KEY_DIM>;
-  constexpr int kNKC = KEY_DIM / L::kCols;   // stages per 32-row tile
-  constexpr int kRC = L::kCols / 8;          // 16-byte chunks per stage row
-  constexpr int kPer = kRC / 4;              // chunks per thread (4 threads per stage row)
-  constexpr int kQRC = KEY_DIM / 8;          // 16-byte chunks per member key row
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int lr = tid >> 2, q4 = tid & 3;
-  const int64_t n_tiles = (N + L::kRows - 1) / L::kRows;
-  const int64_t total = n_tiles * kNKC;
-  int64_t cur_tile = -1, my_row = 0;
-  uint32_t my_pm = 0;
-  auto issue = [&](int64_t st) {
-    if (st < total) {
-      const int64_t tile = st / kNKC;
-      const int kc = int(st % kNKC);
-      const int slot = int(st % L::kStages);
-      if (tile != cur_tile) {
-        cur_tile = tile;
-        const int64_t vr = tile * L::kRows + lr;
-        my_row = 0;
-        my_pm = 0;
-        if (vr < N) row_of(vr, my_row, my_pm);
-      }
-      if (q4 == 0) {
-        sm.srow[slot * L::kRows + lr] = int32_t(my_row);
-        sm.spm[slot * L::kRows + lr] = my_pm;
-      }
-      char* dst = sm.stages + slot * L::kStageBytes + lr * (L::kCols * 2);
-      const __nv_bfloat16* src = keys + my_row * KEY_DIM + kc * L::kCols;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int c = q4 + 4 * i;
-        CpAsync16(dst + ((c ^ (lr & 7)) << 4), src + c * 8, my_pm != 0);
-      }
-    }
-    CpAsyncCommit();  // one group per stage, empty ones too, so the wait count is uniform
-  };
-  float acc[2][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-  }
-#pragma unroll
-  for (int i = 0; i < L::kStages - 1; ++i) issue(i);
-  for (int64_t st = 0; st < total; ++st) {
-    CpAsyncWait<L::kStages - 2>();
-    __syncthreads();
-    issue(st + L::kStages - 1);
-    const int kc = int(st % kNKC);
-    const int slot = int(st % L::kStages);
-    const char* stg = sm.stages + slot * L::kStageBytes;
-#pragma unroll 2
-    for (int kk = 0; kk < L::kCols / 32; ++kk) {
-      uint32_t bf[4];
-      {
-        const int row = warp * 8 + (lane & 7);
-        const int ch = 4 * kk + (lane >> 3);
-        Ldsm4(bf, stg + row * (L::kCols * 2) + ((ch ^ (row & 7)) << 4));
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int qch = (kc * L::kCols + kk * 32 + half * 16) / 8 + (lane >> 4);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          if (mt < nmt) {
-            const int mrow = mt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-            const char* qa = sm.q + (mrow * kQRC + (qch ^ (mrow & 7))) * 16;
-#pragma unroll
-            for (int tt = 0; tt < 3; ++tt) {
-              if (tt < terms) {
-                uint32_t af[4];
-                Ldsm4(af, qa + tt * term_bytes);
-                Mma16816<__nv_bfloat16>(acc[mt], af, bf[2 * half], bf[2 * half + 1]);
-              }
-            }
-          }
-        }
-      }
-    }
-    if (kc == kNKC - 1) {  // the tile's scores are complete: keep each member's best
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int lrow = slot * L::kRows + warp * 8 + 2 * t4 + c;
-        const uint32_t pmr = sm.spm[lrow];
-        const int32_t row = sm.srow[lrow];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const int i0 = mt * 16 + g, i1 = i0 + 8;
-          if (scores != nullptr) {
-            if (mt < nmt && pmr != 0u) {
-              scores[i0 * ld + row] = acc[mt][c];
-              scores[i1 * ld + row] = acc[mt][2 + c];
-            }
-            continue;
-          }
-          if (((pmr >> i0) & 1u) && Beats(acc[mt][c], row, best[mt][0].score, best[mt][0].index)) {
-            best[mt][0] = {acc[mt][c], row};
-          }
-          if (((pmr >> i1) & 1u) && Beats(acc[mt][2 + c], row, best[mt][1].score, best[mt][1].index)) {
-            best[mt][1] = {acc[mt][2 + c], row};
-          }
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-      }
-    }
-  }
-  CpAsyncWait<0>();
-  __syncthreads();  // the stages and tables are reused by the next scan
+// A view the lookup serves: usable, and its parents fit the workspace's parent tables.
+__device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const LaunchArgs& a) {
+  return ViewUsable(v) && v.C1 <= a.parent_width;
 }
 
-// Members sm.mem[0, n) of one dictionary (view v), bf16 keys: tensor-core scan. `fast`
-// (FastView): the member keys come from q_pre and a hierarchical view's probed parents are
-// selected here (every chunk CTA scores all C1 parents for its members, on tensor cores);
-// otherwise from the parent pass (lookup_keys, probe bits, probe_mode).
-template <typename DType, int KEY_DIM>
-__device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& sm,
-                                const DictLayerView& v, int n, int MB, int terms, int h, int s,
-                                bool fast) {
-  using L = LookupTile<KEY_DIM>;
+// The segments of CTA s of S over view v (see above). Bounds of segment k of the CTA:
+struct SegList {
+  const DictLayerView* v;
+  int s, S, n;  // n: segments of this CTA
+  __device__ SegList(const DictLayerView& view, int s_, int S_) : v(&view), s(s_), S(S_) {
+    if (view.C1 > 0) {
+      const int total = int(view.C1) + 1;
+      n = s < total ? (total - 1 - s) / S + 1 : 0;
+    } else {
+      n = 1;
+    }
+  }
+  __device__ bool Parents(int k) const { return v->C1 > 0 && s + S * k == 0; }
+  __device__ int Slot(int k) const { return v->C1 > 0 ? s + S * k - 1 : s; }
+  __device__ void Bounds(int k, int64_t& lo, int64_t& hi) const {
+    if (v->C1 == 0) {
+      lo = v->K * s / S;
+      hi = v->K * (s + 1) / S;
+    } else if (s + S * k == 0) {
+      lo = 0;
+      hi = v->C1;
+    } else {
+      const int p = s + S * k - 1;
+      lo = __ldg(v->child_offsets + p);
+      hi = __ldg(v->child_offsets + p + 1);
+    }
+  }
+};
+
+// Float -> uint32 in the same order (for radix selection); -0 counts as +0.
+__device__ __forceinline__ uint32_t OrderedKey(float f) {
+  const uint32_t u = __float_as_uint(f == 0.f ? 0.f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The probed-parent bits of members sm.mem[0, n) from their C1 parent scores (pscore):
+// parent p is probed iff fewer than m = min(top_m, C1) parents beat it (score desc, index
+// asc). One warp per member: the m-th largest score by bitwise radix selection, then the
+// ties at it taken in index order. Uses sm.q as scratch. Called by the whole CTA.
+template <int KEY_DIM>
+__device__ void SelectProbed(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
+                             const DictLayerView& v, int n, int h) {
+  static_assert(SegTile<KEY_DIM>::kQueryBytes >= kWarps * kDecodeMaxParents * 4, "scratch");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int C1 = int(v.C1);
+  const int m = min(v.top_m, C1);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(sm.q) + warp * kDecodeMaxParents;
+  __syncthreads();  // pscore written by this CTA is visible; sm.q is free
+  for (int i = warp; i < n; i += kWarps) {
+    const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
+    const float* ps = a.pscore + bh * a.parent_width;
+    uint32_t* pw = a.probe + bh * kProbeWords;
+    for (int p = lane; p < C1; p += 32) keys[p] = OrderedKey(ps[p]);
+    __syncwarp();
+    uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
+    if (m < C1) {
+      for (int bit = 31; bit >= 0; --bit) {
+        const uint32_t cand = thr | (1u << bit);
+        unsigned cnt = 0;
+        for (int p = lane; p < C1; p += 32) cnt += keys[p] >= cand ? 1u : 0u;
+        if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
+      }
+    }
+    unsigned gt = 0;
+    for (int p = lane; p < C1; p += 32) gt += keys[p] > thr ? 1u : 0u;
+    int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
+    for (int base = 0; base < C1; base += 32) {
+      const int p = base + lane;
+      const uint32_t k = p < C1 ? keys[p] : 0u;
+      const bool eq = p < C1 && k == thr;
+      const unsigned eqm = __ballot_sync(0xffffffffu, eq);
+      const int before = __popc(eqm & ((1u << lane) - 1u));
+      const bool probed = p < C1 && (m >= C1 || k > thr || (eq && before < need));
+      const unsigned word = __ballot_sync(0xffffffffu, probed);
+      need -= __popc(eqm);
+      if (lane == 0) pw[base >> 5] = word;
+    }
+    __syncwarp();
+  }
+}
+
+// Members sm.mem[0, n) of view v on tensor cores (keys of type KT, bf16 or f16): A = 16 key
+// rows x 16 dims per warp (ldmatrix from the stage), B = 8 members x 16 dims per term. The
+// member keys: one exact term when they are q_pre itself (KT == DType, no whitening),
+// else three KT terms of the fp32 key (hi + mid + lo). Row tiles of 64 rows x kCols
+// columns stream through a kStages-deep cp.async pipeline across the CTA's segments.
+template <typename DType, typename KT, int KEY_DIM>
+__device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
+                          const SegList& segs, int n, int MB, int terms, int h,
+                          uint32_t& stage_base) {
+  using L = SegTile<KEY_DIM>;
+  constexpr int kRC = L::kCols / 8;  // 16-byte chunks per stage row
+  constexpr int kNCB = KEY_DIM / L::kCols;
   constexpr int kQRC = KEY_DIM / 8;
   const DecodeParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int S = a.lookup_splits;
-  const int nmt = (n + 15) / 16;
+  const int nnp = (n + 15) / 16;  // member pairs of n-tiles in use
   const int term_bytes = MB * KEY_DIM * 2;
-  // Member keys -> bf16 terms: x = hi + mid + lo (exact for fp32 x) or x = hi (bf16 x).
-  // Four 32-byte pieces per thread are loaded before any is stored.
-  constexpr int kFill = 4;
-  const int n_chunks = nmt * 16 * kQRC;
-  for (int c0 = tid; c0 < n_chunks; c0 += kThreads * kFill) {
-    float4 xv[kFill][2];
-#pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int c = c0 + u * kThreads;
+  const KT* keys = static_cast<const KT*>(v.keys);
+  const KT* pkeys = static_cast<const KT*>(v.parent_keys);
+
+  // Member keys.
+  if (terms == 1) {  // q_pre itself: async copies, completed with the first stage
+    for (int c = tid; c < nnp * 16 * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
-      if (c < n_chunks && i < n && fast) {
+      const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
+      const DType* src = static_cast<const DType*>(p.q_pre);
+      if (i < n) {
+        src += int64_t(sm.mem[i]) * p.q_pre_stride_b + int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
+      }
+      CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
+    }
+  } else {  // fp32 keys (whitened, or q_pre of the other type) split into KT terms
+    for (int c = tid; c < nnp * 16 * kQRC; c += kThreads) {
+      const int i = c / kQRC, ch = c % kQRC;
+      float x[8];
+      if (i < n && v.whitening != nullptr) {
+        const float4* src = reinterpret_cast<const float4*>(
+            a.whitened + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
+        const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);
+        x[0] = x0.x; x[1] = x0.y; x[2] = x0.z; x[3] = x0.w;
+        x[4] = x1.x; x[5] = x1.y; x[6] = x1.z; x[7] = x1.w;
+      } else if (i < n) {
         const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
         const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
                            int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
-        float f[8];
-        Pack<DType>::ToFloat(__ldg(reinterpret_cast<const uint4*>(src)), f);
-        xv[u][0] = make_float4(f[0], f[1], f[2], f[3]);
-        xv[u][1] = make_float4(f[4], f[5], f[6], f[7]);
-      } else if (c < n_chunks && i < n) {
-        const float4* src = reinterpret_cast<const float4*>(
-            a.lookup_keys + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
-        xv[u][0] = __ldcg(src);
-        xv[u][1] = __ldcg(src + 1);
+        Pack<DType>::ToFloat(__ldg(reinterpret_cast<const uint4*>(src)), x);
       } else {
-        xv[u][0] = xv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
 #pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int c = c0 + u * kThreads;
-      if (c >= n_chunks) break;
-      const int i = c / kQRC, ch = c % kQRC;
-      float x[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
-                    xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+        for (int j = 0; j < 8; ++j) x[j] = 0.f;
+      }
       char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
       for (int tt = 0; tt < terms; ++tt) {
         uint32_t w[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          w[j] = Pack<__nv_bfloat16>::FromFloat2(x[2 * j], x[2 * j + 1]);
+          w[j] = Pack<KT>::FromFloat2(x[2 * j], x[2 * j + 1]);
           float lo, hi;
-          Pack<__nv_bfloat16>::ToFloat2(w[j], lo, hi);
+          Pack<KT>::ToFloat2(w[j], lo, hi);
           x[2 * j] -= lo;
           x[2 * j + 1] -= hi;
         }
@@ -716,270 +607,258 @@ __device__ void LookupMembersTc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& 
       }
     }
   }
-  const __nv_bfloat16* keys = static_cast<const __nv_bfloat16*>(v.keys);
-  const int32_t* off = v.child_offsets;
-  const int C1 = int(v.C1);
-  const int m = C1 > 0 ? min(v.top_m, C1) : 0;
-  const int ld = C1 | 1;                                       // odd: conflict-free rows
-  float* psc = reinterpret_cast<float*>(sm.q + terms * term_bytes);  // fast: [MB][ld] scores
-  Best best[2][2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) best[mt][0] = best[mt][1] = Best{-INFINITY, -1};
-  if (fast) {
-    if (tid == 0) sm.misc[4] = C1 > 0 ? 0 : int32_t(n == 32 ? 0xffffffffu : (1u << n) - 1);
-    if (C1 > 0) {
-      for (int i = tid; i <= C1; i += kThreads) sm.offs[i] = __ldg(off + i);
+  CpAsyncCommit();
+
+  // Segment bounds (cached for the first kSegCache segments); empty child segments get
+  // their (empty) result now, since no tile visits them.
+  for (int k = tid; k < min(segs.n, L::kSegCache); k += kThreads) {
+    int64_t lo, hi;
+    segs.Bounds(k, lo, hi);
+    sm.seg_lo[k] = int32_t(lo);
+    sm.seg_hi[k] = int32_t(hi);
+  }
+  __syncthreads();
+  auto bounds = [&](int k, int64_t& lo, int64_t& hi) {
+    if (k < L::kSegCache) {
+      lo = sm.seg_lo[k];
+      hi = sm.seg_hi[k];
+    } else {
+      segs.Bounds(k, lo, hi);
     }
-    __syncthreads();  // member keys, offsets
-    if (C1 > 0) {
-      // Every member's score of every parent (ends with a barrier).
-      LookupScan<KEY_DIM>(
-          static_cast<const __nv_bfloat16*>(v.parent_keys), C1,
-          [&](int64_t vr, int64_t& row, uint32_t& pmr) {
-            row = vr;
-            pmr = 0xffffffffu;
-          },
-          nmt, terms, term_bytes, sm, best, psc, ld);
-      // Member i scans all K (linear) iff none of its probed parents has children, i.e. its
-      // best parent with children (score desc, index asc) is not among its top m.
-      for (int i = warp; i < n; i += kWarps) {
-        const float* si = psc + i * ld;
-        Best bc{-INFINITY, -1};
-        for (int k = lane; k < C1; k += 32) {
-          if (sm.offs[k + 1] > sm.offs[k] && Beats(si[k], k, bc.score, bc.index)) bc = {si[k], k};
-        }
-        WarpArgmax(bc);
-        int cnt = 0;
-        if (bc.index >= 0) {
-          for (int k = lane; k < C1; k += 32) cnt += Beats(si[k], k, bc.score, bc.index) ? 1 : 0;
-        }
+  };
+  for (int e = tid; e < segs.n * n; e += kThreads) {
+    const int k = e / n, i = e % n;
+    int64_t lo, hi;
+    bounds(k, lo, hi);
+    if (hi <= lo && !segs.Parents(k)) {
+      a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(k)] = {-INFINITY, -1};
+    }
+  }
+
+  // Cursors over (segment, 64-row tile, column block): one issues stages, one consumes.
+  struct Cursor {
+    int k;
+    int64_t row, hi;
+    int cb;
+  };
+  auto first = [&](Cursor& c, int k) {
+    for (; k < segs.n; ++k) {
+      int64_t lo, hi;
+      bounds(k, lo, hi);
+      if (hi > lo) {
+        c = Cursor{k, lo, hi, 0};
+        return;
+      }
+    }
+    c.k = segs.n;
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.cb == kNCB) {
+      c.cb = 0;
+      c.row += L::kRows;
+      if (c.row >= c.hi) first(c, c.k + 1);
+    }
+  };
+  Cursor ic, cc;
+  first(ic, 0);
+  cc = ic;
+  // Stage i of the scan goes to slot (base + i) % kStages; its mbarrier completes phase
+  // ((base + i) / kStages) & 1 when its rows have landed. Warp 0 issues: one bulk copy per
+  // key row (kCols columns), lane 0 arms the barrier with the stage's byte count.
+  auto issue = [&](uint32_t idx) {
+    const int slot = int(idx % L::kStages);
+    if (warp == 0) {
+      const KT* base = segs.Parents(ic.k) ? pkeys : keys;
+      const int rows = int(min(int64_t(L::kRows), ic.hi - ic.row));
+      char* dst = sm.stages + slot * L::kStageBytes;
+      FenceProxyAsync();  // the slot's earlier reads (after the caller's barrier) come first
+      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (L::kCols * 2));
+      __syncwarp();
+      for (int rr = lane; rr < rows; rr += 32) {
+        BulkCopyToShared(dst + rr * L::kRowBytes, base + (ic.row + rr) * KEY_DIM + ic.cb * L::kCols,
+                         L::kCols * 2, sm.bars + slot);
+      }
+    }
+    advance(ic);
+  };
+  uint32_t issued = stage_base, consumed = stage_base;
+  while (issued - consumed < uint32_t(L::kStages - 1) && ic.k < segs.n) issue(issued++);
+
+  float acc[4][4];
+  Best best[4][2];  // [n-tile][member 8 nt + 2 t4 + e]
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-        if (lane == 0 && (bc.index < 0 || cnt >= m)) {
-          atomicOr(reinterpret_cast<unsigned*>(sm.misc + 4), 1u << i);
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    best[nt][0] = best[nt][1] = Best{-INFINITY, -1};
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // the member keys (cp.async) of every thread have landed
+  while (cc.k < segs.n) {
+    const int slot = int(consumed % L::kStages);
+    MbarWait(sm.bars + slot, (consumed / L::kStages) & 1u);
+    const char* stg = sm.stages + slot * L::kStageBytes;
+#pragma unroll
+    for (int ks = 0; ks < L::kCols / 16; ++ks) {
+      uint32_t af[4];
+      Ldsm4(af, stg + (warp * 16 + (lane & 15)) * L::kRowBytes + (2 * ks + (lane >> 4)) * 16);
+      const int qch = cc.cb * kRC + 2 * ks + ((lane >> 3) & 1);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        if (np < nnp) {
+          const int mrow = 16 * np + (lane & 7) + ((lane >> 4) << 3);
+          const char* qa = sm.q + (mrow * kQRC + (qch ^ (mrow & 7))) * 16;
+#pragma unroll
+          for (int tt = 0; tt < 3; ++tt) {
+            if (tt < terms) {
+              uint32_t bq[4];
+              Ldsm4(bq, qa + tt * term_bytes);
+              Mma16816<KT>(acc[2 * np], af, bq[0], bq[1]);
+              Mma16816<KT>(acc[2 * np + 1], af, bq[2], bq[3]);
+            }
+          }
         }
       }
     }
-  } else if (warp == 0) {  // members scanned over the chunk's rows [K s/S, K (s+1)/S)
-    const bool is_lin =
-        lane < n && (v.C1 == 0 || __ldcg(a.probe_mode + int64_t(sm.mem[lane]) * a.hkv + h) != 1);
-    const unsigned lin = __ballot_sync(0xffffffffu, is_lin);
-    if (lane == 0) sm.misc[4] = int32_t(lin);
-  }
-  __syncthreads();
-  const uint32_t lin = uint32_t(sm.misc[4]);
-
-  if (v.C1 > 0 && lin != (n == 32 ? 0xffffffffu : (1u << n) - 1)) {
-    const int64_t p0 = v.C1 * s / S, p1 = v.C1 * (s + 1) / S;
-    for (int64_t sub = p0; sub < p1; sub += L::kMaxChunkParents) {
-      const int np = int(min(p1 - sub, int64_t(L::kMaxChunkParents)));
-      if (fast) {  // members (not linear) whose rank of parent sub + j is below m
-        for (int j = warp; j < np; j += kWarps) {
-          const int pj = int(sub) + j;
-          bool probed = false;
-          if (lane < n && !((lin >> lane) & 1u)) {
-            const float* si = psc + lane * ld;
-            const float sp = si[pj];
-            int rank = 0;
-            if (m < C1) {
-              for (int k = 0; k < C1; ++k) {
-                const float sk = si[k];
-                rank += (sk > sp || (sk == sp && k < pj)) ? 1 : 0;
+    if (cc.cb == kNCB - 1) {  // the tile's scores are complete
+      const bool parents = segs.Parents(cc.k);
+      const int64_t r_lo = cc.row + warp * 16 + g, r_hi = r_lo + 8;
+      const bool ok_lo = r_lo < cc.hi, ok_hi = r_hi < cc.hi;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = nt * 8 + 2 * t4 + e;
+          if (i < n) {
+            if (parents) {
+              float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
+              if (ok_lo) ps[r_lo] = acc[nt][e];
+              if (ok_hi) ps[r_hi] = acc[nt][2 + e];
+            } else {
+              if (ok_lo && Beats(acc[nt][e], int32_t(r_lo), best[nt][e].score, best[nt][e].index)) {
+                best[nt][e] = {acc[nt][e], int32_t(r_lo)};
+              }
+              if (ok_hi && Beats(acc[nt][2 + e], int32_t(r_hi), best[nt][e].score, best[nt][e].index)) {
+                best[nt][e] = {acc[nt][2 + e], int32_t(r_hi)};
               }
             }
-            probed = rank < m;
           }
-          const unsigned bits = __ballot_sync(0xffffffffu, probed);
-          if (lane == 0) sm.pm[j] = bits;
         }
-      } else {
-        const int w0 = int(sub >> 5), nw = int((sub + np - 1) >> 5) - w0 + 1;  // <= kPw
-        for (int e = tid; e < n * nw; e += kThreads) {  // the members' probe words of the pass
-          const int i = e / nw, w = e % nw;
-          const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
-          sm.pw[i * L::kPw + w] = ((lin >> i) & 1u) ? 0u : __ldcg(a.probe + bh * kProbeWords + w0 + w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+      }
+      if (!parents && cc.row + L::kRows >= cc.hi) {  // end of a child / linear segment
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) {  // lanes of equal t4 hold the same members
+              const float s2 = __shfl_xor_sync(0xffffffffu, best[nt][e].score, o);
+              const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[nt][e].index, o);
+              if (Beats(s2, i2, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s2, i2};
+            }
+            if (g == 0) sm.red[warp * L::kMaxMembers + nt * 8 + 2 * t4 + e] = best[nt][e];
+            best[nt][e] = Best{-INFINITY, -1};
+          }
         }
         __syncthreads();
-        for (int j = tid; j < np; j += kThreads) {
-          const int rel = int(sub + j) - 32 * w0;  // bit of parent sub + j in the staged words
-          uint32_t bits = 0;
-          for (int i = 0; i < n; ++i) bits |= ((sm.pw[i * L::kPw + (rel >> 5)] >> (rel & 31)) & 1u) << i;
-          sm.pm[j] = bits;
+        if (tid < n) {
+          Best r = sm.red[tid];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) {
+            const Best x = sm.red[w * L::kMaxMembers + tid];
+            if (Beats(x.score, x.index, r.score, r.index)) r = x;
+          }
+          a.pbest[(int64_t(sm.mem[tid]) * a.hkv + h) * a.lookup_width + segs.Slot(cc.k)] = {r.score, r.index};
         }
       }
-      __syncthreads();
-      if (warp == 0) {  // probed parents with children, where their rows start (row and rank)
-        int32_t carry = 0, taken = 0;
-        for (int base = 0; base < np; base += 32) {
-          const int j = base + lane;
-          int32_t cnt = 0, first = 0;
-          if (j < np && sm.pm[j] != 0) {
-            first = fast ? sm.offs[sub + j] : __ldg(off + sub + j);
-            cnt = (fast ? sm.offs[sub + j + 1] : __ldg(off + sub + j + 1)) - first;
-          }
-          const bool take = cnt > 0;
-          const unsigned bal = __ballot_sync(0xffffffffu, take);
-          const int rank = __popc(bal & ((1u << lane) - 1u));
-          int32_t incl = cnt;
-#pragma unroll
-          for (int o = 1; o < 32; o <<= 1) {
-            const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-          }
-          if (take) {
-            sm.plist[taken + rank] = j;
-            sm.pstart[taken + rank] = carry + incl - cnt;
-            sm.prow[taken + rank] = first;
-          }
-          carry += __shfl_sync(0xffffffffu, incl, 31);
-          taken += __popc(bal);
-        }
-        if (lane == 0) {
-          sm.misc[2] = taken;
-          sm.misc[3] = carry;
-        }
-      }
-      __syncthreads();
-      const int npp = sm.misc[2];
-      const int64_t N = sm.misc[3];
-      if (N > 0) {
-        LookupScan<KEY_DIM>(
-            keys, N,
-            [&](int64_t vr, int64_t& row, uint32_t& pmr) {
-              int lo = 0, hi = npp;  // last k with pstart[k] <= vr
-              while (hi - lo > 1) {
-                const int mid = (lo + hi) >> 1;
-                if (sm.pstart[mid] <= vr) lo = mid; else hi = mid;
-              }
-              row = int64_t(sm.prow[lo]) + (vr - sm.pstart[lo]);
-              pmr = sm.pm[sm.plist[lo]];
-            },
-            nmt, terms, term_bytes, sm, best);
-      } else {
-        __syncthreads();  // pm / plist are rewritten by the next pass
-      }
     }
+    advance(cc);
+    ++consumed;
+    __syncthreads();  // every warp is done with the slot before it is refilled
+    if (ic.k < segs.n) issue(issued++);
   }
-  if (lin != 0) {
-    const int64_t r0 = v.K * s / S, r1 = v.K * (s + 1) / S;
-    if (r1 > r0) {
-      LookupScan<KEY_DIM>(
-          keys, r1 - r0,
-          [&](int64_t vr, int64_t& row, uint32_t& pmr) {
-            row = r0 + vr;
-            pmr = lin;
-          },
-          nmt, terms, term_bytes, sm, best);
-    }
-  }
-  // Best per member: over the 4 lanes of a row pair, then over the warps.
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        const float s2 = __shfl_xor_sync(0xffffffffu, best[mt][k].score, o);
-        const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[mt][k].index, o);
-        if (Beats(s2, i2, best[mt][k].score, best[mt][k].index)) best[mt][k] = {s2, i2};
-      }
-    }
-  }
-  if (t4 == 0) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      if (mt < nmt) {
-        sm.red[warp * 32 + mt * 16 + g] = best[mt][0];
-        sm.red[warp * 32 + mt * 16 + g + 8] = best[mt][1];
-      }
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < n; i += kThreads) {
-    Best r = sm.red[i];
-    for (int w = 1; w < kWarps; ++w) {
-      const Best x = sm.red[w * 32 + i];
-      if (Beats(x.score, x.index, r.score, r.index)) r = x;
-    }
-    a.lookup_part[(int64_t(sm.mem[i]) * a.hkv + h) * S + s] = {r.score, r.index};
-  }
+  stage_base = consumed;
+  __syncthreads();  // the stages and sm.q are reused next
 }
 
-// Members sm.mem[0, n) of one dictionary (view v), f16 / f32 keys (or keys too wide for the
-// tensor-core path): one member at a time on CUDA cores (fp32 dot products).
-template <int KEY_DIM>
-__device__ void LookupMembersCc(const LaunchArgs& a, const LookupSmem<KEY_DIM>& sm,
-                                const DictLayerView& v, int n, int h, int s) {
+// Members sm.mem[0, n) of view v on CUDA cores (f32 keys, whitening without the whitening
+// launch, or member keys too wide for the tensor-core path): one member at a time, fp32
+// dot products (ScanRowsAny).
+template <typename DType, int KEY_DIM>
+__device__ void SegScanCc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
+                          const SegList& segs, int n, int h) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int S = a.lookup_splits;
   float* q = reinterpret_cast<float*>(sm.q);
+  float* xm = q + KEY_DIM;
   for (int i = 0; i < n; ++i) {
-    const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
-    for (int k = tid; k < KEY_DIM; k += kThreads) q[k] = __ldcg(a.lookup_keys + bh * KEY_DIM + k);
-    const int mode = v.C1 > 0 ? __ldcg(a.probe_mode + bh) : 2;
-    __syncthreads();
-    Best best{-INFINITY, -1};
-    if (mode == 1) {
-      const int32_t* off = v.child_offsets;
-      const int64_t p0 = v.C1 * s / S, p1 = v.C1 * (s + 1) / S;
-      for (int64_t par = p0; par < p1; ++par) {
-        if ((__ldcg(a.probe + bh * kProbeWords + (par >> 5)) >> (par & 31)) & 1u) {
-          ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, __ldg(off + par), __ldg(off + par + 1), q,
-                               nullptr, best);
+    const int b = sm.mem[i];
+    const int64_t bh = int64_t(b) * a.hkv + h;
+    PrepareKey<DType, KEY_DIM>(a, v, b, h, q, xm);
+    for (int k = 0; k < segs.n; ++k) {
+      int64_t lo, hi;
+      segs.Bounds(k, lo, hi);
+      if (segs.Parents(k)) {
+        Best unused{-INFINITY, -1};
+        ScanRowsAny<KEY_DIM>(v.parent_keys, v.keys_dtype, lo, hi, q, a.pscore + bh * a.parent_width,
+                             unused);
+        continue;
+      }
+      Best best{-INFINITY, -1};
+      ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, lo, hi, q, nullptr, best);
+      WarpArgmax(best);
+      if (lane == 0) sm.red[warp] = best;
+      __syncthreads();
+      if (tid == 0) {
+        Best r = sm.red[0];
+        for (int w = 1; w < kWarps; ++w) {
+          if (Beats(sm.red[w].score, sm.red[w].index, r.score, r.index)) r = sm.red[w];
         }
+        a.pbest[bh * a.lookup_width + segs.Slot(k)] = {r.score, r.index};
       }
-    } else {
-      ScanRowsAny<KEY_DIM>(v.keys, v.keys_dtype, v.K * s / S, v.K * (s + 1) / S, q, nullptr, best);
+      __syncthreads();
     }
-    WarpArgmax(best);
-    if (lane == 0) sm.red[warp] = best;
-    __syncthreads();
-    if (tid == 0) {
-      Best r = sm.red[0];
-      for (int w = 1; w < kWarps; ++w) {
-        if (Beats(sm.red[w].score, sm.red[w].index, r.score, r.index)) r = sm.red[w];
-      }
-      a.lookup_part[bh * S + s] = {r.score, r.index};
-    }
-    __syncthreads();
+    __syncthreads();  // q is rewritten for the next member
   }
 }
 
 template <typename DType, int KEY_DIM>
-__device__ void LookupBlock(const LaunchArgs& a, int cta, char* smem) {
-  using L = LookupTile<KEY_DIM>;
+__global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs a) {
+  GridLaunchDependents();  // the attention kernel may start at once
+  using L = SegTile<KEY_DIM>;
+  extern __shared__ float4 lookup_smem[];
+  const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const DecodeParams& p = a.p;
   const int S = a.lookup_splits, R = a.lookup_reps;
+  const int cta = int(blockIdx.x);
   const int s = cta % S;
-  const int rest = cta / S;
-  const int h = rest % a.hkv;
-  const int r = rest / a.hkv;
+  const int h = (cta / S) % a.hkv;
+  const int r = cta / S / a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const LookupSmem<KEY_DIM> sm(smem);
-  const int n_cache = min(a.batch, L::kIdCache);
-  for (int i = tid; i < n_cache; i += kThreads) sm.ids[i] = p.dict_ids[i];
+  for (int i = tid; i < min(a.batch, L::kIdCache); i += kThreads) sm.ids[i] = p.dict_ids[i];
+  if (tid < L::kStages) MbarInit(sm.bars + tid, 1);
+  FenceProxyAsync();
   __syncthreads();
-  // Lookup CTA 0 always waits for the parent pass (at the end at the latest), so the main
-  // kernel never completes before it (the combine and the next step rely on stream order).
-  bool waited = false;
+  uint32_t stage_base = 0;  // stages scanned so far (mbarrier phases)
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
     bool dup = false;  // not the dictionary's first request
     for (int bb = tid; bb < b0; bb += kThreads) dup |= sm.IdOf(p, bb) == id;
     if (__syncthreads_or(dup)) continue;
-    // The views are inputs (not written by the parent pass): read before waiting for it.
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-    const bool fast = a.fast_lookup && FastView<DType, KEY_DIM>(v);
-    if (!fast && !waited) {
-      GridDependencyWait();  // lookup_keys / probe bits of the parent pass
-      waited = true;
-    }
-    const bool usable = ViewUsable(v);
-    const int terms = (v.whitening != nullptr || !std::is_same<DType, __nv_bfloat16>::value) ? 3 : 1;
-    int MB = 16 * min(2, L::kQueryBytes / (16 * KEY_DIM * terms * 2));
-    const bool tc = usable && v.keys_dtype == KernelDType::kBF16 && MB > 0;
-    if (!tc) MB = 32;
+    if (!LookupViewOk(v, a)) continue;  // the combine flags it
+    const SegList segs(v, s, S);
+    if (segs.n == 0) continue;  // a small view: no segment falls to this CTA
+    // Tensor cores for bf16 / f16 keys when the member keys fit (whitened keys only from
+    // the whitening launch); CUDA cores otherwise.
+    const bool kt16 = v.keys_dtype == KernelDType::kBF16 || v.keys_dtype == KernelDType::kF16;
+    const bool same = (v.keys_dtype == KernelDType::kBF16) == std::is_same<DType, __nv_bfloat16>::value;
+    const int terms = (same && v.whitening == nullptr) ? 1 : 3;
+    int MB = 16 * min(L::kMaxMembers / 16, L::kQueryBytes / (16 * KEY_DIM * terms * 2));
+    const bool tc = kt16 && MB > 0 && (v.whitening == nullptr || a.whitened != nullptr);
+    if (!tc) MB = L::kMaxMembers;
     int cursor = b0;
     while (cursor < a.batch) {
       if (warp == 0) {  // the next up to MB members, in request order
@@ -1010,19 +889,17 @@ __device__ void LookupBlock(const LaunchArgs& a, int cta, char* smem) {
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
-      if (!usable) {
-        for (int i = tid; i < n; i += kThreads) {
-          a.lookup_part[(int64_t(sm.mem[i]) * a.hkv + h) * S + s] = {-INFINITY, -1};
-        }
-      } else if (tc) {
-        LookupMembersTc<DType, KEY_DIM>(a, sm, v, n, MB, terms, h, s, fast);
+      if (!tc) {
+        SegScanCc<DType, KEY_DIM>(a, sm, v, segs, n, h);
+      } else if (v.keys_dtype == KernelDType::kBF16) {
+        SegScanTc<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, segs, n, MB, terms, h, stage_base);
       } else {
-        LookupMembersCc<KEY_DIM>(a, sm, v, n, h, s);
+        SegScanTc<DType, __half, KEY_DIM>(a, sm, v, segs, n, MB, terms, h, stage_base);
       }
-      __syncthreads();  // mem / misc are rewritten for the next block
+      if (segs.n > 0 && segs.Parents(0)) SelectProbed<KEY_DIM>(a, sm, v, n, h);
+      __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
   }
-  if (cta == 0 && !waited) GridDependencyWait();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1092,6 +969,16 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
+  // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
+  // ahead so the block-table round trip never sits between a barrier and the copies.
+  int32_t pages[kLoads];
+  auto load_pages = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int t = t0 + tile * kBlockN + (tid + i * kThreads) / kRowChunks;
+      pages[i] = (tile < n_tiles && t < t1) ? __ldg(bt + (t >> shift)) : 0;
+    }
+  };
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
       DType* kt = tiles + (tile % kStages) * 2 * kTile;
@@ -1104,8 +991,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
         const bool valid = t < t1;
         int64_t off = 0;
         if (valid) {
-          off = int64_t(__ldg(bt + (t >> shift))) * p.kv_stride_page +
-                int64_t(t & slot_mask) * p.kv_stride_token + piece * 8;
+          off = int64_t(pages[i]) * p.kv_stride_page + int64_t(t & slot_mask) * p.kv_stride_token +
+                piece * 8;
         }
         const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
         CpAsync16(kt + sw, kb + off, valid);
@@ -1113,7 +1000,9 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       }
     }
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
+    load_pages(tile + 1);
   };
+  load_pages(0);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
 
@@ -1243,31 +1132,15 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   }
 }
 
-// 128 threads, two CTAs per SM (96-104 KB of shared memory each). Block order: the lookup
-// CTAs of rep 0 (they serve the first dictionary of the batch, usually the only one), the
-// attention CTAs, then the lookup CTAs of reps 1.. (other dictionaries), so the common case
-// starts its lookups first and idle reps never hold SM slots ahead of the attention.
+// 128 threads, two CTAs per SM (96 KB of shared memory each; beside a lookup CTA while the
+// lookup runs).
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
-  char* smem = reinterpret_cast<char*>(decode_smem);
-  const int cta = int(blockIdx.x);
-  if (a.attn_first) {
-    if (cta < a.n_attn_ctas) {
-      AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta, smem);
-    } else {
-      LookupBlock<DType, HEAD_DIM * GROUP>(a, cta - a.n_attn_ctas, smem);
-    }
-    return;
-  }
-  const int n_rep0 = a.n_lookup_ctas > 0 ? a.hkv * a.lookup_splits : 0;
-  if (cta < n_rep0) {
-    LookupBlock<DType, HEAD_DIM * GROUP>(a, cta, smem);
-  } else if (cta < n_rep0 + a.n_attn_ctas) {
-    AttentionBlock<DType, HEAD_DIM, GROUP>(a, cta - n_rep0, smem);
-  } else {
-    LookupBlock<DType, HEAD_DIM * GROUP>(a, cta - a.n_attn_ctas, smem);
-  }
+  AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), reinterpret_cast<char*>(decode_smem));
+  // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
+  // so this kernel completes after the lookup and the combine sees its results.
+  if (blockIdx.x == 0) GridDependencyWait();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1335,14 +1208,31 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       bad = true;
     } else if (id >= 0) {
       const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
-      const LookupPartial* lp = a.lookup_part + (int64_t(b) * a.hkv + h) * a.lookup_splits;
+      const int64_t bh = int64_t(b) * a.hkv + h;
+      const LookupPartial* pb = a.pbest + bh * a.lookup_width;
       Best best{-INFINITY, -1};
-      for (int s = lane; s < a.lookup_splits; s += 32) {
-        const LookupPartial x = lp[s];
-        if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+      if (LookupViewOk(v, a) && v.C1 > 0) {
+        // The best child of the probed parents; of all parents when those are childless.
+        const uint32_t* pw = a.probe + bh * kProbeWords;
+        Best any{-INFINITY, -1};
+        for (int q = lane; q < v.C1; q += 32) {
+          const LookupPartial x = pb[q];
+          if (((pw[q >> 5] >> (q & 31)) & 1u) && Beats(x.score, x.index, best.score, best.index)) {
+            best = {x.score, x.index};
+          }
+          if (Beats(x.score, x.index, any.score, any.index)) any = {x.score, x.index};
+        }
+        WarpArgmax(best);
+        WarpArgmax(any);
+        if (best.index < 0) best = any;
+      } else if (LookupViewOk(v, a)) {
+        for (int q = lane; q < a.lookup_splits; q += 32) {
+          const LookupPartial x = pb[q];
+          if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+        }
+        WarpArgmax(best);
       }
-      WarpArgmax(best);
-      if (!ViewUsable(v) || best.index < 0) {
+      if (best.index < 0) {
         bad = true;  // the view was unusable
       } else {
         idx = best.index;
@@ -1430,17 +1320,22 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
 // ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchDecodeParents(const LaunchArgs& a, cudaStream_t stream) {
+void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream) {
   constexpr int kKeyDim = HEAD_DIM * GROUP;
-  DecodeParentsKernel<DType, kKeyDim>
-      <<<unsigned(int64_t(a.batch) * a.hkv), kThreads, ParentSmemBytes(kKeyDim), stream>>>(a);
+  if (a.n_lookup_ctas == 0) return;
+  auto kernel = DecodeLookupKernel<DType, kKeyDim>;
+  const size_t smem = SegTile<kKeyDim>::kBytes;
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        int(cudaSharedmemCarveoutMaxShared)));
+  kernel<<<unsigned(a.n_lookup_ctas), kThreads, smem, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_parents,
+void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
                       cudaStream_t stream) {
-  const int64_t ctas = int64_t(a.n_lookup_ctas) + a.n_attn_ctas;
+  const int64_t ctas = a.n_attn_ctas;
   if (ctas == 0) return;
   auto kernel = DecodeMainKernel<DType, HEAD_DIM, GROUP>;
   ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1456,7 +1351,7 @@ void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_parents
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = after_parents ? 1 : 0;
+  cfg.numAttrs = after_lookup ? 1 : 0;
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 

@@ -224,13 +224,11 @@ void CheckAgainstReference(Problem& pb, const DecodeConfig& config, const char* 
   (void)G;
 }
 
-// The same config with every lookup tuning knob away from its default: in-CTA lookup
-// (fast_lookup), attention CTAs first, 32-row lookup chunks. Results must not change.
+// The same config with the lookup tuning knob away from its default: 3 lookup CTAs per KV
+// head (each takes many segments). Results must not change.
 DecodeConfig Tuned(const DecodeConfig& c) {
   DecodeConfig t = c;
-  t.fast_lookup = !c.fast_lookup;
-  t.attention_first = !c.attention_first;
-  t.lookup_rows_per_split = 32;
+  t.lookup_ctas = 3;
   return t;
 }
 

@@ -495,7 +495,7 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   bad.whitening = true;  // without use_dictionaries
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
   bad = c;
-  bad.lookup_rows_per_split = -1;
+  bad.lookup_ctas = -1;
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
 }
 
@@ -526,10 +526,15 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   EXPECT_GE(pd.lookup_splits, 1);
   EXPECT_GT(pd.workspace_bytes, 0u);
   EXPECT_EQ(DecodeWorkspaceBytes(c), pd.workspace_bytes);
-  c.lookup_rows_per_split = 32;  // smaller lookup chunks: more of them (up to the cap)
-  EXPECT_GE(PlanDecode(c).lookup_splits, pd.lookup_splits);
-  c.max_lookup_rows = 1000;
-  EXPECT_EQ(PlanDecode(c).lookup_splits, 32);  // ceil(1000 / 32)
+  EXPECT_EQ(pd.lookup_splits, 17);  // about one lookup CTA per SM over the 8 KV heads
+  EXPECT_EQ(pd.parent_width, kDecodeMaxParents);
+  EXPECT_EQ(pd.lookup_width, kDecodeMaxParents);
+  c.lookup_ctas = 40;  // the knob sets the lookup CTAs per KV head
+  EXPECT_EQ(PlanDecode(c).lookup_splits, 40);
+  c.max_lookup_rows = 30;  // bounds the parents a view may have
+  EXPECT_EQ(PlanDecode(c).parent_width, 30);
+  EXPECT_EQ(PlanDecode(c).lookup_width, 40);  // at least one result slot per lookup CTA
+  EXPECT_LT(PlanDecode(c).workspace_bytes, pd.workspace_bytes);
 }
 
 TEST(DecodeCpu, BadArgumentsThrow) {

@@ -55,12 +55,10 @@
 // copies: capturable in a CUDA graph (replays may change every device value, including
 // seq_lens, block tables and dict_ids, but not the host-side config or params). The split
 // plan depends only on the config (not on the device), so a captured step is valid on any
-// GPU. Launches: [whitening], with dictionaries a parent pass (lookup keys, probed parents;
-// with config.fast_lookup a no-op for bf16 dictionaries without whitening of up to 256
-// parents with bf16 queries, whose lookup CTAs select the parents themselves), main (lookup
-// CTAs + split-KV attention CTAs; launched with programmatic dependent launch after the
-// parent pass), combine. Bf16 dictionary keys are scanned on tensor cores for all
-// requests that share a dictionary at once (f16 / f32 keys: CUDA cores, per request).
+// GPU. Launches: [whitening], with dictionaries the lookup kernel (scores every row of each
+// request's view for all requests sharing it, on tensor cores for bf16 / f16 keys), the
+// attention kernel (split-KV over the paged KV; started beside the lookup with
+// programmatic dependent launch), the combine (entry choice, prefix state, merge).
 #pragma once
 
 #include <cstddef>
@@ -117,23 +115,18 @@ struct DecodeConfig {
   bool use_dictionaries = false;  // launch the lookup; false: params.dict_ids must be null
   int64_t max_lookup_rows = 0;    // most key rows one lookup scans (K for a linear view,
                                   // C1 + top_m * (largest parent's children) for a
-                                  // hierarchical one); sets the lookup split count only
+                                  // hierarchical one); bounds the parents a view may have
+                                  // (min(max_lookup_rows, kDecodeMaxParents); views with
+                                  // more give NaN outputs); 0: kDecodeMaxParents
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
-                             // a separate launch (without it the parent pass whitens each
-                             // key in one CTA: correct, much slower)
+                             // a separate launch (without it every lookup CTA whitens the
+                             // keys it needs on CUDA cores: correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM).
                              // A tuning knob; like every field it only changes the plan.
-  // Lookup tuning knobs (only speed changes, never a result):
-  bool fast_lookup = false;  // views that allow it (bf16 keys and q_pre, no whitening,
-                             // C1 <= 256) are looked up wholly inside the lookup CTAs: the
-                             // keys read from q_pre, every chunk CTA scoring and ranking the
-                             // C1 parents itself, nothing waiting for the parent pass. Off:
-                             // slower on the H200 at B >= 8 (decode_h200_diagnostics.md).
-  bool attention_first = false;    // main grid order: the attention CTAs ahead of the
-                                   // lookup CTAs (default: the first dictionary's lookups
-                                   // first)
-  int32_t lookup_rows_per_split = 0;  // scanned rows per lookup chunk; 0: the default (64)
+  int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
+                             // (about one per SM over all KV heads). A tuning knob: it only
+                             // changes the plan, never a result.
 };
 
 // Per-step arguments. Pointers: see the contract at the top of this file.
@@ -165,9 +158,12 @@ void DecodeKvStrides(const DecodeConfig& config, DecodeParams* params);
 // How a config is split over CTAs; a pure function of the config.
 struct DecodePlan {
   int32_t kv_splits = 1;      // split-KV CTAs per (request, KV head)
-  int32_t lookup_splits = 0;  // chunks a dictionary view is scanned in (one lookup CTA per
-                              // chunk and KV head serves all requests sharing the
-                              // dictionary); 0 without dictionaries
+  int32_t lookup_splits = 0;  // lookup CTAs per KV head and dictionary rep; each takes
+                              // every S-th segment of a view (its parents, one parent's
+                              // children, or a 1/S slice of a linear view); 0 without
+                              // dictionaries
+  int32_t parent_width = 0;   // most parents a hierarchical view may have in this plan
+  int32_t lookup_width = 0;   // per-(request, KV head) segment results in the workspace
   size_t workspace_bytes = 0; // device workspace DecodeAttention needs
 };
 
