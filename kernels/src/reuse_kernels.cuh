@@ -11,7 +11,8 @@
 //  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
 //    CTAs past the plan exit at once): a token range of one group's sink, band or tail,
 //    streamed once for the G heads through a 3-stage cp.async pipeline (as decode
-//    attention does), heads masking tokens before their own band start (only tiles below
+//    attention does; each stage's group also carries the block-table entries of the tile
+//    issued two steps later), heads masking tokens before their own band start (only tiles below
 //    the largest start pay for the mask); one normalized partial state per head and chunk.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
@@ -52,6 +53,13 @@ using decode::CpAsync16;
 using decode::CpAsyncCommit;
 using decode::CpAsyncWait;
 using decode::Pack;
+
+// 4-byte cp.async (zero-filled when !valid).
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+}
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -390,6 +398,8 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   constexpr int kUnroll = kWarpTokens / kGroups;
   constexpr int kChunks = kBlockN * HEAD_DIM / kVec;
   static_assert(kChunks % kThreads == 0, "tile chunks must split evenly over the CTA");
+  static_assert(kBlockN <= kThreads, "one page-id copy per token of a tile");
+  constexpr int kPer = kChunks / kThreads;  // 16-byte pieces per thread and tile
   using P = Pack<DType>;
 
   const int t0 = cp.t0, t1 = cp.t1;
@@ -416,35 +426,74 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   }
 
   DType* tiles = reinterpret_cast<DType*>(smem);
+  int32_t* s_page = reinterpret_cast<int32_t*>(tiles + kStages * 2 * kBlockN * HEAD_DIM);  // [kStages][kBlockN]
   const int32_t* bt = a.block_table + cp.b * a.bt_stride;
   const DType* kb = static_cast<const DType*>(a.k) + cp.h * a.kv_stride_head;
   const DType* vb = static_cast<const DType*>(a.v) + cp.h * a.kv_stride_head;
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
+  const int piece = tid % kLanes;
+  // Copies of the tile's K and V rows; page[i]: the page of this thread's i-th token.
+  auto issue_kv = [&](int tile, const int32_t (&page)[kPer]) {
+    DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
+    DType* vt = kt + kBlockN * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = (tid + i * kThreads) / kLanes;
+      const int t = t0 + tile * kBlockN + j;
+      const bool valid = t < t1;
+      int64_t off = 0;
+      if (valid) {
+        off = int64_t(page[i]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
+      }
+      CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
+      CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
+    }
+  };
+  // The block-table entries of the tile's tokens into stage tile % kStages of s_page (one
+  // 4-byte copy per token, in the group of the tile issued kStages - 1 steps before).
+  auto fetch_pages = [&](int tile) {
+    if (tile < n_tiles && tid < kBlockN) {
+      const int t = t0 + tile * kBlockN + tid;
+      CpAsync4(s_page + (tile % kStages) * kBlockN + tid, bt + (t < t1 ? t >> shift : 0), t < t1);
+    }
+  };
+  // Group k: tile k's K and V, and the page ids of tile k + kStages - 1. Issuing tile k
+  // (after the wait for group k - kStages + 1 and the barrier) reads its page ids from shared
+  // memory, so no block-table round trip sits between the barrier and the copies.
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-      DType* vt = kt + kBlockN * HEAD_DIM;
+      const int32_t* sp = s_page + (tile % kStages) * kBlockN;
+      int32_t page[kPer];
 #pragma unroll
-      for (int i = 0; i < kChunks / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        const int j = c / kLanes, piece = c % kLanes;
-        const int t = t0 + tile * kBlockN + j;
-        const bool valid = t < t1;
-        int64_t off = 0;
-        if (valid) {
-          off = int64_t(__ldg(bt + (t >> shift))) * a.kv_stride_page +
-                int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
-        }
-        CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
-        CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
-      }
+      for (int i = 0; i < kPer; ++i) page[i] = sp[(tid + i * kThreads) / kLanes];
+      issue_kv(tile, page);
+      fetch_pages(tile + kStages - 1);
     }
     CpAsyncCommit();
   };
+  {
+    // Prologue: the first kStages - 1 tiles' page ids straight from the block table, all
+    // loads in flight at once.
+    int32_t page[kStages - 1][kPer];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+    for (int s = 0; s < kStages - 1; ++s) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int t = t0 + s * kBlockN + (tid + i * kThreads) / kLanes;
+        page[s][i] = t < t1 ? __ldg(bt + (t >> shift)) : 0;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_tiles) {
+        issue_kv(s, page[s]);
+        fetch_pages(s + kStages - 1);
+      }
+      CpAsyncCommit();
+    }
+  }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     CpAsyncWait<kStages - 2>();
