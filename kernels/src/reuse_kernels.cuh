@@ -3,7 +3,7 @@
 // A step is three kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query in registers
 //    (8 dims per lane), the split's candidate rows of the query ring streamed with 16-byte
-//    loads (d/8 lanes per row, 4 rows per lane in flight), tags checked, fp32 squared
+//    loads (d/8 lanes per row, 4 or 8 rows per lane in flight), tags checked, fp32 squared
 //    distances, the best candidate by the tie rule folded into a per-head u64 with one
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
@@ -196,12 +196,15 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 // Match
 // ---------------------------------------------------------------------------------------
 
-template <typename DType, int HEAD_DIM>
+// UNROLL: rows per lane group in flight. 8 (one batch covers a B = 1 split of kMinMatchRows
+// rows at d = 128: one memory round trip instead of two) costs registers, 72 vs 54 at d = 128,
+// so 7 CTAs per SM instead of 9; LaunchMatch takes it only for grids that fit at 7 per SM.
+template <typename DType, int HEAD_DIM, int UNROLL>
 __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kVec = 8;
   constexpr int kLanes = HEAD_DIM / kVec;  // lanes per candidate row: 16 or 8
   constexpr int kRows = 32 / kLanes;       // rows a warp reads at once: 2 or 4
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = UNROLL;
   constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
   using P = Pack<DType>;
   LaunchDependents();  // the attend CTAs may launch once every match CTA runs
@@ -219,56 +222,58 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
 
   float bd = INFINITY;
   int32_t bp = -1;
+  // The loads that depend on nothing go out together: T, the slot, the query.
   const int32_t T = p.seq_lens[b];
   const int32_t slot = SlotOfDev(p.slot_ids, b);
+  float q[kVec];
+  P::ToFloat(__ldg(reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b +
+                                                  hq * p.q_pre_stride_h + sub * kVec)),
+             q);
   if (a.enable && T > 0 && T >= a.min_context) {
+    // The slot's epoch and ready flag are loaded alongside the first batch of ring rows (the
+    // ring of any slot is readable); a slot that is not ready stops after that batch.
     const MacSlot st = p.slots[slot];
-    if (st.ready) {
-      const int32_t m = T - 1, W = a.window;
-      const int32_t lo = max(0, m - W), n = m - lo;
-      const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
-      float q[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) +
-                                                 b * p.q_pre_stride_b + hq * p.q_pre_stride_h + sub * kVec),
-                 q);
-      const DType* ring = static_cast<const DType*>(p.state.ring_q) +
-                          (int64_t(slot) * a.hq + hq) * W * HEAD_DIM + sub * kVec;
-      const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
-      // The loop bound is uniform over the warp (the shuffles below need every lane).
-      for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
-        const int32_t xb = xw + grp;
-        uint4 u[kUnroll];
-        MacTag tg[kUnroll];
+    const int32_t m = T - 1, W = a.window;
+    const int32_t lo = max(0, m - W), n = m - lo;
+    const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
+    const DType* ring = static_cast<const DType*>(p.state.ring_q) +
+                        (int64_t(slot) * a.hq + hq) * W * HEAD_DIM + sub * kVec;
+    const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
+    // The loop bound is uniform over the warp (the shuffles below need every lane).
+    for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
+      const int32_t xb = xw + grp;
+      uint4 u[kUnroll];
+      MacTag tg[kUnroll];
 #pragma unroll
-        for (int j = 0; j < kUnroll; ++j) {
-          const int32_t x = xb + j * kStep;
-          if (x < x1) {
-            const int32_t w = x % W;
-            u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
-            tg[j] = tags[w];
-          } else {
-            u[j] = make_uint4(0, 0, 0, 0);
-            tg[j] = MacTag{-1, -1};
-          }
+      for (int j = 0; j < kUnroll; ++j) {
+        const int32_t x = xb + j * kStep;
+        if (x < x1) {
+          const int32_t w = x % W;
+          u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
+          tg[j] = tags[w];
+        } else {
+          u[j] = make_uint4(0, 0, 0, 0);
+          tg[j] = MacTag{-1, -1};
+        }
+      }
+      if (!st.ready) break;  // uniform over the CTA
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        float f[kVec];
+        P::ToFloat(u[j], f);
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float t = q[i] - f[i];
+          acc = fmaf(t, t, acc);
         }
 #pragma unroll
-        for (int j = 0; j < kUnroll; ++j) {
-          float f[kVec];
-          P::ToFloat(u[j], f);
-          float acc = 0.f;
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float t = q[i] - f[i];
-            acc = fmaf(t, t, acc);
-          }
-#pragma unroll
-          for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-          const int32_t x = xb + j * kStep;
-          const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
-          if (valid && Better(acc, x, bd, bp)) {
-            bd = acc;
-            bp = x;
-          }
+        for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const int32_t x = xb + j * kStep;
+        const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
+        if (valid && Better(acc, x, bd, bp)) {
+          bd = acc;
+          bp = x;
         }
       }
     }
@@ -901,10 +906,18 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, size_t smem, bool pdl, const L
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
+// Match grids of at most this many CTAs take the 8-row batches (all resident at 7 CTAs per
+// SM on a 132-SM H200: B = 1 and B = 16 at LLaMA-8B heads; B = 32 keeps 4-row batches).
+constexpr int64_t kMatchWideCtas = 2 * kMatchTargetCtas;
+
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
-  MacMatchKernel<DType, HEAD_DIM><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  if (ctas <= kMatchWideCtas) {
+    MacMatchKernel<DType, HEAD_DIM, 8><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  } else {
+    MacMatchKernel<DType, HEAD_DIM, 4><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  }
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
