@@ -322,16 +322,24 @@ struct ChunkPos {
   int64_t out_row = 0;
 };
 
-// Decode chunk c of the plan. Head g attends tokens >= s_lo[g] (shared, written here by
-// thread g; read after the attend's first barrier); *max_lo = max_g s_lo[g].
+// Decode chunk c of the plan, of group u = chunk_unit[c]. Head g attends tokens >= s_lo[g]
+// (shared, written here by thread g; read after the attend's first barrier); *max_lo =
+// max_g s_lo[g].
 template <int GROUP>
-__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int32_t per, int32_t* s_lo,
+__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int u, int32_t per, int32_t* s_lo,
                                                       int32_t* max_lo) {
-  const int u = a.chunk_unit[c];
   const UnitPlan up = a.units[u];
   ChunkPos cp;
   cp.b = u / a.hkv;
   cp.h = u % a.hkv;
+  // The heads' band starts are loaded with the plan (one round trip; only band chunks use
+  // them).
+  int32_t band_start[GROUP];
+  {
+    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) band_start[g] = hd[g].band_start;
+  }
   int32_t local = c - up.first_chunk;
   bool band = false;
   if (local < up.n_sink) {
@@ -348,10 +356,9 @@ __device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c
   }
   int32_t mx = cp.t0;
   if (band) {
-    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const int32_t lo = max(cp.t0, hd[g].band_start);
+      const int32_t lo = max(cp.t0, band_start[g]);
       mx = max(mx, lo);
       if (threadIdx.x == g) s_lo[g] = lo;
     }
@@ -651,10 +658,15 @@ __global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP>()) MacAttendK
   LaunchDependents();
   // The plan's sizes are re-read per chunk (cached loads) rather than held in registers
   // across the attention, which has none to spare at G = 4.
-  for (int c = int(blockIdx.x); c < int(__ldg(a.plan_info + 1)); c += int(gridDim.x)) {
+  // The chunk's group is read together with the chunk count (chunk_unit has max_chunks
+  // entries; one past the plan holds a stale value, never used).
+  for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
+    const int n = int(__ldg(a.plan_info + 1));
+    const int u = __ldg(a.chunk_unit + c);
+    if (c >= n) break;
     __syncthreads();  // the previous chunk is done with shared memory
     int32_t max_lo;
-    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
+    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, u, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
     AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, max_lo, s_lo, smem);
   }
 }
