@@ -198,7 +198,8 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 
 // UNROLL: rows per lane group in flight. 8 (one batch covers a B = 1 split of kMinMatchRows
 // rows at d = 128: one memory round trip instead of two) costs registers, 72 vs 54 at d = 128,
-// so 7 CTAs per SM instead of 9; LaunchMatch takes it only for grids that fit at 7 per SM.
+// so 7 CTAs per SM instead of 9 (d = 64: 88 vs 56, 5 vs 9); LaunchMatch takes it only for
+// grids that stay resident.
 template <typename DType, int HEAD_DIM, int UNROLL>
 __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kVec = 8;
@@ -765,13 +766,24 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c0 = lane * kPer;
   const int32_t T = p.seq_lens[b];
+  const int32_t slot = SlotOfDev(p.slot_ids, b);
+  const int32_t W = a.window;
+  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
+
+  // Warp 0's decision is loaded before the partials are merged and its other inputs (the
+  // reused entry, the prefix state, the query and epoch for the ring writes) right after, so
+  // their round trips overlap the merge instead of following it one after another (holding
+  // them across the partial loop would cost the registers of a sixth CTA per SM). Same
+  // values, same merge order.
+  HeadDecision dec{-1, 0};
+  if (warp == 0) dec = a.heads[bhq];
 
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
   st[0].init();
   st[1].init();
-  UnitPlan up{};
-  if (T > 0) {
-    up = a.units[b * a.hkv + h];
+  {
+    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T.
+    const UnitPlan up = a.units[b * a.hkv + h];
     const int n_all = up.n_sink + up.n_band + up.n_tail;
     for (int j0 = warp; j0 < n_all; j0 += kWarps * kBatch) {
       float o2[kBatch][kPer], l2[kBatch];
@@ -800,28 +812,33 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
       }
     }
   }
+  float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
+  uint2 q_copy = make_uint2(0, 0);
+  int32_t epoch = 0;
+  if (warp == 0) {
+    if (T > 0 && dec.hit_pos >= 0) {
+      const int64_t row = ring_row0 + dec.hit_pos % W;
+      LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
+      e_lse = p.state.ring_lse[row];
+    }
+    if (p.prefix_o) {
+      const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
+      p_lse = p.prefix_lse[bhq];
+    }
+    if (T > 0) {
+      Copy16<kPer>(&q_copy, static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+      if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
+    }
+  }
   MergeWarps<HEAD_DIM, kPer>(st, sm_o, sm_l);
   if (warp != 0) return;
 
-  const HeadDecision dec = a.heads[bhq];
-  const int32_t slot = SlotOfDev(p.slot_ids, b);
-  const int32_t W = a.window;
-  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
-  if (T > 0 && dec.hit_pos >= 0) {  // entry' = entry(p) + band
-    const int64_t row = ring_row0 + dec.hit_pos % W;
-    float eo[kPer];
-    LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
-    st[0].merge(eo, p.state.ring_lse[row]);
-  }
+  if (T > 0 && dec.hit_pos >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
   LaneState<kPer> out;
   out.init();
-  if (p.prefix_o) {
-    const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
-    float po[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
-    out.merge(po, p.prefix_lse[bhq]);
-  }
+  if (p.prefix_o) out.merge(po, p_lse);
   out.merge(st[1].o, st[1].lse);
   out.merge(st[0].o, st[0].lse);
   StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, out.o);
@@ -834,11 +851,10 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   const int32_t m = T - 1;
   const int64_t row = ring_row0 + m % W;
   StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0,
-               static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0, &q_copy);
   if (lane == 0) {
     p.state.ring_lse[row] = st[0].lse;
-    if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, p.slots[slot].epoch};
+    if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
   }
 }
 
@@ -918,8 +934,9 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, size_t smem, bool pdl, const L
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
-// Match grids of at most this many CTAs take the 8-row batches (all resident at 7 CTAs per
-// SM on a 132-SM H200: B = 1 and B = 16 at LLaMA-8B heads; B = 32 keeps 4-row batches).
+// Match grids of at most this many CTAs take the 8-row batches (all resident on a 132-SM
+// H200 at 7 CTAs per SM, d = 128, or 5, d = 64: B = 1 and B = 16 at LLaMA-8B heads; B = 32
+// keeps 4-row batches).
 constexpr int64_t kMatchWideCtas = 2 * kMatchTargetCtas;
 
 template <typename DType, int HEAD_DIM>
