@@ -3,7 +3,7 @@
 // A step is three kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query in registers
 //    (8 dims per lane), the split's candidate rows of the query ring streamed with 16-byte
-//    loads (d/8 lanes per row, 4 rows per lane in flight), tags checked, fp32 squared
+//    loads (d/8 lanes per row, 4 or 8 rows per lane in flight), tags checked, fp32 squared
 //    distances, the best candidate by the tie rule folded into a per-head u64 with one
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
@@ -11,7 +11,8 @@
 //  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
 //    CTAs past the plan exit at once): a token range of one group's sink, band or tail,
 //    streamed once for the G heads through a 3-stage cp.async pipeline (as decode
-//    attention does), heads masking tokens before their own band start (only tiles below
+//    attention does; each stage's group also carries the block-table entries of the tile
+//    issued two steps later), heads masking tokens before their own band start (only tiles below
 //    the largest start pay for the mask); one normalized partial state per head and chunk.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
@@ -52,6 +53,13 @@ using decode::CpAsync16;
 using decode::CpAsyncCommit;
 using decode::CpAsyncWait;
 using decode::Pack;
+
+// 4-byte cp.async (zero-filled when !valid).
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+}
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -188,12 +196,16 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 // Match
 // ---------------------------------------------------------------------------------------
 
-template <typename DType, int HEAD_DIM>
+// UNROLL: rows per lane group in flight. 8 (one batch covers a B = 1 split of kMinMatchRows
+// rows at d = 128: one memory round trip instead of two) costs registers, 72 vs 54 at d = 128,
+// so 7 CTAs per SM instead of 9 (d = 64: 88 vs 56, 5 vs 9); LaunchMatch takes it only for
+// grids that stay resident.
+template <typename DType, int HEAD_DIM, int UNROLL>
 __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kVec = 8;
   constexpr int kLanes = HEAD_DIM / kVec;  // lanes per candidate row: 16 or 8
   constexpr int kRows = 32 / kLanes;       // rows a warp reads at once: 2 or 4
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = UNROLL;
   constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
   using P = Pack<DType>;
   LaunchDependents();  // the attend CTAs may launch once every match CTA runs
@@ -211,56 +223,58 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
 
   float bd = INFINITY;
   int32_t bp = -1;
+  // The loads that depend on nothing go out together: T, the slot, the query.
   const int32_t T = p.seq_lens[b];
   const int32_t slot = SlotOfDev(p.slot_ids, b);
+  float q[kVec];
+  P::ToFloat(__ldg(reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b +
+                                                  hq * p.q_pre_stride_h + sub * kVec)),
+             q);
   if (a.enable && T > 0 && T >= a.min_context) {
+    // The slot's epoch and ready flag are loaded alongside the first batch of ring rows (the
+    // ring of any slot is readable); a slot that is not ready stops after that batch.
     const MacSlot st = p.slots[slot];
-    if (st.ready) {
-      const int32_t m = T - 1, W = a.window;
-      const int32_t lo = max(0, m - W), n = m - lo;
-      const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
-      float q[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) +
-                                                 b * p.q_pre_stride_b + hq * p.q_pre_stride_h + sub * kVec),
-                 q);
-      const DType* ring = static_cast<const DType*>(p.state.ring_q) +
-                          (int64_t(slot) * a.hq + hq) * W * HEAD_DIM + sub * kVec;
-      const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
-      // The loop bound is uniform over the warp (the shuffles below need every lane).
-      for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
-        const int32_t xb = xw + grp;
-        uint4 u[kUnroll];
-        MacTag tg[kUnroll];
+    const int32_t m = T - 1, W = a.window;
+    const int32_t lo = max(0, m - W), n = m - lo;
+    const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
+    const DType* ring = static_cast<const DType*>(p.state.ring_q) +
+                        (int64_t(slot) * a.hq + hq) * W * HEAD_DIM + sub * kVec;
+    const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
+    // The loop bound is uniform over the warp (the shuffles below need every lane).
+    for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
+      const int32_t xb = xw + grp;
+      uint4 u[kUnroll];
+      MacTag tg[kUnroll];
 #pragma unroll
-        for (int j = 0; j < kUnroll; ++j) {
-          const int32_t x = xb + j * kStep;
-          if (x < x1) {
-            const int32_t w = x % W;
-            u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
-            tg[j] = tags[w];
-          } else {
-            u[j] = make_uint4(0, 0, 0, 0);
-            tg[j] = MacTag{-1, -1};
-          }
+      for (int j = 0; j < kUnroll; ++j) {
+        const int32_t x = xb + j * kStep;
+        if (x < x1) {
+          const int32_t w = x % W;
+          u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
+          tg[j] = tags[w];
+        } else {
+          u[j] = make_uint4(0, 0, 0, 0);
+          tg[j] = MacTag{-1, -1};
+        }
+      }
+      if (!st.ready) break;  // uniform over the CTA
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        float f[kVec];
+        P::ToFloat(u[j], f);
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float t = q[i] - f[i];
+          acc = fmaf(t, t, acc);
         }
 #pragma unroll
-        for (int j = 0; j < kUnroll; ++j) {
-          float f[kVec];
-          P::ToFloat(u[j], f);
-          float acc = 0.f;
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float t = q[i] - f[i];
-            acc = fmaf(t, t, acc);
-          }
-#pragma unroll
-          for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-          const int32_t x = xb + j * kStep;
-          const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
-          if (valid && Better(acc, x, bd, bp)) {
-            bd = acc;
-            bp = x;
-          }
+        for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const int32_t x = xb + j * kStep;
+        const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
+        if (valid && Better(acc, x, bd, bp)) {
+          bd = acc;
+          bp = x;
         }
       }
     }
@@ -309,16 +323,24 @@ struct ChunkPos {
   int64_t out_row = 0;
 };
 
-// Decode chunk c of the plan. Head g attends tokens >= s_lo[g] (shared, written here by
-// thread g; read after the attend's first barrier); *max_lo = max_g s_lo[g].
+// Decode chunk c of the plan, of group u = chunk_unit[c]. Head g attends tokens >= s_lo[g]
+// (shared, written here by thread g; read after the attend's first barrier); *max_lo =
+// max_g s_lo[g].
 template <int GROUP>
-__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int32_t per, int32_t* s_lo,
+__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int u, int32_t per, int32_t* s_lo,
                                                       int32_t* max_lo) {
-  const int u = a.chunk_unit[c];
   const UnitPlan up = a.units[u];
   ChunkPos cp;
   cp.b = u / a.hkv;
   cp.h = u % a.hkv;
+  // The heads' band starts are loaded with the plan (one round trip; only band chunks use
+  // them).
+  int32_t band_start[GROUP];
+  {
+    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) band_start[g] = hd[g].band_start;
+  }
   int32_t local = c - up.first_chunk;
   bool band = false;
   if (local < up.n_sink) {
@@ -335,10 +357,9 @@ __device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c
   }
   int32_t mx = cp.t0;
   if (band) {
-    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const int32_t lo = max(cp.t0, hd[g].band_start);
+      const int32_t lo = max(cp.t0, band_start[g]);
       mx = max(mx, lo);
       if (threadIdx.x == g) s_lo[g] = lo;
     }
@@ -390,6 +411,8 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   constexpr int kUnroll = kWarpTokens / kGroups;
   constexpr int kChunks = kBlockN * HEAD_DIM / kVec;
   static_assert(kChunks % kThreads == 0, "tile chunks must split evenly over the CTA");
+  static_assert(kBlockN <= kThreads, "one page-id copy per token of a tile");
+  constexpr int kPer = kChunks / kThreads;  // 16-byte pieces per thread and tile
   using P = Pack<DType>;
 
   const int t0 = cp.t0, t1 = cp.t1;
@@ -416,35 +439,74 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   }
 
   DType* tiles = reinterpret_cast<DType*>(smem);
+  int32_t* s_page = reinterpret_cast<int32_t*>(tiles + kStages * 2 * kBlockN * HEAD_DIM);  // [kStages][kBlockN]
   const int32_t* bt = a.block_table + cp.b * a.bt_stride;
   const DType* kb = static_cast<const DType*>(a.k) + cp.h * a.kv_stride_head;
   const DType* vb = static_cast<const DType*>(a.v) + cp.h * a.kv_stride_head;
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
+  const int piece = tid % kLanes;
+  // Copies of the tile's K and V rows; page[i]: the page of this thread's i-th token.
+  auto issue_kv = [&](int tile, const int32_t (&page)[kPer]) {
+    DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
+    DType* vt = kt + kBlockN * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = (tid + i * kThreads) / kLanes;
+      const int t = t0 + tile * kBlockN + j;
+      const bool valid = t < t1;
+      int64_t off = 0;
+      if (valid) {
+        off = int64_t(page[i]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
+      }
+      CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
+      CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
+    }
+  };
+  // The block-table entries of the tile's tokens into stage tile % kStages of s_page (one
+  // 4-byte copy per token, in the group of the tile issued kStages - 1 steps before).
+  auto fetch_pages = [&](int tile) {
+    if (tile < n_tiles && tid < kBlockN) {
+      const int t = t0 + tile * kBlockN + tid;
+      CpAsync4(s_page + (tile % kStages) * kBlockN + tid, bt + (t < t1 ? t >> shift : 0), t < t1);
+    }
+  };
+  // Group k: tile k's K and V, and the page ids of tile k + kStages - 1. Issuing tile k
+  // (after the wait for group k - kStages + 1 and the barrier) reads its page ids from shared
+  // memory, so no block-table round trip sits between the barrier and the copies.
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-      DType* vt = kt + kBlockN * HEAD_DIM;
+      const int32_t* sp = s_page + (tile % kStages) * kBlockN;
+      int32_t page[kPer];
 #pragma unroll
-      for (int i = 0; i < kChunks / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        const int j = c / kLanes, piece = c % kLanes;
-        const int t = t0 + tile * kBlockN + j;
-        const bool valid = t < t1;
-        int64_t off = 0;
-        if (valid) {
-          off = int64_t(__ldg(bt + (t >> shift))) * a.kv_stride_page +
-                int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
-        }
-        CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
-        CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
-      }
+      for (int i = 0; i < kPer; ++i) page[i] = sp[(tid + i * kThreads) / kLanes];
+      issue_kv(tile, page);
+      fetch_pages(tile + kStages - 1);
     }
     CpAsyncCommit();
   };
+  {
+    // Prologue: the first kStages - 1 tiles' page ids straight from the block table, all
+    // loads in flight at once.
+    int32_t page[kStages - 1][kPer];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+    for (int s = 0; s < kStages - 1; ++s) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int t = t0 + s * kBlockN + (tid + i * kThreads) / kLanes;
+        page[s][i] = t < t1 ? __ldg(bt + (t >> shift)) : 0;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_tiles) {
+        issue_kv(s, page[s]);
+        fetch_pages(s + kStages - 1);
+      }
+      CpAsyncCommit();
+    }
+  }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     CpAsyncWait<kStages - 2>();
@@ -571,7 +633,8 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
 }
 
 // G <= 4 is held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel is
-// without a cap; this one spills ~24 bytes). Measured (H200, LLaMA-8B heads, all-miss): the
+// without a cap; ptxas reports no spill at d = 128, G = 4 since the page ids are staged in
+// shared memory, 20 bytes before). Measured (H200, LLaMA-8B heads, all-miss): the
 // uncapped variant (148 registers, 3 CTAs per SM) was slower, B=32 32K 1818 vs 1525 us.
 template <int GROUP>
 constexpr int AttendMinBlocks() { return GROUP <= 4 ? 4 : 1; }
@@ -597,10 +660,15 @@ __global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP>()) MacAttendK
   LaunchDependents();
   // The plan's sizes are re-read per chunk (cached loads) rather than held in registers
   // across the attention, which has none to spare at G = 4.
-  for (int c = int(blockIdx.x); c < int(__ldg(a.plan_info + 1)); c += int(gridDim.x)) {
+  // The chunk's group is read together with the chunk count (chunk_unit has max_chunks
+  // entries; one past the plan holds a stale value, never used).
+  for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
+    const int n = int(__ldg(a.plan_info + 1));
+    const int u = __ldg(a.chunk_unit + c);
+    if (c >= n) break;
     __syncthreads();  // the previous chunk is done with shared memory
     int32_t max_lo;
-    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
+    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, u, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
     AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, max_lo, s_lo, smem);
   }
 }
@@ -699,13 +767,24 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c0 = lane * kPer;
   const int32_t T = p.seq_lens[b];
+  const int32_t slot = SlotOfDev(p.slot_ids, b);
+  const int32_t W = a.window;
+  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
+
+  // Warp 0's decision is loaded before the partials are merged and its other inputs (the
+  // reused entry, the prefix state, the query and epoch for the ring writes) right after, so
+  // their round trips overlap the merge instead of following it one after another (holding
+  // them across the partial loop would cost the registers of a sixth CTA per SM). Same
+  // values, same merge order.
+  HeadDecision dec{-1, 0};
+  if (warp == 0) dec = a.heads[bhq];
 
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
   st[0].init();
   st[1].init();
-  UnitPlan up{};
-  if (T > 0) {
-    up = a.units[b * a.hkv + h];
+  {
+    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T.
+    const UnitPlan up = a.units[b * a.hkv + h];
     const int n_all = up.n_sink + up.n_band + up.n_tail;
     for (int j0 = warp; j0 < n_all; j0 += kWarps * kBatch) {
       float o2[kBatch][kPer], l2[kBatch];
@@ -734,28 +813,33 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
       }
     }
   }
+  float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
+  uint2 q_copy = make_uint2(0, 0);
+  int32_t epoch = 0;
+  if (warp == 0) {
+    if (T > 0 && dec.hit_pos >= 0) {
+      const int64_t row = ring_row0 + dec.hit_pos % W;
+      LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
+      e_lse = p.state.ring_lse[row];
+    }
+    if (p.prefix_o) {
+      const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
+      p_lse = p.prefix_lse[bhq];
+    }
+    if (T > 0) {
+      Copy16<kPer>(&q_copy, static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+      if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
+    }
+  }
   MergeWarps<HEAD_DIM, kPer>(st, sm_o, sm_l);
   if (warp != 0) return;
 
-  const HeadDecision dec = a.heads[bhq];
-  const int32_t slot = SlotOfDev(p.slot_ids, b);
-  const int32_t W = a.window;
-  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
-  if (T > 0 && dec.hit_pos >= 0) {  // entry' = entry(p) + band
-    const int64_t row = ring_row0 + dec.hit_pos % W;
-    float eo[kPer];
-    LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
-    st[0].merge(eo, p.state.ring_lse[row]);
-  }
+  if (T > 0 && dec.hit_pos >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
   LaneState<kPer> out;
   out.init();
-  if (p.prefix_o) {
-    const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
-    float po[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
-    out.merge(po, p.prefix_lse[bhq]);
-  }
+  if (p.prefix_o) out.merge(po, p_lse);
   out.merge(st[1].o, st[1].lse);
   out.merge(st[0].o, st[0].lse);
   StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, out.o);
@@ -768,11 +852,10 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   const int32_t m = T - 1;
   const int64_t row = ring_row0 + m % W;
   StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0,
-               static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0, &q_copy);
   if (lane == 0) {
     p.state.ring_lse[row] = st[0].lse;
-    if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, p.slots[slot].epoch};
+    if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
   }
 }
 
@@ -852,10 +935,19 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, size_t smem, bool pdl, const L
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
+// Match grids of at most this many CTAs take the 8-row batches (all resident on a 132-SM
+// H200 at 7 CTAs per SM, d = 128, or 5, d = 64: B = 1 and B = 16 at LLaMA-8B heads; B = 32
+// keeps 4-row batches).
+constexpr int64_t kMatchWideCtas = 2 * kMatchTargetCtas;
+
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
-  MacMatchKernel<DType, HEAD_DIM><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  if (ctas <= kMatchWideCtas) {
+    MacMatchKernel<DType, HEAD_DIM, 8><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  } else {
+    MacMatchKernel<DType, HEAD_DIM, 4><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  }
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
