@@ -397,6 +397,9 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
 void DecodeAttention(const DecodeConfig&, const DecodeParams&, void*, size_t, cudaStream_t) {
   throw UnsupportedError("DecodeAttention: asmem was built without CUDA");
 }
+void LoadDecodeKernels(KernelDType, int32_t, int32_t) {
+  throw UnsupportedError("LoadDecodeKernels: asmem was built without CUDA");
+}
 #endif
 
 }  // namespace asmem

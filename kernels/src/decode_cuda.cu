@@ -95,4 +95,11 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   });
 }
 
+void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size) {
+  kernel_dispatch::Dispatch("decode attention", dtype, head_dim, group_size, [](auto dt, auto hd, auto gs) {
+    using DType = typename decltype(dt)::type;
+    decode::LoadDecodeKernels<DType, decltype(hd)::value, decltype(gs)::value>();
+  });
+}
+
 }  // namespace asmem

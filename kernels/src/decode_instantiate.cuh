@@ -7,4 +7,5 @@
 
 #define ASMEM_DECODE_GROUP_IMPL(DT, HD, G)                                                  \
   template void LaunchDecodeMain<DT, HD, G>(const LaunchArgs&, size_t, bool, cudaStream_t); \
-  template void LaunchDecodeLookup<DT, HD, G>(const LaunchArgs&, cudaStream_t);
+  template void LaunchDecodeLookup<DT, HD, G>(const LaunchArgs&, cudaStream_t);           \
+  template void LoadDecodeKernels<DT, HD, G>();

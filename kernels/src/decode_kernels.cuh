@@ -23,11 +23,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cuda.h>  // driver types for cuFuncLoad; no libcuda is linked
+
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "asmem/cuda_check.cuh"
 #include "asmem/decode.h"
+#include "asmem/error.h"
 #include "asmem/state.cuh"
 #include "decode_common.h"
 #include "decode_launch.cuh"
@@ -1353,6 +1357,45 @@ void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
   cfg.attrs = attr;
   cfg.numAttrs = after_lookup ? 1 : 0;
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
+// Makes the kernels of one (dtype, head dim, group) resident in the current context: with
+// lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2) a kernel's
+// first launch loads its code, which may synchronize the context and so wait for every
+// stream. cuFuncLoad (taken through the runtime's driver entry point when the driver has
+// it) finishes the load; cudaFuncGetAttributes, which reads attributes only a loaded
+// function has, is the fallback.
+inline void LoadKernel(const void* kernel) {
+  using FuncLoad = CUresult (*)(CUfunction);
+  static const FuncLoad func_load = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuFuncLoad", &fn, 12040, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return FuncLoad(nullptr);
+    }
+    return reinterpret_cast<FuncLoad>(fn);
+  }();
+  cudaFuncAttributes attr{};
+  ASMEM_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (func_load != nullptr) {
+    cudaFunction_t f = nullptr;
+    ASMEM_CUDA_CHECK(cudaGetFuncBySymbol(&f, kernel));
+    const CUresult r = func_load(reinterpret_cast<CUfunction>(f));
+    if (r != CUDA_SUCCESS) {
+      throw CudaError("cuFuncLoad failed with CUresult " + std::to_string(int(r)));
+    }
+  }
+}
+
+template <typename DType, int HEAD_DIM, int GROUP>
+void LoadDecodeKernels() {
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, HEAD_DIM * GROUP>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeMainKernel<DType, HEAD_DIM, GROUP>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeCombineKernel<DType, HEAD_DIM>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeWhitenKernel<DType>));
 }
 
 template <typename DType, int HEAD_DIM>

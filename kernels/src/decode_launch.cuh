@@ -86,6 +86,10 @@ void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream);
 // Whitened lookup keys of every (request, KV head) whose view has whitening.
 template <typename DType>
 void LaunchDecodeWhiten(const LaunchArgs& a, cudaStream_t stream);
+// Loads every kernel the four launchers above use for (DType, HEAD_DIM, GROUP) into the
+// current context (see LoadDecodeKernels in asmem/decode.h).
+template <typename DType, int HEAD_DIM, int GROUP>
+void LoadDecodeKernels();
 
 }  // namespace decode
 }  // namespace asmem

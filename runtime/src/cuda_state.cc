@@ -2,6 +2,11 @@
 // only (no kernels of its own).
 #include "cuda_state.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -17,6 +22,37 @@
 
 namespace asmem {
 namespace detail {
+
+namespace {
+
+// Trace clock and switch (ASMEM_RUNTIME_TRACE=1), read once.
+struct TraceState {
+  bool on = false;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  TraceState() {
+    const char* e = std::getenv("ASMEM_RUNTIME_TRACE");
+    on = e != nullptr && e[0] == '1';
+  }
+};
+TraceState& trace_state() {
+  static TraceState* s = new TraceState();  // never destroyed: usable from any destructor
+  return *s;
+}
+
+}  // namespace
+
+void Trace(const char* what, size_t bytes) {
+  TraceState& t = trace_state();
+  if (!t.on) return;
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t.t0).count();
+  if (bytes > 0) {
+    std::fprintf(stderr, "[asmem runtime %10.3f ms] %s (%zu bytes)\n", ms, what, bytes);
+  } else {
+    std::fprintf(stderr, "[asmem runtime %10.3f ms] %s\n", ms, what);
+  }
+  std::fflush(stderr);
+}
 
 #ifdef ASMEM_WITH_CUDA
 
@@ -38,14 +74,84 @@ ScopedDevice::~ScopedDevice() {
   if (previous_ >= 0 && previous_ != device_) (void)cudaSetDevice(previous_);
 }
 
-DeviceBlob::DeviceBlob(int device, size_t bytes) : device_(device), bytes_(bytes) {
-  ScopedDevice guard(device_);
-  const cudaError_t e = cudaMalloc(&ptr_, bytes_ > 0 ? bytes_ : 1);
+// Bytes of one pinned staging buffer of uploads (two are used in turn).
+constexpr size_t kUploadChunk = size_t(4) << 20;
+
+struct UploadArena {
+  int device = 0;
+  cudaStream_t stream = nullptr;  // non-blocking: orders with no other stream
+  cudaMemPool_t pool = nullptr;   // null: cudaMalloc / cudaFree
+  std::mutex mu;                  // one upload at a time (the staging buffers)
+  void* staging[2] = {nullptr, nullptr};  // pinned, kUploadChunk bytes each
+  cudaEvent_t staged[2] = {nullptr, nullptr};  // recorded after the copy out of staging[i]
+
+  explicit UploadArena(int dev) : device(dev) {
+    ScopedDevice guard(device);
+    try {
+      ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      int pools = 0;
+      ASMEM_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
+      if (pools) {
+        cudaMemPoolProps props = {};
+        props.allocType = cudaMemAllocationTypePinned;
+        props.handleTypes = cudaMemHandleTypeNone;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = device;
+        ASMEM_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+        // Freed blocks stay reserved for the next upload instead of being unmapped at the
+        // next synchronization; release_retired() trims them explicitly.
+        uint64_t keep = ~uint64_t(0);
+        ASMEM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+      }
+      for (int i = 0; i < 2; ++i) {
+        ASMEM_CUDA_CHECK(cudaMallocHost(&staging[i], kUploadChunk));
+        ASMEM_CUDA_CHECK(cudaEventCreateWithFlags(&staged[i], cudaEventDisableTiming));
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~UploadArena() { release(); }
+  UploadArena(const UploadArena&) = delete;
+  UploadArena& operator=(const UploadArena&) = delete;
+
+  void release() {
+    int prev = -1;
+    (void)cudaGetDevice(&prev);
+    if (prev != device) (void)cudaSetDevice(device);
+    if (stream) (void)cudaStreamSynchronize(stream);  // frees and copies still queued
+    for (int i = 0; i < 2; ++i) {
+      if (staged[i]) (void)cudaEventDestroy(staged[i]);
+      if (staging[i]) (void)cudaFreeHost(staging[i]);
+      staged[i] = nullptr;
+      staging[i] = nullptr;
+    }
+    if (pool) (void)cudaMemPoolDestroy(pool);
+    if (stream) (void)cudaStreamDestroy(stream);
+    pool = nullptr;
+    stream = nullptr;
+    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+  }
+
+  // Releases freed pool memory back to the device (no wait: only completed frees go).
+  void trim() {
+    if (pool) (void)cudaMemPoolTrimTo(pool, 0);
+  }
+};
+
+DeviceBlob::DeviceBlob(std::shared_ptr<UploadArena> arena, size_t bytes)
+    : arena_(std::move(arena)), bytes_(bytes) {
+  ScopedDevice guard(arena_->device);
+  const size_t n = bytes_ > 0 ? bytes_ : 1;
+  const cudaError_t e = arena_->pool
+                            ? cudaMallocFromPoolAsync(&ptr_, n, arena_->pool, arena_->stream)
+                            : cudaMalloc(&ptr_, n);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     ptr_ = nullptr;
-    throw CudaError("cannot allocate " + std::to_string(bytes_) +
-                    " bytes on cuda:" + std::to_string(device_) + ": " + cudaGetErrorString(e));
+    throw CudaError("cannot allocate " + std::to_string(bytes_) + " bytes on cuda:" +
+                    std::to_string(arena_->device) + ": " + cudaGetErrorString(e));
   }
 }
 
@@ -53,15 +159,19 @@ DeviceBlob::~DeviceBlob() {
   if (ptr_ == nullptr) return;
   int prev = -1;
   (void)cudaGetDevice(&prev);
-  if (prev != device_) (void)cudaSetDevice(device_);
-  (void)cudaFree(ptr_);
-  if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
+  if (prev != arena_->device) (void)cudaSetDevice(arena_->device);
+  if (arena_->pool) {
+    (void)cudaFreeAsync(ptr_, arena_->stream);  // ordered on the upload stream only
+  } else {
+    (void)cudaFree(ptr_);
+  }
+  if (prev >= 0 && prev != arena_->device) (void)cudaSetDevice(prev);
 }
 
 struct CudaState::Impl {
   int device = 0;
   int32_t L = 0, max_dicts = 0, Hkv = 0;
-  cudaStream_t upload_stream = nullptr;
+  std::shared_ptr<UploadArena> arena;
   DictLayerView* tables = nullptr;  // device, [L][max_dicts][Hkv]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -89,20 +199,31 @@ CudaState::CudaState(int device, int32_t num_layers, int32_t max_dicts, int32_t 
   s.Hkv = num_kv_heads;
   ScopedDevice guard(device);
   try {
-    ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s.upload_stream, cudaStreamNonBlocking));
+    s.arena = std::make_shared<UploadArena>(device);
     const size_t n = size_t(s.L) * size_t(s.max_dicts) * size_t(s.Hkv);
     ASMEM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.tables), n * sizeof(DictLayerView)));
-    const std::vector<DictLayerView> empty(n);  // K = 0: an unusable view (NaN if named)
-    ASMEM_CUDA_CHECK(
-        cudaMemcpy(s.tables, empty.data(), n * sizeof(DictLayerView), cudaMemcpyHostToDevice));
+    // K = 0 everywhere: an unusable view (NaN if named). Written on the upload stream (a
+    // legacy-stream call would order against every blocking stream of the device).
+    const std::vector<DictLayerView> empty(n);
+    ASMEM_CUDA_CHECK(cudaMemcpyAsync(s.tables, empty.data(), n * sizeof(DictLayerView),
+                                     cudaMemcpyHostToDevice, s.arena->stream));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(s.arena->stream));
     if (workspace_bytes > 0) {
       ASMEM_CUDA_CHECK(cudaMalloc(&s.workspace, workspace_bytes));
       s.workspace_bytes = workspace_bytes;
     }
+    // Two table staging buffers up front: a switch between steps then allocates nothing.
+    for (int i = 0; i < 2; ++i) {
+      DictLayerView* b = nullptr;
+      ASMEM_CUDA_CHECK(
+          cudaMallocHost(reinterpret_cast<void**>(&b), s.staging_count() * sizeof(DictLayerView)));
+      s.staging_pool.push_back(b);
+    }
   } catch (...) {
+    for (DictLayerView* b : s.staging_pool) (void)cudaFreeHost(b);
     if (s.workspace) (void)cudaFree(s.workspace);
     if (s.tables) (void)cudaFree(s.tables);
-    if (s.upload_stream) (void)cudaStreamDestroy(s.upload_stream);
+    s.arena.reset();
     throw;
   }
 }
@@ -122,20 +243,35 @@ CudaState::~CudaState() {
   for (DictLayerView* b : s.staging_pool) (void)cudaFreeHost(b);
   if (s.workspace) (void)cudaFree(s.workspace);
   if (s.tables) (void)cudaFree(s.tables);
-  if (s.upload_stream) (void)cudaStreamDestroy(s.upload_stream);
+  s.arena.reset();  // the stream and pool go with the last blob that uses them
   if (prev >= 0 && prev != s.device) (void)cudaSetDevice(prev);
 }
 
 int CudaState::device() const { return impl_->device; }
 
 std::shared_ptr<DeviceBlob> CudaState::upload(const void* host, size_t bytes) {
-  auto blob = std::make_shared<DeviceBlob>(impl_->device, bytes);
-  ScopedDevice guard(impl_->device);
-  if (bytes > 0) {
+  UploadArena& a = *impl_->arena;
+  ScopedDevice guard(a.device);
+  std::lock_guard<std::mutex> lock(a.mu);
+  Trace("upload: allocate", bytes);
+  auto blob = std::make_shared<DeviceBlob>(impl_->arena, bytes);
+  Trace("upload: copy", bytes);
+  const uint8_t* src = static_cast<const uint8_t*>(host);
+  uint8_t* dst = static_cast<uint8_t*>(blob->data());
+  int k = 0;
+  for (size_t off = 0; off < bytes; off += kUploadChunk, ++k) {
+    const int i = k & 1;
+    const size_t n = std::min(kUploadChunk, bytes - off);
+    // The copy that last read staging[i] must be done (it ran on the upload stream).
+    if (k >= 2) ASMEM_CUDA_CHECK(cudaEventSynchronize(a.staged[i]));
+    std::memcpy(a.staging[i], src + off, n);
     ASMEM_CUDA_CHECK(
-        cudaMemcpyAsync(blob->data(), host, bytes, cudaMemcpyHostToDevice, impl_->upload_stream));
-    ASMEM_CUDA_CHECK(cudaStreamSynchronize(impl_->upload_stream));
+        cudaMemcpyAsync(dst + off, a.staging[i], n, cudaMemcpyHostToDevice, a.stream));
+    ASMEM_CUDA_CHECK(cudaEventRecord(a.staged[i], a.stream));
   }
+  Trace("upload: wait for the upload stream");
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(a.stream));
+  Trace("upload: done");
   return blob;
 }
 
@@ -167,12 +303,14 @@ void CudaState::update(int32_t slot, const DictLayerView* views, cudaStream_t st
     staging = s.staging_pool.back();
     s.staging_pool.pop_back();
   } else {
+    Trace("update: allocate a table staging buffer");
     ASMEM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staging),
                                     s.staging_count() * sizeof(DictLayerView)));
   }
   for (size_t i = 0; i < s.staging_count(); ++i) staging[i] = views ? views[i] : DictLayerView{};
   cudaEvent_t done = nullptr;
   try {
+    Trace("update: enqueue the table copy");
     const size_t row = size_t(s.Hkv) * sizeof(DictLayerView);
     // Row l of the source (layer l's Hkv views) goes to tables[l][slot][0..Hkv).
     ASMEM_CUDA_CHECK(cudaMemcpy2DAsync(s.tables + size_t(slot) * size_t(s.Hkv),
@@ -186,6 +324,7 @@ void CudaState::update(int32_t slot, const DictLayerView* views, cudaStream_t st
     throw;
   }
   s.pending.push_back(Impl::Pending{done, staging, std::move(retired)});
+  Trace("update: enqueued");
 }
 
 size_t CudaState::release_retired() {
@@ -209,7 +348,13 @@ size_t CudaState::release_retired() {
     }
     s.pending = std::move(still);
   }
-  return to_free.size();  // the blobs are freed here, outside the lock (unless still shared)
+  const size_t n = to_free.size();
+  if (n > 0) {
+    Trace("release_retired: free", n);
+    to_free.clear();  // cudaFreeAsync on the upload stream (unless a blob is still shared)
+    s.arena->trim();
+  }
+  return n;
 }
 
 size_t CudaState::retired_count() const {
@@ -230,7 +375,8 @@ namespace {
 int CudaDeviceCount() { return 0; }
 ScopedDevice::ScopedDevice(int device) : device_(device) { NoCuda(); }
 ScopedDevice::~ScopedDevice() = default;
-DeviceBlob::DeviceBlob(int device, size_t bytes) : device_(device), bytes_(bytes) { NoCuda(); }
+struct UploadArena {};
+DeviceBlob::DeviceBlob(std::shared_ptr<UploadArena>, size_t bytes) : bytes_(bytes) { NoCuda(); }
 DeviceBlob::~DeviceBlob() = default;
 struct CudaState::Impl {};
 CudaState::CudaState(int, int32_t, int32_t, int32_t, size_t) { NoCuda(); }

@@ -30,10 +30,22 @@ class ScopedDevice {
   int device_ = -1;
 };
 
-// One device allocation; cudaFree in the destructor (errors ignored there).
+// Prints `what` with the milliseconds since the process's first trace to stderr when the
+// environment has ASMEM_RUNTIME_TRACE=1 (phases of load / replace / publish / unload, for
+// finding a host wait on a device); does nothing otherwise.
+void Trace(const char* what, size_t bytes = 0);
+
+// What device allocations of one CudaState share and outlive it with: the device, the
+// private upload stream (non-blocking) and, where the device supports stream-ordered
+// allocation, a private memory pool. Defined in cuda_state.cc.
+struct UploadArena;
+
+// One device allocation. With a pool: cudaMallocFromPoolAsync / cudaFreeAsync on the
+// upload stream (neither waits on the host for any stream); otherwise cudaMalloc / cudaFree
+// (cudaFree synchronizes the device). The owner frees it only once no step can read it.
 class DeviceBlob {
  public:
-  DeviceBlob(int device, size_t bytes);
+  DeviceBlob(std::shared_ptr<UploadArena> arena, size_t bytes);
   ~DeviceBlob();
   DeviceBlob(const DeviceBlob&) = delete;
   DeviceBlob& operator=(const DeviceBlob&) = delete;
@@ -41,7 +53,7 @@ class DeviceBlob {
   size_t bytes() const { return bytes_; }
 
  private:
-  int device_ = 0;
+  std::shared_ptr<UploadArena> arena_;
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
@@ -52,13 +64,16 @@ class CudaState {
   // `workspace_bytes` (may be 0) on `device`.
   CudaState(int device, int32_t num_layers, int32_t max_dicts, int32_t num_kv_heads,
             size_t workspace_bytes);
-  ~CudaState();  // waits for pending table copies, frees everything
+  ~CudaState();  // waits for pending table copies, frees everything (blobs still held
+                 // elsewhere keep the upload stream and pool alive until they go)
   CudaState(const CudaState&) = delete;
   CudaState& operator=(const CudaState&) = delete;
 
   int device() const;
-  // Copies `bytes` host bytes into a new device allocation (waits for the copy, which runs
-  // on a private stream so that it waits for no step).
+  // Copies `bytes` host bytes (pageable: a file mapping) into a new device allocation and
+  // waits for the copy. The bytes go through two reusable pinned staging buffers on the
+  // private upload stream; the host waits only for that stream, never for a step or the
+  // device. Concurrent uploads serialize.
   std::shared_ptr<DeviceBlob> upload(const void* host, size_t bytes);
   const DictLayerView* table(int32_t layer) const;
   void* workspace() const;
@@ -67,10 +82,13 @@ class CudaState {
   // captured: replays would repeat it).
   void check_stream(cudaStream_t stream, const char* what) const;
   // Enqueues on `stream` the copy of `views` ([L][Hkv], or null: empty views) into the
-  // slot's table entries and keeps `retired` (may be null) alive until that copy is done.
+  // slot's table entries (from a pinned staging buffer: two are allocated up front, more
+  // only while earlier copies are still pending) and keeps `retired` (may be null) alive
+  // until that copy is done.
   void update(int32_t slot, const DictLayerView* views, cudaStream_t stream,
               std::shared_ptr<DeviceBlob> retired);
-  // Frees what the finished copies retired; returns the number of non-null blobs freed.
+  // Frees what the finished copies retired (cudaEventQuery, no waiting); returns the number
+  // of non-null blobs freed.
   size_t release_retired();
   size_t retired_count() const;
 

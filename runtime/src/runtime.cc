@@ -249,6 +249,24 @@ DecodeRuntime::DecodeRuntime(const RuntimeOptions& options) : impl_(std::make_un
   if (s.cuda) {
     s.cs =
         std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv, own_workspace);
+    // The decode kernels are loaded now, not at a step's first launch: with lazy module
+    // loading that launch could synchronize the device (LoadDecodeKernels in decode.h).
+    // Without a step of its own the runtime may serve either 16-bit dtype.
+    std::vector<KernelDType> dtypes;
+    if (o.step.max_batch > 0) {
+      dtypes.push_back(o.step.dtype);
+    } else {
+      dtypes = {KernelDType::kBF16, KernelDType::kF16};
+    }
+    detail::ScopedDevice guard(o.device.index);
+    for (KernelDType t : dtypes) {
+      try {
+        LoadDecodeKernels(t, s.d, s.G);
+      } catch (const UnsupportedError&) {
+        // decode() reports the unsupported combination when it is asked to run it.
+      }
+    }
+    detail::Trace("DecodeRuntime: CUDA state ready, decode kernels loaded");
   }
   auto snap = std::make_shared<Snapshot>();
   snap->slots.resize(size_t(s.max_dicts));
@@ -302,6 +320,7 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
   const Impl& s = *impl_;
   auto r = std::make_shared<ResidentDictionary>();
   try {
+    if (s.cuda) detail::Trace("prepare: open and validate");
     std::unique_ptr<DictionaryFile> file = DictionaryFile::open(path, lo.verify_data);
     const DictionaryManifest& m = file->manifest();
     if (s.opt.model) file->check_model(*s.opt.model);
@@ -432,7 +451,10 @@ int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStrea
     } else {
       s.check_slot(slot, fn);
     }
-    if (s.cuda) s.cs->check_stream(stream, fn);
+    if (s.cuda) {
+      detail::Trace("publish: check the stream");
+      s.cs->check_stream(stream, fn);
+    }
     std::shared_ptr<ResidentDictionary> r = dict.impl_;
     r->info.slot = at;
     r->info.generation = ++s.generation;
@@ -440,7 +462,11 @@ int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStrea
     dict.impl_.reset();
     dict.owner_ = nullptr;
   }
-  if (s.cuda) release_retired();
+  if (s.cuda) {
+    detail::Trace("publish: release retired memory");
+    release_retired();
+    detail::Trace("publish: done");
+  }
   return at;
 }
 
@@ -457,8 +483,11 @@ void DecodeRuntime::replace(int32_t slot, const std::string& path, const LoadOpt
     throw InvalidArgument(std::string(fn) + ": " + path + ": slot " + str(slot) +
                           " is empty (use load)");
   }
+  detail::Trace("replace: prepare");
   PreparedDictionary p = prepare(path, lo);
+  detail::Trace("replace: publish");
   publish(p, slot, stream);
+  detail::Trace("replace: done");
 }
 
 void DecodeRuntime::unload(int32_t slot, cudaStream_t stream) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -222,12 +223,41 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeGpuShapes,
                                            GpuCase{KernelDType::kF16, 4, 4, 128, 64, true}),
                          test::StepShapeName());
 
-// A host function that holds the stream until the test opens the gate (or 30 s pass).
 // Holds a stream on the device: the stream waits (cuStreamWaitValue32, taken through the
 // runtime's driver entry point, so the test links no libcuda) until a mapped host word
 // becomes 1. Nothing on the host is blocked, so a host call that waits for the stream
-// would hang; a watchdog opens the gate after 30 s and records that instead.
+// would hang; a watchdog opens the gate after 30 s and records that instead, naming the
+// phase the host was in (phase(): set before each call made while the stream is held).
+// ASMEM_TEST_TRACE=1 prints every phase with its time; ASMEM_RUNTIME_TRACE=1 adds the
+// runtime's own phases (upload, table copy...).
 struct Gate {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
+  const bool trace = [] {
+    const char* e = std::getenv("ASMEM_TEST_TRACE");
+    return e != nullptr && e[0] == '1';
+  }();
+  std::atomic<const char*> phase_name{"before the hold"};
+  std::atomic<int64_t> phase_at_us{0};
+  std::atomic<const char*> fired_in{nullptr};  // the phase when the watchdog fired
+  int64_t fired_in_at_us = 0;
+
+  int64_t now_us() const {
+    return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+  }
+  void phase(const char* name) {
+    const int64_t t = now_us();
+    phase_at_us = t;
+    phase_name = name;
+    if (trace) std::fprintf(stderr, "[gate %10.3f ms] %s\n", t / 1e3, name);
+  }
+  std::string report() const {
+    const char* p = fired_in.load();
+    if (p == nullptr) return "the watchdog did not fire";
+    return std::string("the watchdog fired while the host was in '") + p + "' (entered " +
+           std::to_string(fired_in_at_us / 1000) + " ms after the gate was made)";
+  }
+
   using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
   volatile uint32_t* word = nullptr;
   std::atomic<bool> timed_out{false};
@@ -269,6 +299,9 @@ struct Gate {
       const auto t0 = std::chrono::steady_clock::now();
       while (!opened.load()) {
         if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30)) {
+          fired_in_at_us = phase_at_us.load();
+          fired_in = phase_name.load();
+          std::fprintf(stderr, "[gate] 30 s passed with the stream held: %s\n", report().c_str());
           timed_out = true;
           Open();
           return;
@@ -342,18 +375,25 @@ TEST_F(RuntimeGpuSwap, ReplaceWhileStepsAreEnqueued) {
   }
   Gate gate;
   ASSERT_TRUE(gate.Hold(stream_));
+  gate.phase("decode() before the replace");
   for (int i = 0; i < kSteps; ++i) rt.decode(1, Args(dev, *before[size_t(i)]), stream_);
   const size_t bytes_a = rt.info(0)->device_bytes;
+  gate.phase("replace()");
   rt.replace(0, b_, {}, stream_);  // opens, validates, uploads while the stream is held
+  gate.phase("retired_count() / release_retired()");
   EXPECT_EQ(rt.info(0)->path, b_);
   EXPECT_EQ(rt.retired_count(), 1u) << "the old dictionary is retired, not freed";
   EXPECT_EQ(rt.release_retired(), 0u) << "freed while steps that read it are still queued";
+  gate.phase("decode() after the replace");
   for (int i = 0; i < kSteps; ++i) rt.decode(1, Args(dev, *after[size_t(i)]), stream_);
-  EXPECT_EQ(cudaStreamQuery(stream_), cudaErrorNotReady);
+  gate.phase("cudaStreamQuery()");
+  EXPECT_EQ(cudaStreamQuery(stream_), cudaErrorNotReady) << gate.report();
   (void)cudaGetLastError();  // "not ready" is no error: clear it
+  gate.phase("opened");
   gate.Open();
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  ASSERT_FALSE(gate.timed_out.load()) << "the stream was held 30 s: something waited for it";
+  ASSERT_FALSE(gate.timed_out.load())
+      << "the stream was held 30 s: something waited for it; " << gate.report();
   const StepOutputs first = before[0]->Download(), later = after[0]->Download();
   ExpectClose(first, ref_a, st, "steps enqueued before the replace");
   ExpectClose(later, ref_b, st, "steps enqueued after the replace");

@@ -186,6 +186,14 @@ void ValidateDictLayerView(const DictLayerView& view, int32_t group_size, int32_
 void DecodeAttention(const DecodeConfig& config, const DecodeParams& params, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream);
 
+// Loads the CUDA op's kernels for (dtype, head dim, group size) into the current device's
+// context, so that no later DecodeAttention() launch loads code. With lazy module loading
+// (the CUDA default since 12.2) a kernel's first launch loads it, and loading may
+// synchronize the context: wait on the host for every stream of the device, e.g. a serving
+// stream held behind earlier work. Idempotent and cheap once loaded. Throws
+// UnsupportedError for a combination the op lacks, asmem::Error in builds without CUDA.
+void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size);
+
 // The CPU reference: naive loops, double accumulation, host memory (dict_views too), the
 // same arguments and results. Accepts any head dim and group size (not only the CUDA set).
 void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);

@@ -42,8 +42,15 @@
 //     one. The old dictionary's device memory is freed only once an event recorded after
 //     the copy has completed: it joins a retired list that later load / replace / unload /
 //     release_retired() calls poll with cudaEventQuery (decode() never does: besides its
-//     kernel launches it only gets / sets the current device). Steps on other streams
+//     kernel launches it only gets / sets the current device; its kernels are loaded when
+//     the runtime is constructed, so no launch loads code). Steps on other streams
 //     must be ordered against `stream` by the caller (events), or run on it.
+//     No part of a switch waits on the host for `stream` or the device: the upload runs on
+//     a private non-blocking stream through pinned staging buffers, device memory comes
+//     from a private stream-ordered pool (cudaMallocFromPoolAsync / cudaFreeAsync on that
+//     stream; plain cudaMalloc / cudaFree where the device has no pools), and retired
+//     memory is freed only after its event has completed. ASMEM_RUNTIME_TRACE=1 prints
+//     the phases of load / replace / publish with timestamps to stderr.
 //   * CPU: each decode() call takes a shared snapshot of the slot table when it starts; a
 //     call running in another thread during the switch finishes on the dictionary it
 //     started with, whose mapping stays alive until the last such call returns.
