@@ -31,8 +31,6 @@ constexpr int32_t kMaxLookupCtas = 1024;
 constexpr int32_t kLookupReps = 4;
 // Largest lookup key (G * d) the kernels hold in shared memory.
 constexpr int32_t kMaxKeyDim = 8 * 128;
-// Words of the per-(request, KV head) probed-parent bitmask (kDecodeMaxParents bits).
-constexpr int32_t kProbeWords = 2048 / 32;
 
 ASMEM_HOST_DEVICE int32_t SplitTokens(int32_t T, int32_t splits) {
   int32_t per = T <= 0 ? 1 : (T + splits - 1) / splits;
@@ -81,7 +79,6 @@ struct WorkspaceLayout {
   size_t part_lse = 0;  // [B, Hq, kv_splits] f32
   size_t pbest = 0;     // [B, Hkv, lookup_width] LookupPartial (use_dictionaries only)
   size_t pscore = 0;    // [B, Hkv, parent_width] f32 parent scores (use_dictionaries)
-  size_t probe = 0;     // [B, Hkv, kProbeWords] u32 probed-parent bits (use_dictionaries)
   size_t whitened = 0;  // [B, Hkv, G*d] f32 whitened lookup keys (config.whitening)
   size_t total = 0;
 };

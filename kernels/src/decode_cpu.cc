@@ -185,8 +185,6 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.lookup_width) * sizeof(LookupPartial));
   w.pscore = off;
   if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.parent_width) * sizeof(float));
-  w.probe = off;
-  if (dicts) off = AlignUp(off + B * Hkv * size_t(kProbeWords) * sizeof(uint32_t));
   w.whitened = off;
   if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
   w.total = off;

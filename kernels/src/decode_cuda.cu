@@ -77,7 +77,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.lookup_width = plan.lookup_width;
     a.pbest = reinterpret_cast<LookupPartial*>(ws + L.pbest);
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
-    a.probe = reinterpret_cast<uint32_t*>(ws + L.probe);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
     a.lookup_reps = std::min(p.batch, lookup_reps);
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;

@@ -5,16 +5,17 @@
 //    has whitening, into the workspace.
 //  * lookup (dictionaries only): CTAs (rep, KV head, s) score every key row of the views
 //    for all requests that share a dictionary at once: bf16 / f16 keys on tensor cores
-//    (mma.sync; whole 64-row tiles through a 4-stage cp.async pipeline), f32 keys on CUDA
-//    cores. A view is cut into segments (its parents; each parent's children; or slices of
-//    a linear view), each segment's best goes to the workspace, the CTA holding the parents
-//    also writes the probed-parent bits. No CTA waits for another.
+//    (16 whole rows per stage, landed by bulk copies into padded rows, 4 warps x 8
+//    requests), f32 keys on CUDA cores. A view is cut into segments (its parents; each
+//    parent's children; or slices of a linear view); each segment's best and the parent
+//    scores go to the workspace. No CTA waits for another.
 //  * attention, launched with programmatic dependent launch so its CTAs run beside the
 //    lookup CTAs: CTAs (request, KV head, KV split) stream K/V tiles through a 3-stage
 //    cp.async pipeline (page ids loaded one step ahead), Q K^T and P V on tensor cores for
 //    all G heads of the group, fp32 online softmax; write the split's normalized state.
-//  * combine, one warp per (request, query head): the entry (the best child of the probed
-//    parents, or of all rows when every probed parent is childless; linear: the best
+//  * combine (programmatic dependent launch after the attention), one warp per (request,
+//    query head): the entry (the top_m parents by radix selection over the parent scores,
+//    the best child among them, or of all rows when they are childless; linear: the best
 //    slice), its (o, lse), and the n-way merge (state.cuh LseSum) with every KV split.
 //
 // Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
@@ -414,20 +415,19 @@ __device__ __forceinline__ void GridDependencyWait() {
 //   hierarchical view (C1 > 0): segment 0 = the C1 parent rows, segment 1 + p = the
 //     children of parent p (key rows [off[p], off[p+1]));
 //   linear view: one segment per CTA, key rows [K s/S, K (s+1)/S).
-// Per (member b, KV head h) it writes to the workspace: every parent's score (pscore;
-// segment 0), the best (score, row) of every child segment (pbest[p]) or linear segment
-// (pbest[s]), and, from the CTA that scored the parents, the probed-parent bits (the top_m
-// parents by score desc, index asc). No CTA waits for another: every row of the view is
-// scored for every member (on tensor cores: one row tile serves up to 32 members), and
-// the combine picks the entry (the best child of the probed parents, or of all parents
-// when the probed ones are childless).
+// Per (member b, KV head h) it writes to the workspace every parent's score (pscore;
+// segment 0) and the best (score, row) of every child segment (pbest[p]) or linear segment
+// (pbest[s]). No CTA waits for another: every row of the view is scored for every member
+// (on tensor cores: one 16-row stage serves up to 32 members), and the combine picks the
+// entry (HierarchicalChoice: the best child of the top_m parents, or of all parents when
+// those are childless).
 // ---------------------------------------------------------------------------------------
 
 template <int KEY_DIM>
 struct SegSmem {
   using L = SegTile<KEY_DIM>;
   char* q;          // [terms][MB][KEY_DIM] member keys (16-byte chunks swizzled by row);
-                    // CUDA-core path: [2][KEY_DIM] f32; after the scan: ordered parent keys
+                    // CUDA-core path: [2][KEY_DIM] f32
   char* stages;     // [kStages][kRows][kRowBytes] key rows (padded rows)
   uint64_t* bars;   // [kStages] mbarriers: stage landed
   int32_t* seg_lo;  // [kSegCache] bounds of the CTA's segments k = 0, 1, ...
@@ -499,76 +499,29 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The probed-parent bits of members sm.mem[0, n) from their C1 parent scores (pscore):
-// parent p is probed iff fewer than m = min(top_m, C1) parents beat it (score desc, index
-// asc). One warp per member: the m-th largest score by bitwise radix selection, then the
-// ties at it taken in index order. Uses sm.q as scratch. Called by the whole CTA.
-template <int KEY_DIM>
-__device__ void SelectProbed(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
-                             const DictLayerView& v, int n, int h) {
-  static_assert(SegTile<KEY_DIM>::kQueryBytes >= kWarps * kDecodeMaxParents * 4, "scratch");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int C1 = int(v.C1);
-  const int m = min(v.top_m, C1);
-  uint32_t* keys = reinterpret_cast<uint32_t*>(sm.q) + warp * kDecodeMaxParents;
-  __syncthreads();  // pscore written by this CTA is visible; sm.q is free
-  for (int i = warp; i < n; i += kWarps) {
-    const int64_t bh = int64_t(sm.mem[i]) * a.hkv + h;
-    const float* ps = a.pscore + bh * a.parent_width;
-    uint32_t* pw = a.probe + bh * kProbeWords;
-    for (int p = lane; p < C1; p += 32) keys[p] = OrderedKey(ps[p]);
-    __syncwarp();
-    uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
-    if (m < C1) {
-      for (int bit = 31; bit >= 0; --bit) {
-        const uint32_t cand = thr | (1u << bit);
-        unsigned cnt = 0;
-        for (int p = lane; p < C1; p += 32) cnt += keys[p] >= cand ? 1u : 0u;
-        if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
-      }
-    }
-    unsigned gt = 0;
-    for (int p = lane; p < C1; p += 32) gt += keys[p] > thr ? 1u : 0u;
-    int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
-    for (int base = 0; base < C1; base += 32) {
-      const int p = base + lane;
-      const uint32_t k = p < C1 ? keys[p] : 0u;
-      const bool eq = p < C1 && k == thr;
-      const unsigned eqm = __ballot_sync(0xffffffffu, eq);
-      const int before = __popc(eqm & ((1u << lane) - 1u));
-      const bool probed = p < C1 && (m >= C1 || k > thr || (eq && before < need));
-      const unsigned word = __ballot_sync(0xffffffffu, probed);
-      need -= __popc(eqm);
-      if (lane == 0) pw[base >> 5] = word;
-    }
-    __syncwarp();
-  }
-}
-
-// Members sm.mem[0, n) of view v on tensor cores (keys of type KT, bf16 or f16): A = 16 key
-// rows x 16 dims per warp (ldmatrix from the stage), B = 8 members x 16 dims per term. The
-// member keys: one exact term when they are q_pre itself (KT == DType, no whitening),
-// else three KT terms of the fp32 key (hi + mid + lo). Row tiles of 64 rows x kCols
-// columns stream through a kStages-deep cp.async pipeline across the CTA's segments.
+// Members sm.mem[0, n) of view v on tensor cores (keys of type KT, bf16 or f16). Stages of
+// 16 whole key rows land by bulk copies (one per row, into padded rows); warp w scores them
+// against members 8w..8w+7 (mma m16n8k16: A = the 16 rows x 16 dims, B = 8 members x 16
+// dims per term), so a warp owns its members' bests outright. The member keys: one exact
+// term when they are q_pre itself (KT == DType, no whitening), else three KT terms of the
+// fp32 key (hi + mid + lo).
 template <typename DType, typename KT, int KEY_DIM>
 __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
                           const SegList& segs, int n, int MB, int terms, int h,
                           uint32_t& stage_base) {
   using L = SegTile<KEY_DIM>;
-  constexpr int kRC = L::kCols / 8;  // 16-byte chunks per stage row
-  constexpr int kNCB = KEY_DIM / L::kCols;
   constexpr int kQRC = KEY_DIM / 8;
   const DecodeParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int nnp = (n + 15) / 16;  // member pairs of n-tiles in use
+  const int nnt = (n + 7) / 8;  // n-tiles in use: warps [0, nnt) score
   const int term_bytes = MB * KEY_DIM * 2;
   const KT* keys = static_cast<const KT*>(v.keys);
   const KT* pkeys = static_cast<const KT*>(v.parent_keys);
 
   // Member keys.
-  if (terms == 1) {  // q_pre itself: async copies, completed with the first stage
-    for (int c = tid; c < nnp * 16 * kQRC; c += kThreads) {
+  if (terms == 1) {  // q_pre itself: async copies
+    for (int c = tid; c < nnt * 8 * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
       const DType* src = static_cast<const DType*>(p.q_pre);
@@ -578,7 +531,7 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
       CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
     }
   } else {  // fp32 keys (whitened, or q_pre of the other type) split into KT terms
-    for (int c = tid; c < nnp * 16 * kQRC; c += kThreads) {
+    for (int c = tid; c < nnt * 8 * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       float x[8];
       if (i < n && v.whitening != nullptr) {
@@ -614,7 +567,7 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   CpAsyncCommit();
 
   // Segment bounds (cached for the first kSegCache segments); empty child segments get
-  // their (empty) result now, since no tile visits them.
+  // their (empty) result now, since no stage visits them.
   for (int k = tid; k < min(segs.n, L::kSegCache); k += kThreads) {
     int64_t lo, hi;
     segs.Bounds(k, lo, hi);
@@ -639,48 +592,44 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
     }
   }
 
-  // Cursors over (segment, 64-row tile, column block): one issues stages, one consumes.
+  // Cursors over (segment, 16-row stage): one issues, one consumes.
   struct Cursor {
     int k;
     int64_t row, hi;
-    int cb;
   };
   auto first = [&](Cursor& c, int k) {
     for (; k < segs.n; ++k) {
       int64_t lo, hi;
       bounds(k, lo, hi);
       if (hi > lo) {
-        c = Cursor{k, lo, hi, 0};
+        c = Cursor{k, lo, hi};
         return;
       }
     }
     c.k = segs.n;
   };
   auto advance = [&](Cursor& c) {
-    if (++c.cb == kNCB) {
-      c.cb = 0;
-      c.row += L::kRows;
-      if (c.row >= c.hi) first(c, c.k + 1);
-    }
+    c.row += L::kRows;
+    if (c.row >= c.hi) first(c, c.k + 1);
   };
   Cursor ic, cc;
   first(ic, 0);
   cc = ic;
   // Stage i of the scan goes to slot (base + i) % kStages; its mbarrier completes phase
-  // ((base + i) / kStages) & 1 when its rows have landed. Warp 0 issues: one bulk copy per
-  // key row (kCols columns), lane 0 arms the barrier with the stage's byte count.
+  // ((base + i) / kStages) & 1 when its rows have landed. Warp 0 issues one bulk copy per
+  // row; lane 0 arms the barrier with the stage's byte count first.
   auto issue = [&](uint32_t idx) {
     const int slot = int(idx % L::kStages);
     if (warp == 0) {
       const KT* base = segs.Parents(ic.k) ? pkeys : keys;
       const int rows = int(min(int64_t(L::kRows), ic.hi - ic.row));
       char* dst = sm.stages + slot * L::kStageBytes;
-      FenceProxyAsync();  // the slot's earlier reads (after the caller's barrier) come first
-      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (L::kCols * 2));
+      FenceProxyAsync();  // the slot's earlier reads (before the caller's barrier) come first
+      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (KEY_DIM * 2));
       __syncwarp();
-      for (int rr = lane; rr < rows; rr += 32) {
-        BulkCopyToShared(dst + rr * L::kRowBytes, base + (ic.row + rr) * KEY_DIM + ic.cb * L::kCols,
-                         L::kCols * 2, sm.bars + slot);
+      if (lane < rows) {
+        BulkCopyToShared(dst + lane * L::kRowBytes, base + (ic.row + lane) * KEY_DIM, KEY_DIM * 2,
+                         sm.bars + slot);
       }
     }
     advance(ic);
@@ -688,93 +637,82 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   uint32_t issued = stage_base, consumed = stage_base;
   while (issued - consumed < uint32_t(L::kStages - 1) && ic.k < segs.n) issue(issued++);
 
-  float acc[4][4];
-  Best best[4][2];  // [n-tile][member 8 nt + 2 t4 + e]
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-    best[nt][0] = best[nt][1] = Best{-INFINITY, -1};
-  }
+  Best best[2] = {Best{-INFINITY, -1}, Best{-INFINITY, -1}};  // members 8 warp + 2 t4 + e
+  const bool scoring = warp < nnt;
+  const int mrow = 8 * warp + (lane & 7);  // this lane's member row for the B fragments
   CpAsyncWait<0>();
   __syncthreads();  // the member keys (cp.async) of every thread have landed
   while (cc.k < segs.n) {
     const int slot = int(consumed % L::kStages);
     MbarWait(sm.bars + slot, (consumed / L::kStages) & 1u);
-    const char* stg = sm.stages + slot * L::kStageBytes;
+    if (scoring) {
+      const char* arow = sm.stages + slot * L::kStageBytes + (lane & 15) * L::kRowBytes + (lane >> 4) * 16;
+      // Four independent accumulator chains (k-steps 4j .. 4j+3 round robin), summed at
+      // the end: the mma latency is not paid once per k-step.
+      float ch[4][4];
 #pragma unroll
-    for (int ks = 0; ks < L::kCols / 16; ++ks) {
-      uint32_t af[4];
-      Ldsm4(af, stg + (warp * 16 + (lane & 15)) * L::kRowBytes + (2 * ks + (lane >> 4)) * 16);
-      const int qch = cc.cb * kRC + 2 * ks + ((lane >> 3) & 1);
+      for (int c = 0; c < 4; ++c) ch[c][0] = ch[c][1] = ch[c][2] = ch[c][3] = 0.f;
+#pragma unroll 2
+      for (int ks = 0; ks < KEY_DIM / 16; ks += 4) {
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        if (np < nnp) {
-          const int mrow = 16 * np + (lane & 7) + ((lane >> 4) << 3);
+        for (int hlf = 0; hlf < 2; ++hlf) {
+          const int k0 = ks + 2 * hlf;
+          uint32_t a0[4], a1[4];
+          Ldsm4(a0, arow + k0 * 32);
+          Ldsm4(a1, arow + k0 * 32 + 32);
+          const int qch = 2 * k0 + (lane >> 3);  // chunks 2k0 .. 2k0+3: B of k-steps k0, k0+1
           const char* qa = sm.q + (mrow * kQRC + (qch ^ (mrow & 7))) * 16;
 #pragma unroll
           for (int tt = 0; tt < 3; ++tt) {
             if (tt < terms) {
               uint32_t bq[4];
               Ldsm4(bq, qa + tt * term_bytes);
-              Mma16816<KT>(acc[2 * np], af, bq[0], bq[1]);
-              Mma16816<KT>(acc[2 * np + 1], af, bq[2], bq[3]);
+              Mma16816<KT>(ch[2 * hlf], a0, bq[0], bq[1]);
+              Mma16816<KT>(ch[2 * hlf + 1], a1, bq[2], bq[3]);
             }
           }
         }
       }
-    }
-    if (cc.cb == kNCB - 1) {  // the tile's scores are complete
+      float acc[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = (ch[0][i] + ch[1][i]) + (ch[2][i] + ch[3][i]);
+      // The stage's scores: rows g and g + 8, members 8 warp + 2 t4 + e.
       const bool parents = segs.Parents(cc.k);
-      const int64_t r_lo = cc.row + warp * 16 + g, r_hi = r_lo + 8;
+      const int64_t r_lo = cc.row + g, r_hi = r_lo + 8;
       const bool ok_lo = r_lo < cc.hi, ok_hi = r_hi < cc.hi;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = nt * 8 + 2 * t4 + e;
-          if (i < n) {
-            if (parents) {
-              float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
-              if (ok_lo) ps[r_lo] = acc[nt][e];
-              if (ok_hi) ps[r_hi] = acc[nt][2 + e];
-            } else {
-              if (ok_lo && Beats(acc[nt][e], int32_t(r_lo), best[nt][e].score, best[nt][e].index)) {
-                best[nt][e] = {acc[nt][e], int32_t(r_lo)};
-              }
-              if (ok_hi && Beats(acc[nt][2 + e], int32_t(r_hi), best[nt][e].score, best[nt][e].index)) {
-                best[nt][e] = {acc[nt][2 + e], int32_t(r_hi)};
-              }
+      for (int e = 0; e < 2; ++e) {
+        const int i = 8 * warp + 2 * t4 + e;
+        if (i < n) {
+          if (parents) {
+            float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
+            if (ok_lo) ps[r_lo] = acc[e];
+            if (ok_hi) ps[r_hi] = acc[2 + e];
+          } else {
+            if (ok_lo && Beats(acc[e], int32_t(r_lo), best[e].score, best[e].index)) {
+              best[e] = {acc[e], int32_t(r_lo)};
+            }
+            if (ok_hi && Beats(acc[2 + e], int32_t(r_hi), best[e].score, best[e].index)) {
+              best[e] = {acc[2 + e], int32_t(r_hi)};
             }
           }
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
       }
       if (!parents && cc.row + L::kRows >= cc.hi) {  // end of a child / linear segment
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+        for (int e = 0; e < 2; ++e) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) {  // lanes of equal t4 hold the same members
-              const float s2 = __shfl_xor_sync(0xffffffffu, best[nt][e].score, o);
-              const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[nt][e].index, o);
-              if (Beats(s2, i2, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s2, i2};
-            }
-            if (g == 0) sm.red[warp * L::kMaxMembers + nt * 8 + 2 * t4 + e] = best[nt][e];
-            best[nt][e] = Best{-INFINITY, -1};
+          for (int o = 4; o < 32; o <<= 1) {  // lanes of equal t4 hold the same members
+            const float s2 = __shfl_xor_sync(0xffffffffu, best[e].score, o);
+            const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[e].index, o);
+            if (Beats(s2, i2, best[e].score, best[e].index)) best[e] = {s2, i2};
           }
-        }
-        __syncthreads();
-        if (tid < n) {
-          Best r = sm.red[tid];
-#pragma unroll
-          for (int w = 1; w < kWarps; ++w) {
-            const Best x = sm.red[w * L::kMaxMembers + tid];
-            if (Beats(x.score, x.index, r.score, r.index)) r = x;
+          const int i = 8 * warp + 2 * t4 + e;
+          if (g == 0 && i < n) {
+            a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(cc.k)] = {
+                best[e].score, best[e].index};
           }
-          a.pbest[(int64_t(sm.mem[tid]) * a.hkv + h) * a.lookup_width + segs.Slot(cc.k)] = {r.score, r.index};
+          best[e] = Best{-INFINITY, -1};
         }
       }
     }
@@ -860,7 +798,7 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
     const bool kt16 = v.keys_dtype == KernelDType::kBF16 || v.keys_dtype == KernelDType::kF16;
     const bool same = (v.keys_dtype == KernelDType::kBF16) == std::is_same<DType, __nv_bfloat16>::value;
     const int terms = (same && v.whitening == nullptr) ? 1 : 3;
-    int MB = 16 * min(L::kMaxMembers / 16, L::kQueryBytes / (16 * KEY_DIM * terms * 2));
+    int MB = 8 * min(L::kMaxMembers / 8, L::kQueryBytes / (8 * KEY_DIM * terms * 2));
     const bool tc = kt16 && MB > 0 && (v.whitening == nullptr || a.whitened != nullptr);
     if (!tc) MB = L::kMaxMembers;
     int cursor = b0;
@@ -900,7 +838,6 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
       } else {
         SegScanTc<DType, __half, KEY_DIM>(a, sm, v, segs, n, MB, terms, h, stage_base);
       }
-      if (segs.n > 0 && segs.Parents(0)) SelectProbed<KEY_DIM>(a, sm, v, n, h);
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
   }
@@ -1141,6 +1078,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
+  GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
   AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), reinterpret_cast<char*>(decode_smem));
   // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
   // so this kernel completes after the lookup and the combine sees its results.
@@ -1177,6 +1115,49 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 
 // ---------------------------------------------------------------------------------------
 
+// The entry of a hierarchical view for (b, h) = bh, by one warp: the probed parents are
+// the top_m by score (desc, index asc) among the C1 parent scores (pscore): the m-th
+// largest score by bitwise radix selection, then the ties at it in index order. The entry
+// is the best child of the probed parents (pbest), or of all parents when every probed
+// parent is childless.
+__device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh) {
+  const int lane = threadIdx.x & 31;
+  const int C1 = int(v.C1);
+  const int m = min(v.top_m, C1);
+  const float* ps = a.pscore + bh * a.parent_width;
+  const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+  uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
+  if (m < C1) {
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t cand = thr | (1u << bit);
+      unsigned cnt = 0;
+      for (int q = lane; q < C1; q += 32) cnt += OrderedKey(__ldg(ps + q)) >= cand ? 1u : 0u;
+      if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
+    }
+  }
+  unsigned gt = 0;
+  for (int q = lane; q < C1; q += 32) gt += OrderedKey(__ldg(ps + q)) > thr ? 1u : 0u;
+  int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
+  Best best{-INFINITY, -1}, any{-INFINITY, -1};
+  for (int base = 0; base < C1; base += 32) {
+    const int q = base + lane;
+    const uint32_t k = q < C1 ? OrderedKey(__ldg(ps + q)) : 0u;
+    const bool eq = q < C1 && k == thr;
+    const unsigned eqm = __ballot_sync(0xffffffffu, eq);
+    const int before = __popc(eqm & ((1u << lane) - 1u));
+    const bool probed = q < C1 && (m >= C1 || k > thr || (eq && before < need));
+    need -= __popc(eqm);
+    if (q < C1) {
+      const LookupPartial x = pb[q];
+      if (probed && Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+      if (Beats(x.score, x.index, any.score, any.index)) any = {x.score, x.index};
+    }
+  }
+  WarpArgmax(best);
+  WarpArgmax(any);
+  return best.index >= 0 ? best : any;
+}
+
 // ---------------------------------------------------------------------------------------
 // Combine: one warp per (request, query head): the best entry over the lookup chunks and
 // its (o, lse), then the n-way merge (state.cuh LseSum) of the prefix state with every
@@ -1206,29 +1187,22 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   float plse = -INFINITY;
   bool bad = false;
   int32_t idx = -1;
+  // Inputs first (launched with programmatic dependent launch: this runs while the
+  // attention kernel finishes), then the wait for the attention and lookup results.
+  const int32_t id = a.lookup ? p.dict_ids[b] : -1;
+  const int T = p.seq_lens[b];
+  DictLayerView v{};
+  if (id >= 0 && id < p.num_dicts) v = p.dict_views[int64_t(id) * a.hkv + h];
+  GridDependencyWait();
   if (a.lookup) {
-    const int32_t id = p.dict_ids[b];
     if (id < -1 || id >= p.num_dicts) {
       bad = true;
     } else if (id >= 0) {
-      const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
       const int64_t bh = int64_t(b) * a.hkv + h;
       const LookupPartial* pb = a.pbest + bh * a.lookup_width;
       Best best{-INFINITY, -1};
       if (LookupViewOk(v, a) && v.C1 > 0) {
-        // The best child of the probed parents; of all parents when those are childless.
-        const uint32_t* pw = a.probe + bh * kProbeWords;
-        Best any{-INFINITY, -1};
-        for (int q = lane; q < v.C1; q += 32) {
-          const LookupPartial x = pb[q];
-          if (((pw[q >> 5] >> (q & 31)) & 1u) && Beats(x.score, x.index, best.score, best.index)) {
-            best = {x.score, x.index};
-          }
-          if (Beats(x.score, x.index, any.score, any.index)) any = {x.score, x.index};
-        }
-        WarpArgmax(best);
-        WarpArgmax(any);
-        if (best.index < 0) best = any;
+        best = HierarchicalChoice(a, v, bh);
       } else if (LookupViewOk(v, a)) {
         for (int q = lane; q < a.lookup_splits; q += 32) {
           const LookupPartial x = pb[q];
@@ -1247,7 +1221,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       }
     }
   }
-  const int n = NumActiveSplits(p.seq_lens[b], a.kv_splits);
+  const int n = NumActiveSplits(T, a.kv_splits);
   const int64_t row0 = row * a.kv_splits;
   float ls[kLaneSplits];
   LseSum sum = lse_sum_empty();
@@ -1401,8 +1375,16 @@ void LoadDecodeKernels() {
 template <typename DType, int HEAD_DIM>
 void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t rows = int64_t(a.batch) * a.hq;
-  DecodeCombineKernel<DType, HEAD_DIM><<<unsigned((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a);
-  ASMEM_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned((rows + kWarps - 1) / kWarps));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;  // after the attention kernel
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<DType, HEAD_DIM>, a));
 }
 
 template <typename DType>

@@ -33,7 +33,6 @@ struct LaunchArgs {
   float* part_lse = nullptr;  // workspace: [B, Hq, kv_splits]
   LookupPartial* pbest = nullptr;  // workspace: [B, Hkv, lookup_width] best of each segment
   float* pscore = nullptr;    // workspace: [B, Hkv, parent_width] parent scores
-  uint32_t* probe = nullptr;  // workspace: [B, Hkv, kProbeWords] probed-parent bits
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
                               // launch), or null
   bool lookup = false;        // dict_ids given: the lookup kernel runs
@@ -55,13 +54,16 @@ struct AttnTile {
 // CTA fit an SM together.
 template <int KEY_DIM>
 struct SegTile {
-  static constexpr int kCols = KEY_DIM % 128 == 0 ? 128 : 64;  // key columns per stage
-  static constexpr int kRows = 64;                               // key rows per tile
-  static constexpr int kStages = 4;
-  static constexpr int kRowBytes = kCols * 2 + 16;  // padded: ldmatrix rows hit distinct banks
+  static constexpr int kRows = 16;                  // key rows per stage (whole rows)
+  static constexpr int kRowBytes = KEY_DIM * 2 + 16;  // padded: ldmatrix rows hit distinct banks
   static constexpr int kStageBytes = kRows * kRowBytes;
+  static constexpr int Stages() {
+    const int s = 69632 / kStageBytes;
+    return s < 2 ? 2 : (s > 8 ? 8 : s);
+  }
+  static constexpr int kStages = Stages();  // about 64-68 KB of stages
   static constexpr int kQueryBytes = 32 * 1024;
-  static constexpr int kMaxMembers = 32;  // requests scored together
+  static constexpr int kMaxMembers = 32;  // requests scored together (8 per warp)
   static constexpr int kSegCache = 128;   // segment bounds cached in shared memory
   static constexpr int kIdCache = 512;    // dict ids cached in shared memory
   static constexpr size_t kBytes = size_t(kQueryBytes) + size_t(kStages) * kStageBytes +
