@@ -625,9 +625,10 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
       const int rows = int(min(int64_t(L::kRows), ic.hi - ic.row));
       char* dst = sm.stages + slot * L::kStageBytes;
       FenceProxyAsync();  // the slot's earlier reads (before the caller's barrier) come first
-      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (KEY_DIM * 2));
+      const bool copy = a.lookup_debug != 2;
+      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, copy ? uint32_t(rows) * (KEY_DIM * 2) : 0u);
       __syncwarp();
-      if (lane < rows) {
+      if (copy && lane < rows) {
         BulkCopyToShared(dst + lane * L::kRowBytes, base + (ic.row + lane) * KEY_DIM, KEY_DIM * 2,
                          sm.bars + slot);
       }
@@ -645,7 +646,7 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   while (cc.k < segs.n) {
     const int slot = int(consumed % L::kStages);
     MbarWait(sm.bars + slot, (consumed / L::kStages) & 1u);
-    if (scoring) {
+    if (scoring && a.lookup_debug != 1) {
       const char* arow = sm.stages + slot * L::kStageBytes + (lane & 15) * L::kRowBytes + (lane >> 4) * 16;
       // Four independent accumulator chains (k-steps 4j .. 4j+3 round robin), summed at
       // the end: the mma latency is not paid once per k-step.
