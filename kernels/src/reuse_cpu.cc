@@ -202,9 +202,9 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   w.chunk_unit = off;
   off = AlignUp(off + chunks * sizeof(int32_t));
   w.part_o = off;
-  off = AlignUp(off + chunks * G * d * sizeof(float));
+  off = AlignUp(off + chunks * 2 * G * d * sizeof(float));
   w.part_lse = off;
-  off = AlignUp(off + chunks * G * sizeof(float));
+  off = AlignUp(off + chunks * 2 * G * sizeof(float));
   w.total = off;
   return w;
 }

@@ -53,18 +53,6 @@ struct LaunchArgs {
   bool pdl = false;  // attend and combine launched as programmatic dependents
 };
 
-// KV tiles of the attention CTAs: kBlockN tokens of K and V per stage, kStages stages (48 KB),
-// then the page ids of each stage's tokens (kStages x kBlockN int32).
-template <int HEAD_DIM>
-struct Tile {
-  static constexpr int kBlockN = HEAD_DIM == 64 ? 64 : 32;
-  static constexpr int kStages = 3;
-  static constexpr size_t kBytes = size_t(kStages) * 2 * kBlockN * HEAD_DIM * 2 + size_t(kStages) * kBlockN * 4;
-};
-inline size_t AttendSmemBytes(int head_dim) {
-  return head_dim == 64 ? Tile<64>::kBytes : Tile<128>::kBytes;
-}
-
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream);
 template <typename DType, int HEAD_DIM, int GROUP>
