@@ -57,7 +57,8 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 // of two attention CTAs per SM, as decode attention's split (decode_common.h kTargetCtas).
 // A chunk may span the sink, the band and the tail of its group: the attention CTA keeps
 // two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
-// and one pipeline fill, not one per segment. At most kTargetChunks + B * Hkv chunks
+// and one pipeline fill, not one per segment. Chunks of groups with W_u >= base / 2 are
+// numbered first, the shorter groups' after them (CTAs start in index order). At most kTargetChunks + B * Hkv chunks
 // (n_u <= W_u / base + 1); the attention grid has that many CTAs and the unused ones exit.
 // ---------------------------------------------------------------------------------------
 constexpr int32_t kTargetChunks = 2 * 132;

@@ -148,26 +148,34 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
   const int32_t base = ChunkBase(total);
 
-  // Chunks per group, their offsets, and the chunk -> group map.
+  // Chunks per group, their offsets, and the chunk -> group map. Groups of at least half a
+  // base chunk are numbered first, the short ones (hits: band and tail only) after them:
+  // CTAs start in index order, so the long chunks start in the first wave and the short
+  // ones fill the SMs that free up (rather than a long chunk starting last).
   int32_t carry = 0;
-  for (int first = 0; first < nu; first += kThreads) {
-    const int u = first + tid;
-    UnitPlan up{};
-    int32_t cnt = 0;
-    if (u < nu) {
-      up = a.units[u];
-      const int32_t work = UnitWork(up);
-      if (work > 0) GroupChunks(work, base, &up.n_chunks, &up.per);
-      cnt = up.n_chunks;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int first = 0; first < nu; first += kThreads) {
+      const int u = first + tid;
+      UnitPlan up{};
+      int32_t cnt = 0;
+      if (u < nu) {
+        up = a.units[u];
+        const int32_t work = UnitWork(up);
+        const bool is_long = 2 * int64_t(work) >= base;
+        if (work > 0 && is_long == (pass == 0)) {
+          GroupChunks(work, base, &up.n_chunks, &up.per);
+          cnt = up.n_chunks;
+        }
+      }
+      int32_t tile_total = 0;
+      const int32_t off = BlockExclusiveScan(cnt, &tile_total, sm_scan);
+      if (cnt > 0) {
+        up.first_chunk = carry + off;
+        a.units[u] = up;
+        for (int j = 0; j < cnt; ++j) a.chunk_unit[up.first_chunk + j] = u;
+      }
+      carry += tile_total;
     }
-    int32_t tile_total = 0;
-    const int32_t off = BlockExclusiveScan(cnt, &tile_total, sm_scan);
-    if (u < nu) {
-      up.first_chunk = carry + off;
-      a.units[u] = up;
-      for (int j = 0; j < cnt; ++j) a.chunk_unit[up.first_chunk + j] = u;
-    }
-    carry += tile_total;
   }
   if (tid == 0) {
     a.plan_info[0] = uint32_t(base);
