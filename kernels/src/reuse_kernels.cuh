@@ -111,15 +111,28 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   __shared__ long long sm_tok[kWarps];
   __shared__ int32_t sm_scan[kWarps];
   // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
+  // The first group of each thread stays in registers for the passes below (B * Hkv <=
+  // kThreads: no global round trip between them).
   long long tok = 0;
+  UnitPlan mine{};
   for (int u = tid; u < nu; u += kThreads) {
     const int b = u / a.hkv, h = u % a.hkv;
     const int32_t T = p.seq_lens[b];
     const int32_t slot = p.slot_ids ? p.slot_ids[b] : b;
     int32_t lo = T;
-    for (int g = 0; g < G; ++g) {
+    // The group's keys are exchanged all at once (G <= 8 atomics in flight, not one round
+    // trip each: this CTA runs alone between the match and the attention).
+    unsigned long long keys[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      keys[g] = g < G ? atomicExch(p.state.match_best + int64_t(slot) * a.hq + h * G + g, kNoCandidate)
+                      : kNoCandidate;
+    }
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      if (g >= G) break;
       const int hq = h * G + g;
-      const unsigned long long key = atomicExch(p.state.match_best + int64_t(slot) * a.hq + hq, kNoCandidate);
+      const unsigned long long key = keys[g];
       const int32_t pos = key == kNoCandidate ? -1 : int32_t(uint32_t(key & 0xffffffffull));
       const float dist = __uint_as_float(uint32_t(key >> 32));
       HeadDecision hd;
@@ -138,6 +151,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
       tok += UnitWork(up);
     }
     a.units[u] = up;  // ranges now, chunks below (read back by this thread only)
+    if (u == tid) mine = up;
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tok += __shfl_xor_sync(0xffffffffu, tok, o);
@@ -159,7 +173,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
       UnitPlan up{};
       int32_t cnt = 0;
       if (u < nu) {
-        up = a.units[u];
+        up = first == 0 ? mine : a.units[u];
         const int32_t work = UnitWork(up);
         const bool is_long = 2 * int64_t(work) >= base;
         if (work > 0 && is_long == (pass == 0)) {
