@@ -58,8 +58,9 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 // A chunk may span the sink, the band and the tail of its group: the attention CTA keeps
 // two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
 // and one pipeline fill, not one per segment. Chunks of groups with W_u >= base / 2 are
-// numbered first, the shorter groups' after them (CTAs start in index order). At most kTargetChunks + B * Hkv chunks
-// (n_u <= W_u / base + 1); the attention grid has that many CTAs and the unused ones exit.
+// numbered first, the shorter groups' after them (CTAs start in index order). At most
+// kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
+// CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).
 // ---------------------------------------------------------------------------------------
 constexpr int32_t kTargetChunks = 2 * 132;
 constexpr int32_t kMinChunk = 128;
@@ -117,6 +118,11 @@ struct UnitPlan {
   int32_t per;
   int32_t sink_end, band_lo, band_end, end;
 };
+// One planned chunk as the attention CTA reads it (one 32-byte load, no further plan
+// lookups): group u, work tokens [w0, w1), and the group's ranges.
+struct alignas(16) ChunkDesc {
+  int32_t u, w0, w1, sink_end, band_lo, band_end, pad0, pad1;
+};
 // Work tokens of a group (sink, then body): index w is token w < sink_end ? w : w + band_lo -
 // sink_end.
 ASMEM_HOST_DEVICE int32_t UnitWork(const UnitPlan& u) {
@@ -163,7 +169,7 @@ struct WorkspaceLayout {
   size_t plan_info = 0;   // uint32 [2]: chunk tokens, chunks
   size_t heads = 0;       // [B, Hq] HeadDecision
   size_t units = 0;       // [B, Hkv] UnitPlan
-  size_t chunk_unit = 0;  // [MaxChunks] int32: the group of each chunk
+  size_t chunks = 0;      // [MaxChunks] ChunkDesc
   size_t part_o = 0;      // [MaxChunks, 2, G, d] f32: per chunk the band state, then the
                           // sink-and-tail state
   size_t part_lse = 0;    // [MaxChunks, 2, G] f32

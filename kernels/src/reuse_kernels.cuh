@@ -8,7 +8,7 @@
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
 //    ranges, the chunks of each group (about one wave of two CTAs per SM over the step's
-//    total work), the chunk -> group map (reuse_common.h).
+//    total work), one descriptor per chunk (reuse_common.h).
 //  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
 //    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
 //    band and tail), streamed once for the G heads exactly as decode attention streams a
@@ -162,7 +162,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
   const int32_t base = ChunkBase(total);
 
-  // Chunks per group, their offsets, and the chunk -> group map. Groups of at least half a
+  // Chunks per group, their offsets, and the chunk descriptors. Groups of at least half a
   // base chunk are numbered first, the short ones (hits: band and tail only) after them:
   // CTAs start in index order, so the long chunks start in the first wave and the short
   // ones fill the SMs that free up (rather than a long chunk starting last).
@@ -186,7 +186,18 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
       if (cnt > 0) {
         up.first_chunk = carry + off;
         a.units[u] = up;
-        for (int j = 0; j < cnt; ++j) a.chunk_unit[up.first_chunk + j] = u;
+        const int32_t work = UnitWork(up);
+        for (int j = 0; j < cnt; ++j) {
+          ChunkDesc d;
+          d.u = u;
+          d.w0 = j * up.per;
+          d.w1 = min(work, d.w0 + up.per);
+          d.sink_end = up.sink_end;
+          d.band_lo = up.band_lo;
+          d.band_end = up.band_end;
+          d.pad0 = d.pad1 = 0;
+          a.chunks[up.first_chunk + j] = d;
+        }
       }
       carry += tile_total;
     }
@@ -334,18 +345,17 @@ struct ChunkPos {
   int64_t row_band = -1, row_out = -1;
 };
 
-// Decode chunk c of the plan, of group u = chunk_unit[c].
-__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int u, int group) {
-  const UnitPlan up = a.units[u];
+// Decode chunk c of the plan, described by d.
+__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, const ChunkDesc& d, int group) {
   ChunkPos cp;
-  cp.b = u / a.hkv;
-  cp.h = u % a.hkv;
-  cp.w0 = (c - up.first_chunk) * up.per;
-  cp.w1 = min(UnitWork(up), cp.w0 + up.per);
-  cp.sink_end = up.sink_end;
-  cp.gap = up.band_lo - up.sink_end;
-  cp.band_lo = up.band_lo;
-  cp.band_end = up.band_end;
+  cp.b = d.u / a.hkv;
+  cp.h = d.u % a.hkv;
+  cp.w0 = d.w0;
+  cp.w1 = d.w1;
+  cp.sink_end = d.sink_end;
+  cp.gap = d.band_lo - d.sink_end;
+  cp.band_lo = d.band_lo;
+  cp.band_end = d.band_end;
   cp.q_off = cp.b * a.p.q_stride_b + int64_t(cp.h) * group * a.q_stride_h;
   cp.row_band = int64_t(c) * 2 * group;
   cp.row_out = cp.row_band + group;
@@ -672,14 +682,22 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   extern __shared__ float4 mac_smem[];
   GridDependencyWait();  // the plan is complete and visible
   LaunchDependents();
-  // The chunk's group is read together with the chunk count (chunk_unit has max_chunks
-  // entries; one past the plan holds a stale value, never used).
+  // The chunk's descriptor is read together with the chunk count (the array has
+  // max_chunks entries; one past the plan holds a stale value, never used).
   for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
     const int n = int(__ldg(a.plan_info + 1));
-    const int u = __ldg(a.chunk_unit + c);
+    const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
+    const int4 d0 = __ldg(dp), d1 = __ldg(dp + 1);
     if (c >= n) break;
     __syncthreads();  // the previous chunk is done with shared memory
-    const ChunkPos cp = LocateDecodeChunk(a, c, u, GROUP);
+    ChunkDesc d;
+    d.u = d0.x;
+    d.w0 = d0.y;
+    d.w1 = d0.z;
+    d.sink_end = d0.w;
+    d.band_lo = d1.x;
+    d.band_end = d1.y;
+    const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
     AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP,
                                         reinterpret_cast<char*>(mac_smem));
   }

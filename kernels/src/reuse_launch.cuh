@@ -43,7 +43,7 @@ struct LaunchArgs {
   uint32_t* plan_info = nullptr;  // [0]: chunk tokens, [1]: chunks
   HeadDecision* heads = nullptr;
   UnitPlan* units = nullptr;
-  int32_t* chunk_unit = nullptr;  // [max_chunks] group of each planned chunk
+  ChunkDesc* chunks = nullptr;  // [max_chunks] the planned chunks
   int32_t max_chunks = 0;
   // Partial states of the chunks: [chunk, G, d] and [chunk, G] (decode and fill).
   float* part_o = nullptr;
