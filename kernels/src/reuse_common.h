@@ -48,15 +48,21 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode plan: after the match, one CTA divides the step's KV work (every group's sink,
-// band and tail) into chunks of `per` tokens, per = max(kMinChunk, ceil(total /
-// kTargetChunks), ceil(largest group / kMaxGroupChunks)) rounded up to kChunkAlign, each
-// segment chunked on its own (a chunk
-// never straddles segments). Hence at most kTargetChunks + 3 * B * Hkv chunks; the
-// attention grid has that many CTAs and the unused ones exit at once. An all-miss step
-// gets full attention's split; a mixed step spreads the few long groups over many CTAs.
+// Decode plan: after the match, one CTA divides the step's KV work into chunks. A group's
+// work is its sink [0, sink_end) followed by its body [band_lo, end) (band, then tail):
+// W_u = sink_end + end - band_lo tokens, contiguous [0, T) on a miss (band_lo = sink_end).
+// base = max(kMinChunk, ceil(total / kTargetChunks)); each group gets
+// n_u = clamp(round(W_u / base), 1, kMaxGroupChunks) chunks of equal length (rounded up to
+// kChunkAlign), so the step has about kTargetChunks chunks of about `base` tokens: one wave
+// of two attention CTAs per SM, as decode attention's split (decode_common.h kTargetCtas).
+// A chunk may span the sink, the band and the tail of its group: the attention CTA keeps
+// two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
+// and one pipeline fill, not one per segment. Chunks of groups with W_u >= base / 2 are
+// numbered first, the shorter groups' after them (CTAs start in index order). At most
+// kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
+// CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).
 // ---------------------------------------------------------------------------------------
-constexpr int32_t kTargetChunks = 16 * 132;
+constexpr int32_t kTargetChunks = 2 * 132;
 constexpr int32_t kMinChunk = 128;
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
@@ -70,16 +76,22 @@ constexpr int32_t kFillMaxSplits = 128;
 
 ASMEM_HOST_DEVICE int32_t CeilDiv(int64_t a, int64_t b) { return int32_t((a + b - 1) / b); }
 
-// `total`: tokens of the whole step; `most`: tokens of its largest group (which gets at most
-// kMaxGroupChunks chunks, as decode attention's kMaxKvSplits: fewer, longer chunks cost less
-// to combine than many short ones once the machine is full anyway).
-ASMEM_HOST_DEVICE int32_t ChunkTokens(int64_t total, int64_t most) {
+// `total`: work tokens of the whole step -> the base chunk length.
+ASMEM_HOST_DEVICE int32_t ChunkBase(int64_t total) {
   int64_t per = (total + kTargetChunks - 1) / kTargetChunks;
-  const int64_t by_group = (most + kMaxGroupChunks - 1) / kMaxGroupChunks;
-  if (per < by_group) per = by_group;
   if (per < kMinChunk) per = kMinChunk;
-  per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
   return per > (int64_t(1) << 30) ? (1 << 30) : int32_t(per);
+}
+
+// Chunks of a group of `work` tokens (> 0): *n chunks of *per tokens (the last shorter).
+ASMEM_HOST_DEVICE void GroupChunks(int32_t work, int32_t base, int32_t* n, int32_t* per) {
+  int64_t k = (int64_t(work) + base / 2) / base;
+  if (k < 1) k = 1;
+  if (k > kMaxGroupChunks) k = kMaxGroupChunks;
+  int64_t len = (work + k - 1) / k;
+  len = (len + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  *per = int32_t(len);
+  *n = CeilDiv(work, len);
 }
 
 // MacFill chunk of a range of `len` tokens over `splits` CTAs.
@@ -89,7 +101,7 @@ ASMEM_HOST_DEVICE int32_t FillChunkTokens(int32_t len, int32_t splits) {
   return int32_t((per + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
 }
 
-inline int32_t MaxChunks(int32_t batch, int32_t hkv) { return kTargetChunks + 3 * batch * hkv; }
+inline int32_t MaxChunks(int32_t batch, int32_t hkv) { return kTargetChunks + batch * hkv; }
 
 inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
   const int64_t rows = int64_t(batch) * hq;
@@ -102,9 +114,20 @@ inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
 // The plan of one group (written by the match kernel's last CTA).
 struct UnitPlan {
   int32_t first_chunk;  // global index of its first chunk
-  int32_t n_sink, n_band, n_tail;  // chunks per segment
+  int32_t n_chunks;     // its chunks, each `per` work tokens (the last shorter)
+  int32_t per;
   int32_t sink_end, band_lo, band_end, end;
 };
+// One planned chunk as the attention CTA reads it (one 32-byte load, no further plan
+// lookups): group u, work tokens [w0, w1), and the group's ranges.
+struct alignas(16) ChunkDesc {
+  int32_t u, w0, w1, sink_end, band_lo, band_end, pad0, pad1;
+};
+// Work tokens of a group (sink, then body): index w is token w < sink_end ? w : w + band_lo -
+// sink_end.
+ASMEM_HOST_DEVICE int32_t UnitWork(const UnitPlan& u) {
+  return u.end > 0 ? u.sink_end + (u.end - u.band_lo) : 0;
+}
 
 // A match candidate as one u64 whose unsigned order is the tie rule: distance (a
 // non-negative float's bits order like the float), then position. kNoCandidate: none.
@@ -146,9 +169,10 @@ struct WorkspaceLayout {
   size_t plan_info = 0;   // uint32 [2]: chunk tokens, chunks
   size_t heads = 0;       // [B, Hq] HeadDecision
   size_t units = 0;       // [B, Hkv] UnitPlan
-  size_t chunk_unit = 0;  // [MaxChunks] int32: the group of each chunk
-  size_t part_o = 0;      // [MaxChunks, G, d] f32
-  size_t part_lse = 0;    // [MaxChunks, G] f32
+  size_t chunks = 0;      // [MaxChunks] ChunkDesc
+  size_t part_o = 0;      // [MaxChunks, 2, G, d] f32: per chunk the band state, then the
+                          // sink-and-tail state
+  size_t part_lse = 0;    // [MaxChunks, 2, G] f32
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& config);

@@ -199,12 +199,12 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   off = AlignUp(off + B * Hq * sizeof(HeadDecision));
   w.units = off;
   off = AlignUp(off + B * Hkv * sizeof(UnitPlan));
-  w.chunk_unit = off;
-  off = AlignUp(off + chunks * sizeof(int32_t));
+  w.chunks = off;
+  off = AlignUp(off + chunks * sizeof(ChunkDesc));
   w.part_o = off;
-  off = AlignUp(off + chunks * G * d * sizeof(float));
+  off = AlignUp(off + chunks * 2 * G * d * sizeof(float));
   w.part_lse = off;
-  off = AlignUp(off + chunks * G * sizeof(float));
+  off = AlignUp(off + chunks * 2 * G * sizeof(float));
   w.total = off;
   return w;
 }

@@ -86,7 +86,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.plan_info = reinterpret_cast<uint32_t*>(ws + L.plan_info);
   a.heads = reinterpret_cast<HeadDecision*>(ws + L.heads);
   a.units = reinterpret_cast<UnitPlan*>(ws + L.units);
-  a.chunk_unit = reinterpret_cast<int32_t*>(ws + L.chunk_unit);
+  a.chunks = reinterpret_cast<ChunkDesc*>(ws + L.chunks);
   a.max_chunks = MaxChunks(p.batch, c.num_kv_heads);
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);

@@ -7,20 +7,26 @@
 //    distances, the best candidate by the tie rule folded into a per-head u64 with one
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
-//    ranges, one global chunk size, the chunk -> group map (reuse_common.h).
+//    ranges, the chunks of each group (about one wave of two CTAs per SM over the step's
+//    total work), one descriptor per chunk (reuse_common.h).
 //  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
-//    CTAs past the plan exit at once): a token range of one group's sink, band or tail,
-//    streamed once for the G heads through a 3-stage cp.async pipeline (as decode
-//    attention does; each stage's group also carries the block-table entries of the tile
-//    issued two steps later), heads masking tokens before their own band start (only tiles below
-//    the largest start pay for the mask); one normalized partial state per head and chunk.
+//    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
+//    band and tail), streamed once for the G heads exactly as decode attention streams a
+//    split (decode_kernels.cuh AttentionBlock: 64-token K/V tiles at d = 128, a 3-stage
+//    cp.async pipeline with page ids loaded one step ahead, Q K^T and P V on tensor cores
+//    with the G heads as the mma N dimension, 96 KB of shared memory, two CTAs per SM).
+//    Two online-softmax states per lane: the band (each head from its own band start:
+//    the new entry) and the sink and tail (the output); a 16-token piece of a warp updates
+//    only the states it touches. Two normalized partial states per chunk and head.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
 //    then the ring writes (query, entry, tag). Every merge is state.cuh's.
 // With programmatic launch (off by default), attend and combine start while their
 // predecessor drains and wait (griddepcontrol.wait) before reading anything it wrote.
 //
-// Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json), and why so:
+// Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json) with the
+// earlier attend kernel (CUDA cores, 32-token tiles, four CTAs per SM, about eight chunks
+// per SM, sink, band and tail chunked apart), and why so:
 //  * A grid of resident CTAs looping over the chunks (c += gridDim.x) was slower than one
 //    CTA per chunk: all-miss LLaMA-8B B=64 32K 4316 vs 2806 us. Static round-robin gives
 //    some CTAs several long chunks; the hardware's dynamic CTA dispatch balances them.
@@ -53,13 +59,6 @@ using decode::CpAsync16;
 using decode::CpAsyncCommit;
 using decode::CpAsyncWait;
 using decode::Pack;
-
-// 4-byte cp.async (zero-filled when !valid).
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
-}
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -109,18 +108,31 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = a.group;
   const int nu = a.batch * a.hkv;
-  __shared__ long long sm_tok[kWarps], sm_most[kWarps];
+  __shared__ long long sm_tok[kWarps];
   __shared__ int32_t sm_scan[kWarps];
   // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
-  long long tok = 0, most = 0;
+  // The first group of each thread stays in registers for the passes below (B * Hkv <=
+  // kThreads: no global round trip between them).
+  long long tok = 0;
+  UnitPlan mine{};
   for (int u = tid; u < nu; u += kThreads) {
     const int b = u / a.hkv, h = u % a.hkv;
     const int32_t T = p.seq_lens[b];
     const int32_t slot = p.slot_ids ? p.slot_ids[b] : b;
     int32_t lo = T;
-    for (int g = 0; g < G; ++g) {
+    // The group's keys are exchanged all at once (G <= 8 atomics in flight, not one round
+    // trip each: this CTA runs alone between the match and the attention).
+    unsigned long long keys[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      keys[g] = g < G ? atomicExch(p.state.match_best + int64_t(slot) * a.hq + h * G + g, kNoCandidate)
+                      : kNoCandidate;
+    }
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      if (g >= G) break;
       const int hq = h * G + g;
-      const unsigned long long key = atomicExch(p.state.match_best + int64_t(slot) * a.hq + hq, kNoCandidate);
+      const unsigned long long key = keys[g];
       const int32_t pos = key == kNoCandidate ? -1 : int32_t(uint32_t(key & 0xffffffffull));
       const float dist = __uint_as_float(uint32_t(key >> 32));
       HeadDecision hd;
@@ -136,57 +148,62 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
       up.band_lo = R.band_lo;
       up.band_end = R.band_end;
       up.end = R.end;
-      const long long t = R.sink_end + (R.end - R.band_lo);
-      tok += t;
-      most = t > most ? t : most;
+      tok += UnitWork(up);
     }
-    a.units[u] = up;  // ranges now, chunk counts below (read back by this thread only)
+    a.units[u] = up;  // ranges now, chunks below (read back by this thread only)
+    if (u == tid) mine = up;
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    tok += __shfl_xor_sync(0xffffffffu, tok, o);
-    const long long y = __shfl_xor_sync(0xffffffffu, most, o);
-    most = y > most ? y : most;
-  }
-  if (lane == 0) {
-    sm_tok[warp] = tok;
-    sm_most[warp] = most;
-  }
+  for (int o = 16; o > 0; o >>= 1) tok += __shfl_xor_sync(0xffffffffu, tok, o);
+  if (lane == 0) sm_tok[warp] = tok;
   __syncthreads();
-  long long total = 0, largest = 0;
+  long long total = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    total += sm_tok[w];
-    largest = sm_most[w] > largest ? sm_most[w] : largest;
-  }
-  const int32_t per = ChunkTokens(total, largest);
+  for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
+  const int32_t base = ChunkBase(total);
 
-  // Chunks per group, their offsets, and the chunk -> group map.
+  // Chunks per group, their offsets, and the chunk descriptors. Groups of at least half a
+  // base chunk are numbered first, the short ones (hits: band and tail only) after them:
+  // CTAs start in index order, so the long chunks start in the first wave and the short
+  // ones fill the SMs that free up (rather than a long chunk starting last).
   int32_t carry = 0;
-  for (int base = 0; base < nu; base += kThreads) {
-    const int u = base + tid;
-    UnitPlan up{};
-    int32_t cnt = 0;
-    if (u < nu) {
-      up = a.units[u];
-      if (up.end > 0) {
-        up.n_sink = CeilDiv(up.sink_end, per);
-        up.n_band = CeilDiv(up.band_end - up.band_lo, per);
-        up.n_tail = CeilDiv(up.end - up.band_end, per);
-        cnt = up.n_sink + up.n_band + up.n_tail;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int first = 0; first < nu; first += kThreads) {
+      const int u = first + tid;
+      UnitPlan up{};
+      int32_t cnt = 0;
+      if (u < nu) {
+        up = first == 0 ? mine : a.units[u];
+        const int32_t work = UnitWork(up);
+        const bool is_long = 2 * int64_t(work) >= base;
+        if (work > 0 && is_long == (pass == 0)) {
+          GroupChunks(work, base, &up.n_chunks, &up.per);
+          cnt = up.n_chunks;
+        }
       }
+      int32_t tile_total = 0;
+      const int32_t off = BlockExclusiveScan(cnt, &tile_total, sm_scan);
+      if (cnt > 0) {
+        up.first_chunk = carry + off;
+        a.units[u] = up;
+        const int32_t work = UnitWork(up);
+        for (int j = 0; j < cnt; ++j) {
+          ChunkDesc d;
+          d.u = u;
+          d.w0 = j * up.per;
+          d.w1 = min(work, d.w0 + up.per);
+          d.sink_end = up.sink_end;
+          d.band_lo = up.band_lo;
+          d.band_end = up.band_end;
+          d.pad0 = d.pad1 = 0;
+          a.chunks[up.first_chunk + j] = d;
+        }
+      }
+      carry += tile_total;
     }
-    int32_t tile_total = 0;
-    const int32_t off = BlockExclusiveScan(cnt, &tile_total, sm_scan);
-    if (u < nu) {
-      up.first_chunk = carry + off;
-      a.units[u] = up;
-      for (int j = 0; j < cnt; ++j) a.chunk_unit[up.first_chunk + j] = u;
-    }
-    carry += tile_total;
   }
   if (tid == 0) {
-    a.plan_info[0] = uint32_t(per);
+    a.plan_info[0] = uint32_t(base);
     a.plan_info[1] = uint32_t(carry);
     *p.state.match_done = 0;  // every match CTA has counted: ready for the next step
   }
@@ -312,69 +329,42 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Attend: one chunk of one group's KV for its G heads
+// Attend: one chunk of one group's KV for its G heads, on tensor cores
 // ---------------------------------------------------------------------------------------
 
-// Where a chunk is: request, KV head, tokens [t0, t1), the q offset (elements) of the
-// group's first head, the partial row of head 0.
+// Where a chunk is: request, KV head, work tokens [w0, w1) of its group (work index w is
+// token w < sink_end ? w : w + gap), which tokens go to which state, the q offset
+// (elements) of the group's first head, and the partial rows of head 0 of the two states
+// (-1: not written).
+//   band state (-> entry): head g's tokens in [band_start_g, band_end) (band_start_g >= band_lo);
+//   output state:          tokens < sink_end or >= band_end (sink and tail), every head.
 struct ChunkPos {
-  int32_t b = 0, h = 0, t0 = 0, t1 = 0;
+  int32_t b = 0, h = 0, w0 = 0, w1 = 0;
+  int32_t sink_end = 0, gap = 0, band_lo = 0, band_end = 0;
   int64_t q_off = 0;
-  int64_t out_row = 0;
+  int64_t row_band = -1, row_out = -1;
 };
 
-// Decode chunk c of the plan, of group u = chunk_unit[c]. Head g attends tokens >= s_lo[g]
-// (shared, written here by thread g; read after the attend's first barrier); *max_lo =
-// max_g s_lo[g].
-template <int GROUP>
-__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, int u, int32_t per, int32_t* s_lo,
-                                                      int32_t* max_lo) {
-  const UnitPlan up = a.units[u];
+// Decode chunk c of the plan, described by d.
+__device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, const ChunkDesc& d, int group) {
   ChunkPos cp;
-  cp.b = u / a.hkv;
-  cp.h = u % a.hkv;
-  // The heads' band starts are loaded with the plan (one round trip; only band chunks use
-  // them).
-  int32_t band_start[GROUP];
-  {
-    const HeadDecision* hd = a.heads + cp.b * a.hq + cp.h * GROUP;
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) band_start[g] = hd[g].band_start;
-  }
-  int32_t local = c - up.first_chunk;
-  bool band = false;
-  if (local < up.n_sink) {
-    cp.t0 = local * per;
-    cp.t1 = min(up.sink_end, cp.t0 + per);
-  } else if ((local -= up.n_sink) < up.n_band) {
-    cp.t0 = up.band_lo + local * per;
-    cp.t1 = min(up.band_end, cp.t0 + per);
-    band = true;
-  } else {
-    local -= up.n_band;
-    cp.t0 = up.band_end + local * per;
-    cp.t1 = min(up.end, cp.t0 + per);
-  }
-  int32_t mx = cp.t0;
-  if (band) {
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      const int32_t lo = max(cp.t0, band_start[g]);
-      mx = max(mx, lo);
-      if (threadIdx.x == g) s_lo[g] = lo;
-    }
-  } else if (threadIdx.x < GROUP) {
-    s_lo[threadIdx.x] = cp.t0;
-  }
-  *max_lo = mx;
-  cp.q_off = cp.b * a.p.q_stride_b + int64_t(cp.h) * GROUP * a.q_stride_h;
-  cp.out_row = int64_t(c) * GROUP;
+  cp.b = d.u / a.hkv;
+  cp.h = d.u % a.hkv;
+  cp.w0 = d.w0;
+  cp.w1 = d.w1;
+  cp.sink_end = d.sink_end;
+  cp.gap = d.band_lo - d.sink_end;
+  cp.band_lo = d.band_lo;
+  cp.band_end = d.band_end;
+  cp.q_off = cp.b * a.p.q_stride_b + int64_t(cp.h) * group * a.q_stride_h;
+  cp.row_band = int64_t(c) * 2 * group;
+  cp.row_out = cp.row_band + group;
   return cp;
 }
 
 // Fill chunk c: split c % S of (request, position, KV head) c / S; false if there is none.
-template <int GROUP>
-__device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, ChunkPos* cp) {
+// Every token of the chunk goes to the band state (the entry), for every head.
+__device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, int group, ChunkPos* cp) {
   const MacFillParams& f = a.f;
   const int S = a.fill_splits, N = a.fill_n;
   const int unit = c / S, s = c % S;
@@ -384,292 +374,332 @@ __device__ __forceinline__ bool LocateFillChunk(const LaunchArgs& a, int c, Chun
   if (x < 0 || x >= f.seq_lens[b]) return false;
   const int32_t lo = SinkEnd(a.front_sink, x), hi = EntryEnd(a.front_sink, a.band, x);
   const int32_t per = FillChunkTokens(hi - lo, S);
-  cp->t0 = lo + s * per;
-  if (cp->t0 >= hi) return false;
-  cp->t1 = min(hi, cp->t0 + per);
+  const int32_t t0 = lo + s * per;
+  if (t0 >= hi) return false;
   cp->b = b;
   cp->h = h;
-  cp->q_off = b * f.q_stride_b + n * f.q_stride_n + int64_t(h) * GROUP * a.q_stride_h;
-  cp->out_row = int64_t(c) * GROUP;
+  cp->w0 = t0;
+  cp->w1 = min(hi, t0 + per);
+  cp->sink_end = 0;
+  cp->gap = 0;
+  cp->band_lo = t0;
+  cp->band_end = hi;
+  cp->q_off = b * f.q_stride_b + n * f.q_stride_n + int64_t(h) * group * a.q_stride_h;
+  cp->row_band = int64_t(c) * group;
+  cp->row_out = -1;
   return true;
 }
 
-// Exact attention of the group's heads over the chunk (the split-KV attention CTA of
-// decode_kernels.cuh with per-head lower bounds): fp32 online softmax in base 2 per lane
-// group, merged across lane groups and warps with state.cuh's merge. Ends with the shared
-// memory still in use (callers looping over chunks sync first).
-template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos& cp, int32_t max_lo,
-                                            const int32_t* s_lo, float* smem) {
-  using Cfg = Tile<HEAD_DIM>;
-  constexpr int kVec = 8;
-  constexpr int kLanes = HEAD_DIM / kVec;
-  constexpr int kGroups = 32 / kLanes;
-  constexpr int kBlockN = Cfg::kBlockN;
-  constexpr int kStages = Cfg::kStages;
-  constexpr int kWarpTokens = kBlockN / kWarps;
-  constexpr int kUnroll = kWarpTokens / kGroups;
-  constexpr int kChunks = kBlockN * HEAD_DIM / kVec;
-  static_assert(kChunks % kThreads == 0, "tile chunks must split evenly over the CTA");
-  static_assert(kBlockN <= kThreads, "one page-id copy per token of a tile");
-  constexpr int kPer = kChunks / kThreads;  // 16-byte pieces per thread and tile
-  using P = Pack<DType>;
-
-  const int t0 = cp.t0, t1 = cp.t1;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int sub = lane % kLanes, grp = lane / kLanes;
-
-  float q[GROUP][kVec];
-  {
-    const DType* qb = static_cast<const DType*>(a.q) + cp.q_off + sub * kVec;
+// Online-softmax state of one lane: heads 2 t4, 2 t4 + 1 (running max in base 2, partial
+// sum over its tokens) and O^T[dims 16j + g (+8)][heads] in acc[j][0, 1] ([2, 3]).
+template <int KSTEPS>
+struct TcState {
+  float m0, m1, l0, l1;
+  float acc[KSTEPS][4];
+  __device__ __forceinline__ void init() {
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.f;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      P::ToFloat(*reinterpret_cast<const uint4*>(qb + g * a.q_stride_h), q[g]);
+    for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) q[g][i] *= a.scale_log2;
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
     }
   }
-  float m[GROUP], l[GROUP], acc[GROUP][kVec];
+};
+
+// Exact attention of the group's heads over the chunk: decode attention's tensor-core CTA
+// (decode_kernels.cuh AttentionBlock: 64- (d 128) or 128-token (d 64) K/V tiles through a
+// 3-stage cp.async pipeline with swizzled rows, page ids loaded one step ahead, S^T = K Q^T
+// and O^T += V^T P^T with mma m16n8k16, P as hi + lo 16-bit terms) with two states per
+// lane: each 16-token piece of a warp updates the band state and / or the output state,
+// masking per head the tokens that are not theirs (a piece that lies wholly in one state
+// skips the other). Ends with both normalized states written to the partial rows.
+template <typename DType, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos& cp, const HeadDecision* heads,
+                                            char* smem) {
+  using Cfg = decode::AttnTile<HEAD_DIM>;
+  using P = Pack<DType>;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
+  constexpr int kKSteps = HEAD_DIM / 16;    // QK k-steps = PV dim tiles
+  constexpr int kWarpTokens = kBlockN / kWarps;
+  constexpr int kSub = kWarpTokens / 16;
+  constexpr int kTile = kBlockN * HEAD_DIM;  // elements of one K (or V) stage tile
+  constexpr int kLoads = kBlockN * kRowChunks / kThreads;
+  static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile chunks must split evenly");
+  static_assert(GROUP >= 1 && GROUP <= 8, "group size");
+
+  const int w0 = cp.w0, w1 = cp.w1;
+  const int sink_end = cp.sink_end, gap = cp.gap, band_lo = cp.band_lo, band_end = cp.band_end;
+  auto token = [&](int w) { return w < sink_end ? w : w + gap; };
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
+
+  // Q^T as the B operand: column g = query head h*G + g (zero past the group).
+  uint32_t qf[kKSteps][2];
+  {
+    const DType* qrow = static_cast<const DType*>(a.q) + cp.q_off + int64_t(g < GROUP ? g : 0) * a.q_stride_h + 2 * t4;
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      qf[ks][0] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks) : 0u;
+      qf[ks][1] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks + 8) : 0u;
+    }
   }
+  // Band starts of this lane's heads (heads past the group take no band tokens).
+  const int32_t lo0 = hd0 < GROUP ? (heads ? heads[hd0].band_start : band_lo) : band_end;
+  const int32_t lo1 = hd1 < GROUP ? (heads ? heads[hd1].band_start : band_lo) : band_end;
+
+  TcState<kKSteps> sb, so;  // band state, output state
+  sb.init();
+  so.init();
 
   DType* tiles = reinterpret_cast<DType*>(smem);
-  int32_t* s_page = reinterpret_cast<int32_t*>(tiles + kStages * 2 * kBlockN * HEAD_DIM);  // [kStages][kBlockN]
   const int32_t* bt = a.block_table + cp.b * a.bt_stride;
   const DType* kb = static_cast<const DType*>(a.k) + cp.h * a.kv_stride_head;
   const DType* vb = static_cast<const DType*>(a.v) + cp.h * a.kv_stride_head;
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
-  const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
-  const int piece = tid % kLanes;
-  // Copies of the tile's K and V rows; page[i]: the page of this thread's i-th token.
-  auto issue_kv = [&](int tile, const int32_t (&page)[kPer]) {
-    DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-    DType* vt = kt + kBlockN * HEAD_DIM;
+  const int n_tiles = (w1 - w0 + kBlockN - 1) / kBlockN;
+  // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
+  // ahead so the block-table round trip never sits between a barrier and the copies.
+  int32_t pages[kLoads];
+  auto load_pages = [&](int tile) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int j = (tid + i * kThreads) / kLanes;
-      const int t = t0 + tile * kBlockN + j;
-      const bool valid = t < t1;
-      int64_t off = 0;
-      if (valid) {
-        off = int64_t(page[i]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * kVec;
-      }
-      CpAsync16(kt + j * HEAD_DIM + piece * kVec, kb + off, valid);
-      CpAsync16(vt + j * HEAD_DIM + piece * kVec, vb + off, valid);
+    for (int i = 0; i < kLoads; ++i) {
+      const int w = w0 + tile * kBlockN + (tid + i * kThreads) / kRowChunks;
+      pages[i] = (tile < n_tiles && w < w1) ? __ldg(bt + (token(w) >> shift)) : 0;
     }
   };
-  // The block-table entries of the tile's tokens into stage tile % kStages of s_page (one
-  // 4-byte copy per token, in the group of the tile issued kStages - 1 steps before).
-  auto fetch_pages = [&](int tile) {
-    if (tile < n_tiles && tid < kBlockN) {
-      const int t = t0 + tile * kBlockN + tid;
-      CpAsync4(s_page + (tile % kStages) * kBlockN + tid, bt + (t < t1 ? t >> shift : 0), t < t1);
-    }
-  };
-  // Group k: tile k's K and V, and the page ids of tile k + kStages - 1. Issuing tile k
-  // (after the wait for group k - kStages + 1 and the barrier) reads its page ids from shared
-  // memory, so no block-table round trip sits between the barrier and the copies.
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      const int32_t* sp = s_page + (tile % kStages) * kBlockN;
-      int32_t page[kPer];
+      DType* kt = tiles + (tile % kStages) * 2 * kTile;
+      DType* vt = kt + kTile;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) page[i] = sp[(tid + i * kThreads) / kLanes];
-      issue_kv(tile, page);
-      fetch_pages(tile + kStages - 1);
+      for (int i = 0; i < kLoads; ++i) {
+        const int c = tid + i * kThreads;
+        const int j = c / kRowChunks, piece = c % kRowChunks;
+        const int w = w0 + tile * kBlockN + j;
+        const bool valid = w < w1;
+        int64_t off = 0;
+        if (valid) {
+          off = int64_t(pages[i]) * a.kv_stride_page + int64_t(token(w) & slot_mask) * a.kv_stride_token + piece * 8;
+        }
+        const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
+        CpAsync16(kt + sw, kb + off, valid);
+        CpAsync16(vt + sw, vb + off, valid);
+      }
     }
-    CpAsyncCommit();
+    CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
+    load_pages(tile + 1);
   };
-  {
-    // Prologue: the first kStages - 1 tiles' page ids straight from the block table, all
-    // loads in flight at once.
-    int32_t page[kStages - 1][kPer];
+  // One 16-token piece's scores (rows g, g + 8; heads hd0, hd1) into state st.
+  auto update = [&](TcState<kKSteps>& st, const float (&s)[4], const DType* vt, int r0) {
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int t = t0 + s * kBlockN + (tid + i * kThreads) / kLanes;
-        page[s][i] = t < t1 ? __ldg(bt + (t >> shift)) : 0;
-      }
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
     }
+    const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float c0 = exp2f(st.m0 - ms0), c1 = exp2f(st.m1 - ms1);
+    st.m0 = mn0;
+    st.m1 = mn1;
+    const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1);
+    const float p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
+    st.l0 = st.l0 * c0 + p0 + p2;
+    st.l1 = st.l1 * c1 + p1 + p3;
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) {
-        issue_kv(s, page[s]);
-        fetch_pages(s + kStages - 1);
-      }
-      CpAsyncCommit();
+    for (int j = 0; j < kKSteps; ++j) {
+      st.acc[j][0] *= c0;
+      st.acc[j][1] *= c1;
+      st.acc[j][2] *= c0;
+      st.acc[j][3] *= c1;
     }
-  }
+    // P^T for the PV product: (token g, heads 2t4, 2t4+1) -> transpose -> (head g, tokens).
+    const uint32_t h01 = P::FromFloat2(p0, p1), h23 = P::FromFloat2(p2, p3);
+    float f0, f1, f2, f3;
+    P::ToFloat2(h01, f0, f1);
+    P::ToFloat2(h23, f2, f3);
+    const uint32_t lo01 = P::FromFloat2(p0 - f0, p1 - f1), lo23 = P::FromFloat2(p2 - f2, p3 - f3);
+    const uint32_t bh0 = decode::MovTrans(h01), bh1 = decode::MovTrans(h23);
+    const uint32_t bl0 = decode::MovTrans(lo01), bl1 = decode::MovTrans(lo23);
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int row = r0 + (lane & 7) + ((lane >> 4) << 3);
+      const int chunk = 2 * j + ((lane >> 3) & 1);
+      uint32_t vf[4];
+      decode::Ldsm4T(vf, vt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+      decode::Mma16816<DType>(st.acc[j], vf, bh0, bh1);
+      decode::Mma16816<DType>(st.acc[j], vf, bl0, bl1);
+    }
+  };
+
+  load_pages(0);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    CpAsyncWait<kStages - 2>();
-    __syncthreads();
+    CpAsyncWait<kStages - 2>();  // this thread's copies of `tile` have landed
+    __syncthreads();             // everyone's have; the buffer of tile-1 is free again
     issue_tile(tile + kStages - 1);
-    const DType* kt = tiles + (tile % kStages) * 2 * kBlockN * HEAD_DIM;
-    const DType* vt = kt + kBlockN * HEAD_DIM;
-    const int tbase = t0 + tile * kBlockN + warp * kWarpTokens;
-    const bool masked = t0 + tile * kBlockN < max_lo;  // some head starts inside this tile
-    float s[kUnroll][GROUP];
+    const DType* kt = tiles + (tile % kStages) * 2 * kTile;
+    const DType* vt = kt + kTile;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = warp * kWarpTokens + u * kGroups + grp;
-      float kf[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(kt + j * HEAD_DIM + sub * kVec), kf);
+    for (int sub = 0; sub < kSub; ++sub) {
+      const int r0 = warp * kWarpTokens + sub * 16;
+      const int ws = w0 + tile * kBlockN + r0;  // the piece's first work index (warp-uniform)
+      if (ws >= w1) continue;
+      // Which states the piece can touch (warp-uniform; token() is increasing).
+      const int tmin = token(ws), tmax = token(min(ws + 15, w1 - 1));
+      const bool need_band = tmax >= band_lo && tmin < band_end;
+      const bool need_out = tmin < sink_end || tmax >= band_end;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        float x = 0.f;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) x = fmaf(q[g][i], kf[i], x);
-        s[u][g] = x;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int o = kLanes / 2; o > 0; o >>= 1) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
-      }
-      const int t = tbase + u * kGroups + grp;
-      if (t >= t1) {
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) s[u][g] = -INFINITY;
-      } else if (masked) {
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-          if (t < s_lo[g]) s[u][g] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float mx = s[0][g];
-#pragma unroll
-      for (int u = 1; u < kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
-      if (mx > m[g]) {
-        const float corr = exp2f(m[g] - mx);
-        l[g] *= corr;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
-        m[g] = mx;
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const int row = r0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int chunk = 2 * ks + (lane >> 4);
+        uint32_t af[4];
+        decode::Ldsm4(af, kt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+        decode::Mma16816<DType>(s, af, qf[ks][0], qf[ks][1]);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        s[u][g] = m[g] == -INFINITY ? 0.f : exp2f(s[u][g] - m[g]);
-        l[g] += s[u][g];
+      for (int i = 0; i < 4; ++i) s[i] *= a.scale_log2;
+      const bool va = ws + g < w1, vb8 = ws + g + 8 < w1;
+      const int ta = token(ws + g), tb = token(ws + g + 8);
+      const bool oa = va && (ta < sink_end || ta >= band_end), ob = vb8 && (tb < sink_end || tb >= band_end);
+      if (need_band) {
+        float sb4[4];
+        sb4[0] = va && ta >= lo0 && ta < band_end ? s[0] : -INFINITY;
+        sb4[1] = va && ta >= lo1 && ta < band_end ? s[1] : -INFINITY;
+        sb4[2] = vb8 && tb >= lo0 && tb < band_end ? s[2] : -INFINITY;
+        sb4[3] = vb8 && tb >= lo1 && tb < band_end ? s[3] : -INFINITY;
+        update(sb, sb4, vt, r0);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = warp * kWarpTokens + u * kGroups + grp;
-      float vf[kVec];
-      P::ToFloat(*reinterpret_cast<const uint4*>(vt + j * HEAD_DIM + sub * kVec), vf);
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+      if (need_out) {
+        float so4[4];
+        so4[0] = oa ? s[0] : -INFINITY;
+        so4[1] = oa ? s[1] : -INFINITY;
+        so4[2] = ob ? s[2] : -INFINITY;
+        so4[3] = ob ? s[3] : -INFINITY;
+        update(so, so4, vt, r0);
       }
     }
   }
   CpAsyncWait<0>();
   __syncthreads();  // the tiles' shared memory is reused below
 
-  float lse[GROUP];
+  // Per-warp normalized states per head, then one merge across warps per state.
+  constexpr int kStateFloats = (kWarps * GROUP * HEAD_DIM + 2 * kWarps * GROUP + GROUP + 3) / 4 * 4;
+  auto stage = [&](TcState<kKSteps>& st, float* base) {
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    if (l[g] > 0.f) {
-      const float inv = 1.f / l[g];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[g][i] *= inv;
-      lse[g] = (m[g] + log2f(l[g])) * kLn2;
-    } else {
-      lse[g] = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
+    for (int o = 4; o < 32; o <<= 1) {
+      st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, o);
+      st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, o);
     }
-  }
+    const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
+    const float lse0 = st.l0 > 0.f ? (st.m0 + log2f(st.l0)) * kLn2 : -INFINITY;
+    const float lse1 = st.l1 > 0.f ? (st.m1 + log2f(st.l1)) * kLn2 : -INFINITY;
+    float* sm_o = base;                              // [kWarps][GROUP][HEAD_DIM]
+    float* sm_l = sm_o + kWarps * GROUP * HEAD_DIM;  // [kWarps][GROUP]
 #pragma unroll
-  for (int o = kLanes; o < 32; o <<= 1) {
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float o2[kVec];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) o2[i] = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-      const float l2 = __shfl_xor_sync(0xffffffffu, lse[g], o);
-      merge_state_inplace(acc[g], &lse[g], o2, l2, kVec);
+    for (int j = 0; j < kKSteps; ++j) {
+      const int d0 = 16 * j + g;
+      if (hd0 < GROUP) {
+        sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0] = st.acc[j][0] * inv0;
+        sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0 + 8] = st.acc[j][2] * inv0;
+      }
+      if (hd1 < GROUP) {
+        sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0] = st.acc[j][1] * inv1;
+        sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0 + 8] = st.acc[j][3] * inv1;
+      }
     }
-  }
-  float* sm_o = smem;                              // [kWarps][GROUP][HEAD_DIM]
-  float* sm_l = smem + kWarps * GROUP * HEAD_DIM;  // [kWarps][GROUP]
-  if (grp == 0) {
+    if (g == 0) {
+      if (hd0 < GROUP) sm_l[warp * GROUP + hd0] = lse0;
+      if (hd1 < GROUP) sm_l[warp * GROUP + hd1] = lse1;
+    }
+  };
+  float* smf = reinterpret_cast<float*>(smem);
+  auto row_of = [&](int k) { return k == 0 ? cp.row_band : cp.row_out; };
+  if (cp.row_band >= 0) stage(sb, smf);
+  if (cp.row_out >= 0) stage(so, smf + kStateFloats);
+  __syncthreads();
+  if (tid < 2 * GROUP) {
+    const int k = tid / GROUP, hh = tid % GROUP;
+    float* base = smf + k * kStateFloats;
+    const float* sm_l = base + kWarps * GROUP * HEAD_DIM;
+    float* sm_w = base + kWarps * GROUP * HEAD_DIM + kWarps * GROUP;  // [GROUP][kWarps]
+    const int64_t row = row_of(k);
+    if (row >= 0) {
+      LseSum sum = lse_sum_empty();
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float4* dst = reinterpret_cast<float4*>(sm_o + (warp * GROUP + g) * HEAD_DIM + sub * kVec);
-      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-      if (sub == 0) sm_l[warp * GROUP + g] = lse[g];
+      for (int w = 0; w < kWarps; ++w) sum = lse_sum_add(sum, sm_l[w * GROUP + hh]);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sm_w[hh * kWarps + w] = lse_sum_weight(sum, sm_l[w * GROUP + hh]);
+      a.part_lse[row + hh] = lse_sum_lse(sum);
     }
   }
   __syncthreads();
-  for (int e = tid; e < GROUP * HEAD_DIM; e += kThreads) {
-    const int g = e / HEAD_DIM, c = e % HEAD_DIM;
-    float o = sm_o[g * HEAD_DIM + c];
-    float lw = sm_l[g];
+  for (int e = tid * 4; e < 2 * GROUP * HEAD_DIM; e += kThreads * 4) {
+    const int k = e / (GROUP * HEAD_DIM), hh = (e / HEAD_DIM) % GROUP, c = e % HEAD_DIM;
+    const int64_t row = row_of(k);
+    if (row < 0) continue;
+    const float* base = smf + k * kStateFloats;
+    const float* sm_w = base + kWarps * GROUP * HEAD_DIM + kWarps * GROUP;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      merge_state_inplace(&o, &lw, &sm_o[(w * GROUP + g) * HEAD_DIM + c], sm_l[w * GROUP + g], 1);
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = sm_w[hh * kWarps + w];
+      const float4 x = *reinterpret_cast<const float4*>(&base[(w * GROUP + hh) * HEAD_DIM + c]);
+      o.x = fmaf(wt, x.x, o.x);
+      o.y = fmaf(wt, x.y, o.y);
+      o.z = fmaf(wt, x.z, o.z);
+      o.w = fmaf(wt, x.w, o.w);
     }
-    const int64_t row = cp.out_row + g;
-    a.part_o[row * HEAD_DIM + c] = o;
-    if (c == 0) a.part_lse[row] = lw;
+    *reinterpret_cast<float4*>(&a.part_o[(row + hh) * HEAD_DIM + c]) = o;
   }
 }
 
-// G <= 4 is held to 128 registers so 4 CTAs fit per SM (as decode attention's kernel is
-// without a cap; ptxas reports no spill at d = 128, G = 4 since the page ids are staged in
-// shared memory, 20 bytes before). Measured (H200, LLaMA-8B heads, all-miss): the
-// uncapped variant (148 registers, 3 CTAs per SM) was slower, B=32 32K 1818 vs 1525 us.
-template <int GROUP>
-constexpr int AttendMinBlocks() { return GROUP <= 4 ? 4 : 1; }
+// Two CTAs per SM (96 KB of shared memory each), as decode attention's kernel: the register
+// budget (up to 255 per thread) holds both states without spilling.
+constexpr int kAttendMinBlocks = 2;
 
 // MacFill: one chunk per CTA.
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads) MacFillAttendKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
-  __shared__ int32_t s_lo[GROUP];
   ChunkPos cp;
-  if (!LocateFillChunk<GROUP>(a, int(blockIdx.x), &cp)) return;
-  if (threadIdx.x < GROUP) s_lo[threadIdx.x] = cp.t0;
-  AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, cp.t0, s_lo, reinterpret_cast<float*>(mac_smem));
+  if (!LocateFillChunk(a, int(blockIdx.x), GROUP, &cp)) return;
+  AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, nullptr, reinterpret_cast<char*>(mac_smem));
 }
 
 // Decode: CTA c attends planned chunks c, c + gridDim.x, ... (one chunk per CTA as launched).
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, AttendMinBlocks<GROUP>()) MacAttendKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
-  __shared__ int32_t s_lo[GROUP];
-  float* smem = reinterpret_cast<float*>(mac_smem);
   GridDependencyWait();  // the plan is complete and visible
   LaunchDependents();
-  // The plan's sizes are re-read per chunk (cached loads) rather than held in registers
-  // across the attention, which has none to spare at G = 4.
-  // The chunk's group is read together with the chunk count (chunk_unit has max_chunks
-  // entries; one past the plan holds a stale value, never used).
+  // The chunk's descriptor is read together with the chunk count (the array has
+  // max_chunks entries; one past the plan holds a stale value, never used).
   for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
     const int n = int(__ldg(a.plan_info + 1));
-    const int u = __ldg(a.chunk_unit + c);
+    const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
+    const int4 d0 = __ldg(dp), d1 = __ldg(dp + 1);
     if (c >= n) break;
     __syncthreads();  // the previous chunk is done with shared memory
-    int32_t max_lo;
-    const ChunkPos cp = LocateDecodeChunk<GROUP>(a, c, u, int32_t(__ldg(a.plan_info)), s_lo, &max_lo);
-    AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, max_lo, s_lo, smem);
+    ChunkDesc d;
+    d.u = d0.x;
+    d.w0 = d0.y;
+    d.w1 = d0.z;
+    d.sink_end = d0.w;
+    d.band_lo = d1.x;
+    d.band_end = d1.y;
+    const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
+    AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP,
+                                        reinterpret_cast<char*>(mac_smem));
   }
 }
 
@@ -783,18 +813,20 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   st[0].init();
   st[1].init();
   {
-    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T.
+    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T. Each
+    // chunk has two partials: [band state, sink-and-tail state].
     const UnitPlan up = a.units[b * a.hkv + h];
-    const int n_all = up.n_sink + up.n_band + up.n_tail;
+    const int n_all = 2 * up.n_chunks;
+    const int64_t row0 = int64_t(up.first_chunk) * 2;
     for (int j0 = warp; j0 < n_all; j0 += kWarps * kBatch) {
       float o2[kBatch][kPer], l2[kBatch];
       bool band[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
         const int j = j0 + k * kWarps;
-        band[k] = j >= up.n_sink && j < up.n_sink + up.n_band;
+        band[k] = (j & 1) == 0;
         if (j < n_all) {
-          const int64_t row = int64_t(up.first_chunk + j) * a.group + g;
+          const int64_t row = (row0 + j) * a.group + g;
           LoadRow<kPer>(a.part_o + row * HEAD_DIM + c0, o2[k]);
           l2[k] = a.part_lse[row];
         } else {
@@ -951,10 +983,8 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
-// Fill: `ctas` CTAs, one chunk each. Decode: as many CTAs as fit on the device at once
-// (at most `ctas`), looping over the planned chunks.
-// The attend kernels take 48 KB of dynamic shared memory (the tile pipeline) plus a few
-// bytes of static: past the 48 KB a kernel gets without opting in.
+// The attend kernels take 96 KB of dynamic shared memory (the tile pipeline): past the 48 KB
+// a kernel gets without opting in.
 template <typename Kernel>
 bool AllowTileSmem(Kernel kernel, size_t bytes) {
   ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
@@ -967,7 +997,7 @@ bool AllowTileSmem(Kernel kernel, size_t bytes) {
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
-  constexpr size_t kSmem = Tile<HEAD_DIM>::kBytes;
+  constexpr size_t kSmem = decode::AttnTile<HEAD_DIM>::kBytes;
   if (a.fill) {
     static const bool smem_ok = AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);
     (void)smem_ok;

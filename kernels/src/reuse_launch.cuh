@@ -43,7 +43,7 @@ struct LaunchArgs {
   uint32_t* plan_info = nullptr;  // [0]: chunk tokens, [1]: chunks
   HeadDecision* heads = nullptr;
   UnitPlan* units = nullptr;
-  int32_t* chunk_unit = nullptr;  // [max_chunks] group of each planned chunk
+  ChunkDesc* chunks = nullptr;  // [max_chunks] the planned chunks
   int32_t max_chunks = 0;
   // Partial states of the chunks: [chunk, G, d] and [chunk, G] (decode and fill).
   float* part_o = nullptr;
@@ -52,18 +52,6 @@ struct LaunchArgs {
   int32_t fill_n = 0, fill_splits = 1;
   bool pdl = false;  // attend and combine launched as programmatic dependents
 };
-
-// KV tiles of the attention CTAs: kBlockN tokens of K and V per stage, kStages stages (48 KB),
-// then the page ids of each stage's tokens (kStages x kBlockN int32).
-template <int HEAD_DIM>
-struct Tile {
-  static constexpr int kBlockN = HEAD_DIM == 64 ? 64 : 32;
-  static constexpr int kStages = 3;
-  static constexpr size_t kBytes = size_t(kStages) * 2 * kBlockN * HEAD_DIM * 2 + size_t(kStages) * kBlockN * 4;
-};
-inline size_t AttendSmemBytes(int head_dim) {
-  return head_dim == 64 ? Tile<64>::kBytes : Tile<128>::kBytes;
-}
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream);
