@@ -348,6 +348,8 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
   // Statistics. The hit positions stay on the device until the step's last layer, so a
   // CUDA step waits for the host once, not once per layer.
   pending_hits_[size_t(layer)] = hit;
+  // Recording (a diagnostic) reads each layer's decisions to the host as soon as it ran.
+  if (record_hits_) last_hits_[size_t(layer)] = hit.to(at::kCPU).contiguous();
   if (layer == L_ - 1) collect_stats(B, int32_t(length));
   return {o.to(at::kFloat).reshape({B, 1, Hq_, d_}), lse.reshape({B, 1, Hq_})};
 }
@@ -377,7 +379,6 @@ void MacDecode::collect_stats(int64_t B, int32_t T) {
         s.group_context += T;
       }
     }
-    if (record_hits_) last_hits_[size_t(layer)] = hits;
   }
 }
 

@@ -98,7 +98,8 @@ class MacDecode : public AttentionHook {
   const MacDecodeConfig& op_config() const { return cfg_; }
   KernelDType op_dtype() const { return cfg_.dtype; }
   // When set, the latest decode step's hit positions per layer are kept: last_hits()[l] is
-  // [B, Hq] int32 on the CPU (-1: miss).
+  // [B, Hq] int32 on the CPU (-1: miss), set as soon as layer l of the step has run (so on
+  // CUDA recording waits for the device once per layer).
   void set_record_hits(bool on) { record_hits_ = on; }
   const std::vector<at::Tensor>& last_hits() const { return last_hits_; }
 
