@@ -44,11 +44,6 @@ ASMEM_HOST_DEVICE int32_t NumActiveSplits(int32_t T, int32_t splits) {
   return (T + per - 1) / per;  // <= splits because per >= ceil(T / splits)
 }
 
-// Rows [begin, end) of n rows that lookup split s of S scans.
-ASMEM_HOST_DEVICE int64_t SplitBegin(int64_t n, int32_t s, int32_t S) {
-  return n * s / S;
-}
-
 }  // namespace decode
 }  // namespace asmem
 

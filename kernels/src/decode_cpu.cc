@@ -212,9 +212,8 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
     const int64_t per_head = (kDecodePlanSms + c.num_kv_heads - 1) / c.num_kv_heads;
     plan.lookup_splits =
         int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
-    plan.parent_width = int32_t(c.max_lookup_rows > 0
-                                    ? std::min<int64_t>(c.max_lookup_rows, kDecodeMaxParents)
-                                    : kDecodeMaxParents);
+    plan.parent_width = int32_t(kDecodeMaxParents);  // any valid view fits: plans survive
+                                                     // a dictionary replace
     plan.lookup_width = std::max(plan.parent_width, plan.lookup_splits);
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;

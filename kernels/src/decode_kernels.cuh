@@ -1132,17 +1132,17 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
     for (int bit = 31; bit >= 0; --bit) {
       const uint32_t cand = thr | (1u << bit);
       unsigned cnt = 0;
-      for (int q = lane; q < C1; q += 32) cnt += OrderedKey(__ldg(ps + q)) >= cand ? 1u : 0u;
+      for (int q = lane; q < C1; q += 32) cnt += OrderedKey(__ldcg(ps + q)) >= cand ? 1u : 0u;
       if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
     }
   }
   unsigned gt = 0;
-  for (int q = lane; q < C1; q += 32) gt += OrderedKey(__ldg(ps + q)) > thr ? 1u : 0u;
+  for (int q = lane; q < C1; q += 32) gt += OrderedKey(__ldcg(ps + q)) > thr ? 1u : 0u;
   int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
   Best best{-INFINITY, -1}, any{-INFINITY, -1};
   for (int base = 0; base < C1; base += 32) {
     const int q = base + lane;
-    const uint32_t k = q < C1 ? OrderedKey(__ldg(ps + q)) : 0u;
+    const uint32_t k = q < C1 ? OrderedKey(__ldcg(ps + q)) : 0u;
     const bool eq = q < C1 && k == thr;
     const unsigned eqm = __ballot_sync(0xffffffffu, eq);
     const int before = __popc(eqm & ((1u << lane) - 1u));
@@ -1160,8 +1160,8 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 }
 
 // ---------------------------------------------------------------------------------------
-// Combine: one warp per (request, query head): the best entry over the lookup chunks and
-// its (o, lse), then the n-way merge (state.cuh LseSum) of the prefix state with every
+// Combine: one warp per (request, query head): the entry (HierarchicalChoice, or the best
+// linear slice) and its (o, lse), then the n-way merge (state.cuh LseSum) of the prefix state with every
 // non-empty KV split: the lse values first (lane s % 32 holds split s), then the weighted
 // sum of the splits' o with 8 splits' loads in flight per lane. A lane holds HEAD_DIM/32
 // contiguous dims.
@@ -1211,8 +1211,8 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         }
         WarpArgmax(best);
       }
-      if (best.index < 0) {
-        bad = true;  // the view was unusable
+      if (best.index < 0 || best.index >= v.K) {
+        bad = true;  // the view was unusable (or a diagnostics mode skipped the scoring)
       } else {
         idx = best.index;
         const int64_t erow = int64_t(idx) * a.group + g;

@@ -74,8 +74,8 @@ struct SegTile {
 };
 
 // Lookup kernel (reps x Hkv x S CTAs): scores every row of each request's view, writes
-// per-segment bests, parent scores and probed-parent bits. Launched before the attention
-// kernel, which it lets start at once.
+// per-segment bests and parent scores. Launched before the attention kernel, which it lets
+// start at once.
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream);
 // Attention kernel: split-KV attention CTAs. `after_lookup`: launched with programmatic

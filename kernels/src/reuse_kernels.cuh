@@ -685,9 +685,9 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   // The chunk's descriptor is read together with the chunk count (the array has
   // max_chunks entries; one past the plan holds a stale value, never used).
   for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
-    const int n = int(__ldg(a.plan_info + 1));
+    const int n = int(__ldcg(a.plan_info + 1));  // written by the plan grid: not __ldg
     const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
-    const int4 d0 = __ldg(dp), d1 = __ldg(dp + 1);
+    const int4 d0 = __ldcg(dp), d1 = __ldcg(dp + 1);
     if (c >= n) break;
     __syncthreads();  // the previous chunk is done with shared memory
     ChunkDesc d;
@@ -999,14 +999,12 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
   constexpr size_t kSmem = decode::AttnTile<HEAD_DIM>::kBytes;
   if (a.fill) {
-    static const bool smem_ok = AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);
-    (void)smem_ok;
+    AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);  // per device: every launch
     MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, kSmem, stream>>>(a);
     ASMEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  static const bool smem_ok = AllowTileSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);
-  (void)smem_ok;
+  AllowTileSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);  // per device: every launch
   LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP>, unsigned(ctas), kSmem, a.pdl, a, stream);
 }
 

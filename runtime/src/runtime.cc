@@ -32,8 +32,8 @@ namespace {
 
 using detail::ResidentDictionary;
 
-// Lookup rows the workspace is sized for: the largest lookup split count any dictionary
-// can ask for, so a replacement never needs a bigger workspace.
+// Lookup rows the workspace is sized for: the largest value any dictionary can ask for, so
+// a replacement never needs a bigger workspace.
 constexpr int64_t kPlanAllRows = int64_t(1) << 40;
 constexpr int32_t kMaxSlots = 4096;
 

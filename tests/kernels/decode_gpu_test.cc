@@ -293,6 +293,31 @@ TEST(DecodeGpu, OtherGroupSizesAndLayouts) {
   }
 }
 
+// More requests sharing one dictionary than one lookup member block holds (40 > 32 at
+// G*d = 512: the scan runs twice, the stage counter carries over), and, with 3 lookup CTAs
+// per KV head, more segments per CTA than its shared-memory segment cache (421 / 3 > 128).
+TEST(DecodeGpu, ManyMembersAndManySegmentsPerLookupCta) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(209);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 8;
+  s.Hkv = 2;
+  s.d = 128;
+  for (int i = 0; i < 40; ++i) {
+    s.T.push_back(i % 5 == 0 ? 0 : 3 + 17 * i);
+    s.dict_ids.push_back(0);
+  }
+  s.dicts = {DictSpec{1800, 420, 7}};
+  s.near_key_fraction = 0.3;
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  CheckAgainstReference(pb, pb.config, "40 members");
+  DecodeConfig few = pb.config;
+  few.lookup_ctas = 3;
+  CheckAgainstReference(pb, few, "40 members, 3 lookup CTAs per KV head");
+}
+
 TEST(DecodeGpu, HierarchicalAllParentsEqualsLinear) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(203);

@@ -115,9 +115,8 @@ struct DecodeConfig {
   bool use_dictionaries = false;  // launch the lookup; false: params.dict_ids must be null
   int64_t max_lookup_rows = 0;    // most key rows one lookup scans (K for a linear view,
                                   // C1 + top_m * (largest parent's children) for a
-                                  // hierarchical one); bounds the parents a view may have
-                                  // (min(max_lookup_rows, kDecodeMaxParents); views with
-                                  // more give NaN outputs); 0: kDecodeMaxParents
+                                  // hierarchical one); a hint for the plan, >= 0 (the
+                                  // current lookup scores every row and does not use it)
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
                              // a separate launch (without it every lookup CTA whitens the
                              // keys it needs on CUDA cores: correct, much slower)
@@ -162,7 +161,7 @@ struct DecodePlan {
                               // every S-th segment of a view (its parents, one parent's
                               // children, or a 1/S slice of a linear view); 0 without
                               // dictionaries
-  int32_t parent_width = 0;   // most parents a hierarchical view may have in this plan
+  int32_t parent_width = 0;   // parent scores kept per (request, KV head): kDecodeMaxParents
   int32_t lookup_width = 0;   // per-(request, KV head) segment results in the workspace
   size_t workspace_bytes = 0; // device workspace DecodeAttention needs
 };

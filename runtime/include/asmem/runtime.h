@@ -48,8 +48,10 @@
 //     No part of a switch waits on the host for `stream` or the device: the upload runs on
 //     a private non-blocking stream through pinned staging buffers, device memory comes
 //     from a private stream-ordered pool (cudaMallocFromPoolAsync / cudaFreeAsync on that
-//     stream; plain cudaMalloc / cudaFree where the device has no pools), and retired
-//     memory is freed only after its event has completed. ASMEM_RUNTIME_TRACE=1 prints
+//     stream), and retired memory is freed only after its event has completed. Exceptions:
+//     on a device without memory pools the fallback cudaMalloc / cudaFree may synchronize
+//     the device, and an update() that needs a third table staging buffer allocates it
+//     with cudaMallocHost, which may too. ASMEM_RUNTIME_TRACE=1 prints
 //     the phases of load / replace / publish with timestamps to stderr.
 //   * CPU: each decode() call takes a shared snapshot of the slot table when it starts; a
 //     call running in another thread during the switch finishes on the dictionary it
@@ -69,8 +71,9 @@
 //   the host; replays may change every device value the step reads (q, KV, block table,
 //   seq_lens, dict_ids...) but not the host-side DecodeArgs / StepConfig it was captured
 //   with. A replace() between replays is seen by the next replay (same stream). The split
-//   plan of a capture (lookup split count, whitening launch) is that of the dictionaries
-//   resident at capture time; after a replace it is still correct, only possibly slower.
+//   plan of a capture (whitening launch) is that of the dictionaries resident at capture
+//   time; after a replace it is still correct (every valid dictionary fits any plan), only
+//   possibly slower.
 // - Destruction: destroy a runtime only after the steps that use it have finished (e.g.
 //   after synchronizing their streams); it frees all its device memory.
 //
