@@ -57,14 +57,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     return r >= 1 ? r : int(kLookupReps);
   }();
 
-  static const int lookup_debug = [] {
-    const char* e = std::getenv("ASMEM_DECODE_LOOKUP_DEBUG");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-
   LaunchArgs a;
   a.p = p;
-  a.lookup_debug = lookup_debug;
   a.batch = p.batch;
   a.hq = c.num_q_heads;
   a.hkv = c.num_kv_heads;

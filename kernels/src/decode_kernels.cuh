@@ -625,10 +625,9 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
       const int rows = int(min(int64_t(L::kRows), ic.hi - ic.row));
       char* dst = sm.stages + slot * L::kStageBytes;
       FenceProxyAsync();  // the slot's earlier reads (before the caller's barrier) come first
-      const bool copy = a.lookup_debug != 2;
-      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, copy ? uint32_t(rows) * (KEY_DIM * 2) : 0u);
+      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (KEY_DIM * 2));
       __syncwarp();
-      if (copy && lane < rows) {
+      if (lane < rows) {
         BulkCopyToShared(dst + lane * L::kRowBytes, base + (ic.row + lane) * KEY_DIM, KEY_DIM * 2,
                          sm.bars + slot);
       }
@@ -646,7 +645,7 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   while (cc.k < segs.n) {
     const int slot = int(consumed % L::kStages);
     MbarWait(sm.bars + slot, (consumed / L::kStages) & 1u);
-    if (scoring && a.lookup_debug != 1) {
+    if (scoring) {
       const char* arow = sm.stages + slot * L::kStageBytes + (lane & 15) * L::kRowBytes + (lane >> 4) * 16;
       // Four independent accumulator chains (k-steps 4j .. 4j+3 round robin), summed at
       // the end: the mma latency is not paid once per k-step.
@@ -1212,7 +1211,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         WarpArgmax(best);
       }
       if (best.index < 0 || best.index >= v.K) {
-        bad = true;  // the view was unusable (or a diagnostics mode skipped the scoring)
+        bad = true;  // the view was unusable
       } else {
         idx = best.index;
         const int64_t erow = int64_t(idx) * a.group + g;
@@ -1295,8 +1294,39 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
 }
 
 // ---------------------------------------------------------------------------------------
-// Launch functions (instantiated in decode_attn_*.cu)
+// Launch functions (instantiated in decode_attn_*.cu), and the two host helpers the decode
+// and MAC launchers share.
 // ---------------------------------------------------------------------------------------
+
+// Lets `kernel` take `bytes` of dynamic shared memory (past the 48 KB default) on the
+// current device; `prefer_shared`: also ask for the largest shared-memory carveout. Set on
+// every launch: the attribute is per device.
+template <typename Kernel>
+void AllowDynamicSmem(Kernel kernel, size_t bytes, bool prefer_shared) {
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  if (prefer_shared) {
+    ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          int(cudaSharedmemCarveoutMaxShared)));
+  }
+}
+
+// Launches kernel(args) on `stream`, with programmatic dependent launch after the previous
+// kernel in the stream when `pdl` (the kernel waits with GridDependencyWait where needed).
+template <typename Kernel, typename Args>
+void LaunchMaybePdl(Kernel kernel, unsigned grid, unsigned block, size_t smem, bool pdl,
+                    const Args& args, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
+}
 
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream) {
@@ -1304,11 +1334,8 @@ void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream) {
   if (a.n_lookup_ctas == 0) return;
   auto kernel = DecodeLookupKernel<DType, kKeyDim>;
   const size_t smem = SegTile<kKeyDim>::kBytes;
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        int(cudaSharedmemCarveoutMaxShared)));
-  kernel<<<unsigned(a.n_lookup_ctas), kThreads, smem, stream>>>(a);
-  ASMEM_CUDA_CHECK_LAUNCH();
+  AllowDynamicSmem(kernel, smem, true);
+  LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, false, a, stream);
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>
@@ -1317,21 +1344,8 @@ void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
   const int64_t ctas = a.n_attn_ctas;
   if (ctas == 0) return;
   auto kernel = DecodeMainKernel<DType, HEAD_DIM, GROUP>;
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(smem_bytes)));
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        int(cudaSharedmemCarveoutMaxShared)));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(ctas));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = after_lookup ? 1 : 0;
-  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  AllowDynamicSmem(kernel, smem_bytes, true);
+  LaunchMaybePdl(kernel, unsigned(ctas), kThreads, smem_bytes, after_lookup, a, stream);
 }
 
 // Makes the kernels of one (dtype, head dim, group) resident in the current context: with
@@ -1376,16 +1390,9 @@ void LoadDecodeKernels() {
 template <typename DType, int HEAD_DIM>
 void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t rows = int64_t(a.batch) * a.hq;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned((rows + kWarps - 1) / kWarps));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;  // after the attention kernel
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<DType, HEAD_DIM>, a));
+  // Programmatic dependent launch after the attention kernel.
+  LaunchMaybePdl(DecodeCombineKernel<DType, HEAD_DIM>, unsigned((rows + kWarps - 1) / kWarps), kThreads, 0,
+                 true, a, stream);
 }
 
 template <typename DType>

@@ -37,8 +37,6 @@ struct LaunchArgs {
                               // launch), or null
   bool lookup = false;        // dict_ids given: the lookup kernel runs
   int32_t n_lookup_ctas = 0;  // lookup_reps * Hkv * lookup_splits, or 0
-  int32_t lookup_debug = 0;   // ASMEM_DECODE_LOOKUP_DEBUG (diagnostics only; wrong results):
-                              // 1 skips the key scoring, 2 skips the key copies
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
 };
 

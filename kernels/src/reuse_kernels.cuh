@@ -99,9 +99,9 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total,
   return before + incl - x;
 }
 
-// Programmatic dependent launch (sm_90): no-ops when the kernel was launched without it.
-__device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Programmatic dependent launch (decode_kernels.cuh): no-ops without the launch attribute.
+using decode::GridDependencyWait;
+using decode::GridLaunchDependents;
 
 __device__ inline void PlanStep(const LaunchArgs& a) {
   const MacParams& p = a.p;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kUnroll = UNROLL;
   constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
   using P = Pack<DType>;
-  LaunchDependents();  // the attend CTAs may launch once every match CTA runs
+  GridLaunchDependents();  // the attend CTAs may launch once every match CTA runs
   const MacParams& p = a.p;
   const int S = a.match_splits;
   const int cta = int(blockIdx.x);
@@ -681,7 +681,7 @@ template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
   GridDependencyWait();  // the plan is complete and visible
-  LaunchDependents();
+  GridLaunchDependents();
   // The chunk's descriptor is read together with the chunk count (the array has
   // max_chunks entries; one past the plan holds a stale value, never used).
   for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
@@ -951,22 +951,6 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Launch functions (instantiated in reuse_attn_*.cu)
 // ---------------------------------------------------------------------------------------
 
-// Launches `kernel` with the PDL attribute when `pdl`.
-template <typename Kernel>
-void LaunchMaybePdl(Kernel kernel, unsigned grid, size_t smem, bool pdl, const LaunchArgs& a, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-}
-
 // Match grids of at most this many CTAs take the 8-row batches (all resident on a 132-SM
 // H200 at 7 CTAs per SM, d = 128, or 5, d = 64: B = 1 and B = 16 at LLaMA-8B heads; B = 32
 // keeps 4-row batches).
@@ -983,14 +967,6 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
-// The attend kernels take 96 KB of dynamic shared memory (the tile pipeline): past the 48 KB
-// a kernel gets without opting in.
-template <typename Kernel>
-bool AllowTileSmem(Kernel kernel, size_t bytes) {
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  return true;
-}
-
 // Fill: one CTA per static split. Decode: `ctas` = the most chunks a plan can have, so every
 // chunk gets its own CTA and the hardware hands chunks to SMs as they free up (the kernel's
 // loop then runs at most once per CTA; the unused CTAs exit at once).
@@ -999,18 +975,20 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
   constexpr size_t kSmem = decode::AttnTile<HEAD_DIM>::kBytes;
   if (a.fill) {
-    AllowTileSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);  // per device: every launch
+    decode::AllowDynamicSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
     MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, kSmem, stream>>>(a);
     ASMEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  AllowTileSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem);  // per device: every launch
-  LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP>, unsigned(ctas), kSmem, a.pdl, a, stream);
+  decode::AllowDynamicSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
+  decode::LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP>, unsigned(ctas), kThreads, kSmem, a.pdl, a,
+                         stream);
 }
 
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
-  LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM>, unsigned(int64_t(a.batch) * a.hq), 0, a.pdl, a, stream);
+  decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM>, unsigned(int64_t(a.batch) * a.hq), kThreads, 0,
+                         a.pdl, a, stream);
 }
 
 template <typename DType, int HEAD_DIM>
