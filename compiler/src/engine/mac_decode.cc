@@ -212,6 +212,14 @@ std::pair<at::Tensor, at::Tensor> MacDecode::op_kv(int64_t layer, const at::Tens
   return {ly.mirror_k, ly.mirror_v};
 }
 
+void* MacDecode::device_workspace(size_t bytes) {
+  const int64_t need = int64_t(bytes) + 256;
+  if (!workspace_.defined() || workspace_.numel() < need) {
+    workspace_ = at::empty({need}, at::TensorOptions().dtype(at::kByte).device(model_.device()));
+  }
+  return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace_.data_ptr()) + 255) / 256 * 256);
+}
+
 void MacDecode::upload_slots() {
   if (!cuda_ || !slots_dirty_) return;
   static_assert(sizeof(MacSlot) == 2 * sizeof(int32_t), "MacSlot is two int32");
@@ -252,8 +260,7 @@ void MacDecode::fill(int64_t layer, Layer& ly, const at::Tensor& kc, const at::T
     upload_slots();
     p.slots = reinterpret_cast<const MacSlot*>(slots_dev_.data_ptr<int32_t>());
     const size_t bytes = MacFillWorkspaceBytes(cfg_, int32_t(N));
-    Aligned ws = aligned_bytes(bytes, kc.device());
-    MacFill(cfg_, p, ws.ptr, bytes, at::cuda::getCurrentCUDAStream().stream());
+    MacFill(cfg_, p, device_workspace(bytes), bytes, at::cuda::getCurrentCUDAStream().stream());
 #endif
   } else {
     p.slots = slots_.data();
@@ -337,8 +344,7 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
     upload_slots();
     p.slots = reinterpret_cast<const MacSlot*>(slots_dev_.data_ptr<int32_t>());
     const size_t bytes = MacWorkspaceBytes(cfg_);
-    Aligned ws = aligned_bytes(bytes, dev);
-    MacAttention(cfg_, p, ws.ptr, bytes, at::cuda::getCurrentCUDAStream().stream());
+    MacAttention(cfg_, p, device_workspace(bytes), bytes, at::cuda::getCurrentCUDAStream().stream());
 #endif
   } else {
     p.slots = slots_.data();

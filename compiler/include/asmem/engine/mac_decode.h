@@ -119,6 +119,9 @@ class MacDecode : public AttentionHook {
   std::pair<at::Tensor, at::Tensor> op_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v,
                                           int64_t length, int64_t* capacity);
   void upload_slots();
+  // A 256-byte aligned device workspace of at least `bytes`, reused by every call (grown
+  // when a call needs more); steps run in order on the current stream.
+  void* device_workspace(size_t bytes);
 
   const LlamaModel& model_;
   MacDecodeOptions opt_;
@@ -129,6 +132,7 @@ class MacDecode : public AttentionHook {
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<MacSlot> slots_;  // host copy (the CPU op reads it)
   at::Tensor slots_dev_;        // CUDA: [B, 2] int32 device copy
+  at::Tensor workspace_;        // CUDA: the op's workspace, kept across calls (one stream)
   bool slots_dirty_ = true;
   int64_t seen_ = 0;            // own tokens seen since reset() (counted at layer 0)
   int64_t chunk_start_ = 0;     // own index of the forward in progress's first token
