@@ -23,12 +23,14 @@ constexpr int32_t kMinSplitTokens = 128;
 // 103 / 109 / 120 us at two / four / eight waves. DecodeConfig::plan_ctas overrides it.
 constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
-// Lookup: CTA s of the S lookup CTAs per (rep, KV head) scores segments s, s + S, ... of
-// a view (decode_kernels.cuh). The default S puts one rep's CTAs at about one per SM
+// Lookup: CTA s of the S lookup CTAs per (rep, KV head) runs units kLookupUnits s .. + 3,
+// and unit u of U = kLookupUnits S scores segments u, u + U, ... of a view
+// (decode_kernels.cuh). The default S puts one rep's CTAs at about one per SM
 // (DecodeConfig::lookup_ctas overrides it); up to kLookupReps reps take different
 // dictionaries.
 constexpr int32_t kMaxLookupCtas = 1024;
 constexpr int32_t kLookupReps = 4;
+constexpr int32_t kLookupUnits = 4;  // lookup units (warps) per lookup CTA
 // Largest lookup key (G * d) the kernels hold in shared memory.
 constexpr int32_t kMaxKeyDim = 8 * 128;
 

@@ -128,6 +128,12 @@ __device__ __forceinline__ void WarpArgmax(Best& b) {
   }
 }
 
+__host__ __device__ constexpr int LargestDivisorUpTo2(int n) { return n % 2 == 0 ? 2 : 1; }
+
+__host__ __device__ constexpr int LargestDivisorUpTo4(int n) {
+  return n % 4 == 0 ? 4 : (n % 3 == 0 ? 3 : (n % 2 == 0 ? 2 : 1));
+}
+
 __host__ __device__ constexpr int LargestDivisorUpTo8(int n) {
   int b = 1;
   for (int i = 2; i <= 8; ++i) {
@@ -410,44 +416,36 @@ __device__ __forceinline__ void GridDependencyWait() {
 // Lookup kernel (dictionaries only), launched before the attention kernel, which starts
 // beside it (programmatic dependent launch: it reads nothing the lookup writes). CTA (rep r,
 // KV head h, s) of reps x Hkv x S serves every dictionary whose first request b0 has
-// b0 % reps == r, for all of that dictionary's requests ("members") at once, over the
-// dictionary's segments s, s + S, s + 2S, ...:
+// b0 % reps == r, for all of that dictionary's requests ("members") at once. Its warp w
+// takes unit u = kLookupUnits s + w of the U = kLookupUnits S units per KV head, and unit u
+// takes the view's segments u, u + U, u + 2U, ...:
 //   hierarchical view (C1 > 0): segment 0 = the C1 parent rows, segment 1 + p = the
 //     children of parent p (key rows [off[p], off[p+1]));
-//   linear view: one segment per CTA, key rows [K s/S, K (s+1)/S).
+//   linear view: one segment per unit, key rows [K u/U, K (u+1)/U).
 // Per (member b, KV head h) it writes to the workspace every parent's score (pscore;
 // segment 0) and the best (score, row) of every child segment (pbest[p]) or linear segment
-// (pbest[s]). No CTA waits for another: every row of the view is scored for every member
-// (on tensor cores: one 16-row stage serves up to 32 members), and the combine picks the
-// entry (HierarchicalChoice: the best child of the top_m parents, or of all parents when
-// those are childless).
+// (pbest[u]). No CTA waits for another and, on tensor cores, no warp waits for another
+// inside a scan: every row of the view is scored for every member, and the combine picks
+// the entry (HierarchicalChoice: the best child of the top_m parents, or of all parents
+// when those are childless).
 // ---------------------------------------------------------------------------------------
+
+static_assert(kLookupUnits == kWarps, "one lookup unit per warp");
 
 template <int KEY_DIM>
 struct SegSmem {
   using L = SegTile<KEY_DIM>;
-  char* q;          // [terms][MB][KEY_DIM] member keys (16-byte chunks swizzled by row);
-                    // CUDA-core path: [2][KEY_DIM] f32
-  char* stages;     // [kStages][kRows][kRowBytes] key rows (padded rows)
-  uint64_t* bars;   // [kStages] mbarriers: stage landed
-  int32_t* seg_lo;  // [kSegCache] bounds of the CTA's segments k = 0, 1, ...
-  int32_t* seg_hi;
+  char* q;          // [terms][MB][KEY_DIM] member keys (16-byte chunk c of member i at
+                    // c ^ 4 (i & 1)); CUDA-core path: [2][KEY_DIM] f32
   int32_t* mem;     // [kMaxMembers] member requests of the current block
   int32_t* ids;     // [kIdCache] dict ids of the first requests
   int32_t* misc;    // [8]
-  Best* red;        // [kWarps][kMaxMembers]
+  Best* red;        // [kWarps] CUDA-core path: per-warp bests
   __device__ explicit SegSmem(char* base) {
     q = base;
-    stages = q + L::kQueryBytes;
-    char* t = stages + L::kStages * L::kStageBytes;
-    bars = reinterpret_cast<uint64_t*>(t);
-    t += 8 * L::kStages;
+    char* t = q + L::kQueryBytes;
     red = reinterpret_cast<Best*>(t);
-    t += sizeof(Best) * kWarps * L::kMaxMembers;
-    seg_lo = reinterpret_cast<int32_t*>(t);
-    t += 4 * L::kSegCache;
-    seg_hi = reinterpret_cast<int32_t*>(t);
-    t += 4 * L::kSegCache;
+    t += sizeof(Best) * kWarps;
     mem = reinterpret_cast<int32_t*>(t);
     t += 4 * L::kMaxMembers;
     ids = reinterpret_cast<int32_t*>(t);
@@ -464,29 +462,29 @@ __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const Launc
   return ViewUsable(v) && v.C1 <= a.parent_width;
 }
 
-// The segments of CTA s of S over view v (see above). Bounds of segment k of the CTA:
+// The segments of unit u of U over view v (see above). Bounds of segment k of the unit:
 struct SegList {
   const DictLayerView* v;
-  int s, S, n;  // n: segments of this CTA
-  __device__ SegList(const DictLayerView& view, int s_, int S_) : v(&view), s(s_), S(S_) {
+  int u, U, n;  // n: segments of this unit
+  __device__ SegList(const DictLayerView& view, int u_, int U_) : v(&view), u(u_), U(U_) {
     if (view.C1 > 0) {
       const int total = int(view.C1) + 1;
-      n = s < total ? (total - 1 - s) / S + 1 : 0;
+      n = u < total ? (total - 1 - u) / U + 1 : 0;
     } else {
       n = 1;
     }
   }
-  __device__ bool Parents(int k) const { return v->C1 > 0 && s + S * k == 0; }
-  __device__ int Slot(int k) const { return v->C1 > 0 ? s + S * k - 1 : s; }
+  __device__ bool Parents(int k) const { return v->C1 > 0 && u + U * k == 0; }
+  __device__ int Slot(int k) const { return v->C1 > 0 ? u + U * k - 1 : u; }
   __device__ void Bounds(int k, int64_t& lo, int64_t& hi) const {
     if (v->C1 == 0) {
-      lo = v->K * s / S;
-      hi = v->K * (s + 1) / S;
-    } else if (s + S * k == 0) {
+      lo = v->K * u / U;
+      hi = v->K * (u + 1) / U;
+    } else if (u + U * k == 0) {
       lo = 0;
       hi = v->C1;
     } else {
-      const int p = s + S * k - 1;
+      const int p = u + U * k - 1;
       lo = __ldg(v->child_offsets + p);
       hi = __ldg(v->child_offsets + p + 1);
     }
@@ -499,39 +497,31 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Members sm.mem[0, n) of view v on tensor cores (keys of type KT, bf16 or f16). Stages of
-// 16 whole key rows land by bulk copies (one per row, into padded rows); warp w scores them
-// against members 8w..8w+7 (mma m16n8k16: A = the 16 rows x 16 dims, B = 8 members x 16
-// dims per term), so a warp owns its members' bests outright. The member keys: one exact
-// term when they are q_pre itself (KT == DType, no whitening), else three KT terms of the
-// fp32 key (hi + mid + lo).
+// The member keys of sm.mem[0, n) into sm.q for the tensor-core scan (whole CTA; ends with
+// a barrier): one exact term when they are q_pre itself (KT == DType, no whitening), else
+// three KT terms of the fp32 key (hi + mid + lo). Members n .. 8 ceil(n / 8) are zero.
 template <typename DType, typename KT, int KEY_DIM>
-__device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
-                          const SegList& segs, int n, int MB, int terms, int h,
-                          uint32_t& stage_base) {
-  using L = SegTile<KEY_DIM>;
+__device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
+                                const DictLayerView& v, int n, int MB, int terms, int h) {
   constexpr int kQRC = KEY_DIM / 8;
   const DecodeParams& p = a.p;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int nnt = (n + 7) / 8;  // n-tiles in use: warps [0, nnt) score
+  const int tid = threadIdx.x;
+  const int rows = (n + 7) / 8 * 8;
   const int term_bytes = MB * KEY_DIM * 2;
-  const KT* keys = static_cast<const KT*>(v.keys);
-  const KT* pkeys = static_cast<const KT*>(v.parent_keys);
-
-  // Member keys.
   if (terms == 1) {  // q_pre itself: async copies
-    for (int c = tid; c < nnt * 8 * kQRC; c += kThreads) {
+    for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
       const DType* src = static_cast<const DType*>(p.q_pre);
       if (i < n) {
         src += int64_t(sm.mem[i]) * p.q_pre_stride_b + int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
       }
-      CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
+      CpAsync16(sm.q + (i * kQRC + (ch ^ ((i & 1) << 2))) * 16, src, i < n);
     }
+    CpAsyncCommit();
+    CpAsyncWait<0>();
   } else {  // fp32 keys (whitened, or q_pre of the other type) split into KT terms
-    for (int c = tid; c < nnt * 8 * kQRC; c += kThreads) {
+    for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       float x[8];
       if (i < n && v.whitening != nullptr) {
@@ -549,7 +539,7 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
 #pragma unroll
         for (int j = 0; j < 8; ++j) x[j] = 0.f;
       }
-      char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
+      char* dst = sm.q + (i * kQRC + (ch ^ ((i & 1) << 2))) * 16;
       for (int tt = 0; tt < terms; ++tt) {
         uint32_t w[4];
 #pragma unroll
@@ -564,170 +554,161 @@ __device__ void SegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
       }
     }
   }
-  CpAsyncCommit();
-
-  // Segment bounds (cached for the first kSegCache segments); empty child segments get
-  // their (empty) result now, since no stage visits them.
-  for (int k = tid; k < min(segs.n, L::kSegCache); k += kThreads) {
-    int64_t lo, hi;
-    segs.Bounds(k, lo, hi);
-    sm.seg_lo[k] = int32_t(lo);
-    sm.seg_hi[k] = int32_t(hi);
-  }
   __syncthreads();
-  auto bounds = [&](int k, int64_t& lo, int64_t& hi) {
-    if (k < L::kSegCache) {
-      lo = sm.seg_lo[k];
-      hi = sm.seg_hi[k];
-    } else {
-      segs.Bounds(k, lo, hi);
-    }
-  };
-  for (int e = tid; e < segs.n * n; e += kThreads) {
-    const int k = e / n, i = e % n;
-    int64_t lo, hi;
-    bounds(k, lo, hi);
-    if (hi <= lo && !segs.Parents(k)) {
-      a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(k)] = {-INFINITY, -1};
-    }
-  }
+}
 
-  // Cursors over (segment, 16-row stage): one issues, one consumes.
-  struct Cursor {
-    int k;
-    int64_t row, hi;
-  };
-  auto first = [&](Cursor& c, int k) {
-    for (; k < segs.n; ++k) {
-      int64_t lo, hi;
-      bounds(k, lo, hi);
-      if (hi > lo) {
-        c = Cursor{k, lo, hi};
-        return;
-      }
-    }
-    c.k = segs.n;
-  };
-  auto advance = [&](Cursor& c) {
-    c.row += L::kRows;
-    if (c.row >= c.hi) first(c, c.k + 1);
-  };
-  Cursor ic, cc;
-  first(ic, 0);
-  cc = ic;
-  // Stage i of the scan goes to slot (base + i) % kStages; its mbarrier completes phase
-  // ((base + i) / kStages) & 1 when its rows have landed. Warp 0 issues one bulk copy per
-  // row; lane 0 arms the barrier with the stage's byte count first.
-  auto issue = [&](uint32_t idx) {
-    const int slot = int(idx % L::kStages);
-    if (warp == 0) {
-      const KT* base = segs.Parents(ic.k) ? pkeys : keys;
-      const int rows = int(min(int64_t(L::kRows), ic.hi - ic.row));
-      char* dst = sm.stages + slot * L::kStageBytes;
-      FenceProxyAsync();  // the slot's earlier reads (before the caller's barrier) come first
-      if (lane == 0) MbarArriveExpectTx(sm.bars + slot, uint32_t(rows) * (KEY_DIM * 2));
-      __syncwarp();
-      if (lane < rows) {
-        BulkCopyToShared(dst + lane * L::kRowBytes, base + (ic.row + lane) * KEY_DIM, KEY_DIM * 2,
-                         sm.bars + slot);
-      }
-    }
-    advance(ic);
-  };
-  uint32_t issued = stage_base, consumed = stage_base;
-  while (issued - consumed < uint32_t(L::kStages - 1) && ic.k < segs.n) issue(issued++);
+// One warp scores the segments of its unit `segs` for members sm.mem[0, n) on tensor cores
+// (keys of type KT, bf16 or f16), without waiting for any other warp. Per 16 key rows, mma
+// m16n8k16 with A = the 16 rows and B = 8 members per n-tile. A is loaded straight from
+// global memory into registers: lane (g, t4) loads 16 bytes of rows g and g + 8 per 32 key
+// dims (dims 8 t4 .. 8 t4 + 7), which serve as its A elements of two k-steps; its B
+// elements (member keys, shared) are the same dims of the same k-steps, so the k order
+// inside an mma differs from the dims' order but every product pairs a key dim with the
+// same member dim. Loads run one register chunk (up to 256 dims) ahead of the mma work,
+// across row tiles and segments.
+template <typename KT, int KEY_DIM, int TERMS>
+__device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
+                              const SegList& segs, int n, int MB, int h) {
+  constexpr int kQRC = KEY_DIM / 8;
+  constexpr int kPairs = KEY_DIM / 32;                    // 32-dim blocks (k-step pairs)
+  constexpr int kChunkPairs = LargestDivisorUpTo4(kPairs);  // blocks per register chunk
+  constexpr int kChunks = kPairs / kChunkPairs;
+  constexpr int kNt = SegTile<KEY_DIM>::kMaxMembers / 8;
+  static_assert(KEY_DIM % 32 == 0, "key dims in 32-dim blocks");
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int nnt = (n + 7) / 8;
+  const int term_bytes = MB * KEY_DIM * 2;
+  const KT* keys = static_cast<const KT*>(v.keys);
+  const KT* pkeys = static_cast<const KT*>(v.parent_keys);
 
-  Best best[2] = {Best{-INFINITY, -1}, Best{-INFINITY, -1}};  // members 8 warp + 2 t4 + e
-  const bool scoring = warp < nnt;
-  const int mrow = 8 * warp + (lane & 7);  // this lane's member row for the B fragments
-  CpAsyncWait<0>();
-  __syncthreads();  // the member keys (cp.async) of every thread have landed
-  while (cc.k < segs.n) {
-    const int slot = int(consumed % L::kStages);
-    MbarWait(sm.bars + slot, (consumed / L::kStages) & 1u);
-    if (scoring) {
-      const char* arow = sm.stages + slot * L::kStageBytes + (lane & 15) * L::kRowBytes + (lane >> 4) * 16;
-      // Four independent accumulator chains (k-steps 4j .. 4j+3 round robin), summed at
-      // the end: the mma latency is not paid once per k-step.
-      float ch[4][4];
+  // Chunk `ch` of a 16-row tile whose rows g and g + 8 start at r0 and r1 (rows past the
+  // segment are clamped into it; their scores are dropped): dims 32 j + 8 t4 .. + 7 of the
+  // chunk's blocks j.
+  auto load = [&](const uint4* r0, const uint4* r1, int ch, uint4 (&r)[2 * kChunkPairs]) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) ch[c][0] = ch[c][1] = ch[c][2] = ch[c][3] = 0.f;
-#pragma unroll 2
-      for (int ks = 0; ks < KEY_DIM / 16; ks += 4) {
+    for (int j = 0; j < kChunkPairs; ++j) {
+      r[2 * j] = __ldg(r0 + (ch * kChunkPairs + j) * 4);
+      r[2 * j + 1] = __ldg(r1 + (ch * kChunkPairs + j) * 4);
+    }
+  };
+  constexpr int kRowVecs = KEY_DIM / 8;  // uint4 per key row
+
+  for (int k = 0; k < segs.n; ++k) {
+    int64_t lo64, hi64;
+    segs.Bounds(k, lo64, hi64);
+    const int lo = int(lo64), hi = int(hi64);
+    const bool parents = segs.Parents(k);
+    if (hi <= lo) {
+      if (!parents) {
+        for (int i = lane; i < n; i += 32) {
+          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(k)] = {-INFINITY, -1};
+        }
+      }
+      continue;
+    }
+    const uint4* base = reinterpret_cast<const uint4*>(parents ? pkeys : keys) + t4;
+    auto rows = [&](int row, const uint4*& r0, const uint4*& r1) {
+      r0 = base + int64_t(min(row + g, hi - 1)) * kRowVecs;
+      r1 = base + int64_t(min(row + g + 8, hi - 1)) * kRowVecs;
+    };
+    Best best[kNt][2];
 #pragma unroll
-        for (int hlf = 0; hlf < 2; ++hlf) {
-          const int k0 = ks + 2 * hlf;
-          uint32_t a0[4], a1[4];
-          Ldsm4(a0, arow + k0 * 32);
-          Ldsm4(a1, arow + k0 * 32 + 32);
-          const int qch = 2 * k0 + (lane >> 3);  // chunks 2k0 .. 2k0+3: B of k-steps k0, k0+1
-          const char* qa = sm.q + (mrow * kQRC + (qch ^ (mrow & 7))) * 16;
+    for (int nt = 0; nt < kNt; ++nt) best[nt][0] = best[nt][1] = Best{-INFINITY, -1};
+    const uint4 *r0, *r1;
+    rows(lo, r0, r1);
+    uint4 ra[2 * kChunkPairs], rb[2 * kChunkPairs];
+    load(r0, r1, 0, ra);
+    for (int row = lo; row < hi; row += 16) {
+      // Two accumulator chains per n-tile (even and odd k-steps), summed at the end.
+      float acc[kNt][2][4];
 #pragma unroll
-          for (int tt = 0; tt < 3; ++tt) {
-            if (tt < terms) {
-              uint32_t bq[4];
-              Ldsm4(bq, qa + tt * term_bytes);
-              Mma16816<KT>(ch[2 * hlf], a0, bq[0], bq[1]);
-              Mma16816<KT>(ch[2 * hlf + 1], a1, bq[2], bq[3]);
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = 0.f;
+      }
+      const uint4 *n0 = r0, *n1 = r1;
+      if (row + 16 < hi) rows(row + 16, n0, n1);
+#pragma unroll 1
+      for (int ch = 0; ch < kChunks; ++ch) {
+        if (ch + 1 < kChunks) {
+          load(r0, r1, ch + 1, rb);
+        } else if (row + 16 < hi) {
+          load(n0, n1, 0, rb);  // the next tile's first chunk
+        }
+#pragma unroll
+        for (int j = 0; j < kChunkPairs; ++j) {
+          const int qch = 4 * (ch * kChunkPairs + j) + t4;  // this lane's 16-byte chunk of a key
+          const uint32_t a0[4] = {ra[2 * j].x, ra[2 * j + 1].x, ra[2 * j].y, ra[2 * j + 1].y};
+          const uint32_t a1[4] = {ra[2 * j].z, ra[2 * j + 1].z, ra[2 * j].w, ra[2 * j + 1].w};
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            if (nt < nnt) {
+              const int i = 8 * nt + g;
+              const char* qa = sm.q + (i * kQRC + (qch ^ ((i & 1) << 2))) * 16;
+#pragma unroll
+              for (int tt = 0; tt < TERMS; ++tt) {
+                const uint4 bq = *reinterpret_cast<const uint4*>(qa + tt * term_bytes);
+                Mma16816<KT>(acc[nt][0], a0, bq.x, bq.y);
+                Mma16816<KT>(acc[nt][1], a1, bq.z, bq.w);
+              }
             }
           }
         }
-      }
-      float acc[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] = (ch[0][i] + ch[1][i]) + (ch[2][i] + ch[3][i]);
-      // The stage's scores: rows g and g + 8, members 8 warp + 2 t4 + e.
-      const bool parents = segs.Parents(cc.k);
-      const int64_t r_lo = cc.row + g, r_hi = r_lo + 8;
-      const bool ok_lo = r_lo < cc.hi, ok_hi = r_hi < cc.hi;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 8 * warp + 2 * t4 + e;
-        if (i < n) {
-          if (parents) {
-            float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
-            if (ok_lo) ps[r_lo] = acc[e];
-            if (ok_hi) ps[r_hi] = acc[2 + e];
-          } else {
-            if (ok_lo && Beats(acc[e], int32_t(r_lo), best[e].score, best[e].index)) {
-              best[e] = {acc[e], int32_t(r_lo)};
-            }
-            if (ok_hi && Beats(acc[2 + e], int32_t(r_hi), best[e].score, best[e].index)) {
-              best[e] = {acc[2 + e], int32_t(r_hi)};
-            }
-          }
-        }
+        for (int j = 0; j < 2 * kChunkPairs; ++j) ra[j] = rb[j];
       }
-      if (!parents && cc.row + L::kRows >= cc.hi) {  // end of a child / linear segment
+      r0 = n0;
+      r1 = n1;
+      // The tile's scores: rows g and g + 8, members 8 nt + 2 t4 + e.
+      const int r_lo = row + g, r_hi = r_lo + 8;
+      const bool ok_lo = r_lo < hi, ok_hi = r_hi < hi;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        if (nt >= nnt) continue;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) {  // lanes of equal t4 hold the same members
-            const float s2 = __shfl_xor_sync(0xffffffffu, best[e].score, o);
-            const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[e].index, o);
-            if (Beats(s2, i2, best[e].score, best[e].index)) best[e] = {s2, i2};
+          const int i = 8 * nt + 2 * t4 + e;
+          const float s_lo = acc[nt][0][e] + acc[nt][1][e];
+          const float s_hi = acc[nt][0][2 + e] + acc[nt][1][2 + e];
+          if (i >= n) continue;
+          if (parents) {
+            float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
+            if (ok_lo) ps[r_lo] = s_lo;
+            if (ok_hi) ps[r_hi] = s_hi;
+          } else {
+            if (ok_lo && Beats(s_lo, r_lo, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s_lo, r_lo};
+            if (ok_hi && Beats(s_hi, r_hi, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s_hi, r_hi};
           }
-          const int i = 8 * warp + 2 * t4 + e;
-          if (g == 0 && i < n) {
-            a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(cc.k)] = {
-                best[e].score, best[e].index};
-          }
-          best[e] = Best{-INFINITY, -1};
         }
       }
     }
-    advance(cc);
-    ++consumed;
-    __syncthreads();  // every warp is done with the slot before it is refilled
-    if (ic.k < segs.n) issue(issued++);
+    if (parents) continue;
+    // End of a child / linear segment: lanes of equal t4 hold the same members.
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      if (nt >= nnt) continue;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          const float s2 = __shfl_xor_sync(0xffffffffu, best[nt][e].score, o);
+          const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[nt][e].index, o);
+          if (Beats(s2, i2, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s2, i2};
+        }
+        const int i = 8 * nt + 2 * t4 + e;
+        if (g == 0 && i < n) {
+          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + segs.Slot(k)] = {
+              best[nt][e].score, best[nt][e].index};
+        }
+      }
+    }
   }
-  stage_base = consumed;
-  __syncthreads();  // the stages and sm.q are reused next
 }
 
 // Members sm.mem[0, n) of view v on CUDA cores (f32 keys, whitening without the whitening
-// launch, or member keys too wide for the tensor-core path): one member at a time, fp32
-// dot products (ScanRowsAny).
+// launch, or member keys too wide for the tensor-core path): the whole CTA, one member and
+// one segment of `segs` at a time, fp32 dot products (ScanRowsAny).
 template <typename DType, int KEY_DIM>
 __device__ void SegScanCc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
                           const SegList& segs, int n, int h) {
@@ -773,16 +754,14 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const DecodeParams& p = a.p;
   const int S = a.lookup_splits, R = a.lookup_reps;
+  const int U = S * kLookupUnits;
   const int cta = int(blockIdx.x);
   const int s = cta % S;
   const int h = (cta / S) % a.hkv;
   const int r = cta / S / a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int i = tid; i < min(a.batch, L::kIdCache); i += kThreads) sm.ids[i] = p.dict_ids[i];
-  if (tid < L::kStages) MbarInit(sm.bars + tid, 1);
-  FenceProxyAsync();
   __syncthreads();
-  uint32_t stage_base = 0;  // stages scanned so far (mbarrier phases)
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
@@ -791,8 +770,7 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
     if (__syncthreads_or(dup)) continue;
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     if (!LookupViewOk(v, a)) continue;  // the combine flags it
-    const SegList segs(v, s, S);
-    if (segs.n == 0) continue;  // a small view: no segment falls to this CTA
+    if (SegList(v, kLookupUnits * s, U).n == 0) continue;  // a small view: nothing for this CTA
     // Tensor cores for bf16 / f16 keys when the member keys fit (whitened keys only from
     // the whitening launch); CUDA cores otherwise.
     const bool kt16 = v.keys_dtype == KernelDType::kBF16 || v.keys_dtype == KernelDType::kF16;
@@ -832,11 +810,26 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
       cursor = sm.misc[1];
       if (n == 0) break;
       if (!tc) {
-        SegScanCc<DType, KEY_DIM>(a, sm, v, segs, n, h);
-      } else if (v.keys_dtype == KernelDType::kBF16) {
-        SegScanTc<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, segs, n, MB, terms, h, stage_base);
+        for (int w = 0; w < kLookupUnits; ++w) {
+          SegScanCc<DType, KEY_DIM>(a, sm, v, SegList(v, kLookupUnits * s + w, U), n, h);
+        }
       } else {
-        SegScanTc<DType, __half, KEY_DIM>(a, sm, v, segs, n, MB, terms, h, stage_base);
+        const SegList mine(v, kLookupUnits * s + warp, U);
+        if (v.keys_dtype == KernelDType::kBF16) {
+          StageMemberKeys<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, n, MB, terms, h);
+          if (terms == 1) {
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, v, mine, n, MB, h);
+          } else {
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, v, mine, n, MB, h);
+          }
+        } else {
+          StageMemberKeys<DType, __half, KEY_DIM>(a, sm, v, n, MB, terms, h);
+          if (terms == 1) {
+            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, v, mine, n, MB, h);
+          } else {
+            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, v, mine, n, MB, h);
+          }
+        }
       }
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
@@ -1204,7 +1197,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       if (LookupViewOk(v, a) && v.C1 > 0) {
         best = HierarchicalChoice(a, v, bh);
       } else if (LookupViewOk(v, a)) {
-        for (int q = lane; q < a.lookup_splits; q += 32) {
+        for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
           const LookupPartial x = pb[q];
           if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
         }

@@ -26,7 +26,7 @@ struct LaunchArgs {
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
   int32_t parent_width = 0;   // pscore row length: the most parents a view may have
-  int32_t lookup_width = 0;   // pbest row length: max(parent_width, lookup_splits)
+  int32_t lookup_width = 0;   // pbest row length: max(parent_width, kLookupUnits S)
   int32_t page_shift = 0;     // log2(page_size)
   float scale_log2 = 0.f;     // sm_scale * log2(e): scores are kept in base 2 inside a CTA
   float* part_o = nullptr;    // workspace: [B, Hq, kv_splits, d]
@@ -49,26 +49,15 @@ struct AttnTile {
   static constexpr size_t kBytes = size_t(kStages) * 2 * kBlockN * HEAD_DIM * 2;  // 16-bit K, V
 };
 
-// Lookup CTA shared memory: the member keys (kQueryBytes), kStages stages of kRows key
-// rows x kCols columns, and small tables. About 100 KB: one lookup CTA and one attention
-// CTA fit an SM together.
+// Lookup CTA shared memory: the member keys (kQueryBytes) and small tables (key rows go
+// straight from global memory to registers).
 template <int KEY_DIM>
 struct SegTile {
-  static constexpr int kRows = 16;                  // key rows per stage (whole rows)
-  static constexpr int kRowBytes = KEY_DIM * 2 + 16;  // padded: ldmatrix rows hit distinct banks
-  static constexpr int kStageBytes = kRows * kRowBytes;
-  static constexpr int Stages() {
-    const int s = 69632 / kStageBytes;
-    return s < 2 ? 2 : (s > 8 ? 8 : s);
-  }
-  static constexpr int kStages = Stages();  // about 64-68 KB of stages
   static constexpr int kQueryBytes = 32 * 1024;
-  static constexpr int kMaxMembers = 32;  // requests scored together (8 per warp)
-  static constexpr int kSegCache = 128;   // segment bounds cached in shared memory
+  static constexpr int kMaxMembers = 32;  // requests scored together (8 per mma n-tile)
   static constexpr int kIdCache = 512;    // dict ids cached in shared memory
-  static constexpr size_t kBytes = size_t(kQueryBytes) + size_t(kStages) * kStageBytes +
-                                   8 * kStages + 8 * kWarps * kMaxMembers +
-                                   4 * (2 * kSegCache + kMaxMembers + kIdCache + 8);
+  static constexpr size_t kBytes =
+      size_t(kQueryBytes) + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8);
 };
 
 // Lookup kernel (reps x Hkv x S CTAs): scores every row of each request's view, writes

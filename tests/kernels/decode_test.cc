@@ -533,9 +533,9 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   EXPECT_EQ(PlanDecode(c).lookup_splits, 40);
   c.max_lookup_rows = 30;  // a hint only: every valid view fits any plan (replacements)
   EXPECT_EQ(PlanDecode(c).parent_width, kDecodeMaxParents);
-  c.lookup_ctas = 3000;  // more lookup CTAs than parents: one result slot each
+  c.lookup_ctas = 3000;  // more lookup units (4 per CTA) than parents: one result slot each
   EXPECT_EQ(PlanDecode(c).lookup_splits, 1024);
-  EXPECT_EQ(PlanDecode(c).lookup_width, 2048);
+  EXPECT_EQ(PlanDecode(c).lookup_width, 4096);
 }
 
 TEST(DecodeCpu, BadArgumentsThrow) {
