@@ -1112,29 +1112,33 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 // the top_m by score (desc, index asc) among the C1 parent scores (pscore): the m-th
 // largest score by bitwise radix selection, then the ties at it in index order. The entry
 // is the best child of the probed parents (pbest), or of all parents when every probed
-// parent is childless.
-__device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh) {
+// parent is childless. `keys`: the warp's shared scratch of kDecodeMaxParents words (the
+// scores' ordered keys, read once from global memory).
+__device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh,
+                                                   uint32_t* keys) {
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
   const int m = min(v.top_m, C1);
   const float* ps = a.pscore + bh * a.parent_width;
   const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+  for (int q = lane; q < C1; q += 32) keys[q] = OrderedKey(__ldcg(ps + q));
+  __syncwarp();
   uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
   if (m < C1) {
     for (int bit = 31; bit >= 0; --bit) {
       const uint32_t cand = thr | (1u << bit);
       unsigned cnt = 0;
-      for (int q = lane; q < C1; q += 32) cnt += OrderedKey(__ldcg(ps + q)) >= cand ? 1u : 0u;
+      for (int q = lane; q < C1; q += 32) cnt += keys[q] >= cand ? 1u : 0u;
       if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
     }
   }
   unsigned gt = 0;
-  for (int q = lane; q < C1; q += 32) gt += OrderedKey(__ldcg(ps + q)) > thr ? 1u : 0u;
+  for (int q = lane; q < C1; q += 32) gt += keys[q] > thr ? 1u : 0u;
   int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
   Best best{-INFINITY, -1}, any{-INFINITY, -1};
   for (int base = 0; base < C1; base += 32) {
     const int q = base + lane;
-    const uint32_t k = q < C1 ? OrderedKey(__ldcg(ps + q)) : 0u;
+    const uint32_t k = q < C1 ? keys[q] : 0u;
     const bool eq = q < C1 && k == thr;
     const unsigned eqm = __ballot_sync(0xffffffffu, eq);
     const int before = __popc(eqm & ((1u << lane) - 1u));
@@ -1148,6 +1152,7 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   }
   WarpArgmax(best);
   WarpArgmax(any);
+  __syncwarp();  // keys is rewritten by the warp's next call
   return best.index >= 0 ? best : any;
 }
 
@@ -1166,6 +1171,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   constexpr int kLaneSplits = kMaxKvSplits / 32;
   static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
+  __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   if (row >= int64_t(a.batch) * a.hq) return;
@@ -1195,7 +1201,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       const LookupPartial* pb = a.pbest + bh * a.lookup_width;
       Best best{-INFINITY, -1};
       if (LookupViewOk(v, a) && v.C1 > 0) {
-        best = HierarchicalChoice(a, v, bh);
+        best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
       } else if (LookupViewOk(v, a)) {
         for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
           const LookupPartial x = pb[q];
