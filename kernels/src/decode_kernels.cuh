@@ -1108,6 +1108,12 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 
 // ---------------------------------------------------------------------------------------
 
+// A segment result another grid wrote (coherent load).
+__device__ __forceinline__ LookupPartial LoadPartial(const LookupPartial* p) {
+  const int2 x = __ldcg(reinterpret_cast<const int2*>(p));
+  return LookupPartial{__int_as_float(x.x), x.y};
+}
+
 // The entry of a hierarchical view for (b, h) = bh, by one warp: the probed parents are
 // the top_m by score (desc, index asc) among the C1 parent scores (pscore): the m-th
 // largest score by bitwise radix selection, then the ties at it in index order. The entry
@@ -1121,6 +1127,9 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   const int m = min(v.top_m, C1);
   const float* ps = a.pscore + bh * a.parent_width;
   const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+  // The best child of parents lane and lane + 32 is loaded with the scores (one round trip).
+  const LookupPartial pre0 = lane < C1 ? LoadPartial(pb + lane) : LookupPartial{-INFINITY, -1};
+  const LookupPartial pre1 = lane + 32 < C1 ? LoadPartial(pb + lane + 32) : LookupPartial{-INFINITY, -1};
   for (int q = lane; q < C1; q += 32) keys[q] = OrderedKey(__ldcg(ps + q));
   __syncwarp();
   uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
@@ -1145,7 +1154,7 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
     const bool probed = q < C1 && (m >= C1 || k > thr || (eq && before < need));
     need -= __popc(eqm);
     if (q < C1) {
-      const LookupPartial x = pb[q];
+      const LookupPartial x = base == 0 ? pre0 : (base == 32 ? pre1 : LoadPartial(pb + q));
       if (probed && Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
       if (Beats(x.score, x.index, any.score, any.index)) any = {x.score, x.index};
     }
@@ -1193,6 +1202,37 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   DictLayerView v{};
   if (id >= 0 && id < p.num_dicts) v = p.dict_views[int64_t(id) * a.hkv + h];
   GridDependencyWait();
+  // The splits' lse and the first kBatch splits' o are loaded before the dictionary path,
+  // so their round trip overlaps its dependent loads.
+  const int n = NumActiveSplits(T, a.kv_splits);
+  const int64_t row0 = row * a.kv_splits;
+  auto load_batch = [&](int s0, float (&o2)[kBatch][kPer]) {
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = s0 + j;
+      if (s < n) {
+        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
+        if constexpr (kPer == 4) {
+          const float4 x = *reinterpret_cast<const float4*>(src);
+          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+        } else {
+          const float2 x = *reinterpret_cast<const float2*>(src);
+          o2[j][0] = x.x; o2[j][1] = x.y;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
+      }
+    }
+  };
+  float ls[kLaneSplits];
+#pragma unroll
+  for (int k = 0; k < kLaneSplits; ++k) {
+    const int s = lane + 32 * k;
+    ls[k] = s < n ? a.part_lse[row0 + s] : -INFINITY;
+  }
+  float first[kBatch][kPer];  // splits 0 .. kBatch-1
+  load_batch(0, first);
   if (a.lookup) {
     if (id < -1 || id >= p.num_dicts) {
       bad = true;
@@ -1204,7 +1244,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
       } else if (LookupViewOk(v, a)) {
         for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
-          const LookupPartial x = pb[q];
+          const LookupPartial x = LoadPartial(pb + q);
           if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
         }
         WarpArgmax(best);
@@ -1220,16 +1260,9 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       }
     }
   }
-  const int n = NumActiveSplits(T, a.kv_splits);
-  const int64_t row0 = row * a.kv_splits;
-  float ls[kLaneSplits];
   LseSum sum = lse_sum_empty();
 #pragma unroll
-  for (int k = 0; k < kLaneSplits; ++k) {
-    const int s = lane + 32 * k;
-    ls[k] = s < n ? a.part_lse[row0 + s] : -INFINITY;
-    sum = lse_sum_add(sum, ls[k]);
-  }
+  for (int k = 0; k < kLaneSplits; ++k) sum = lse_sum_add(sum, ls[k]);
   if (lane == 0) sum = lse_sum_add(sum, plse);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -1249,22 +1282,14 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     const float wk = lse_sum_weight(sum, ls[k]);
     for (int j0 = 0; j0 < 32 && 32 * k + j0 < n; j0 += kBatch) {
       float o2[kBatch][kPer];
+      if (k == 0 && j0 == 0) {
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int s = 32 * k + j0 + j;
-        if (s < n) {
-          const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
-          if constexpr (kPer == 4) {
-            const float4 x = *reinterpret_cast<const float4*>(src);
-            o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
-          } else {
-            const float2 x = *reinterpret_cast<const float2*>(src);
-            o2[j][0] = x.x; o2[j][1] = x.y;
-          }
-        } else {
+        for (int j = 0; j < kBatch; ++j) {
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
+          for (int i = 0; i < kPer; ++i) o2[j][i] = first[j][i];
         }
+      } else {
+        load_batch(32 * k + j0, o2);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
