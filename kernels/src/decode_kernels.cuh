@@ -5,10 +5,10 @@
 //    has whitening, into the workspace.
 //  * lookup (dictionaries only): CTAs (rep, KV head, s) score every key row of the views
 //    for all requests that share a dictionary at once: bf16 / f16 keys on tensor cores
-//    (16 whole rows per stage, landed by bulk copies into padded rows, 4 warps x 8
-//    requests), f32 keys on CUDA cores. A view is cut into segments (its parents; each
-//    parent's children; or slices of a linear view); each segment's best and the parent
-//    scores go to the workspace. No CTA waits for another.
+//    (each warp scans its own segments, key rows straight into registers, up to 32
+//    requests per pass), f32 keys on CUDA cores. A view is cut into segments (its parents;
+//    each parent's children; or slices of a linear view); each segment's best and the
+//    parent scores go to the workspace. No CTA or warp waits for another.
 //  * attention, launched with programmatic dependent launch so its CTAs run beside the
 //    lookup CTAs: CTAs (request, KV head, KV split) stream K/V tiles through a 3-stage
 //    cp.async pipeline (page ids loaded one step ahead), Q K^T and P V on tensor cores for
@@ -17,6 +17,8 @@
 //    query head): the entry (the top_m parents by radix selection over the parent scores,
 //    the best child among them, or of all rows when they are childless; linear: the best
 //    slice), its (o, lse), and the n-way merge (state.cuh LseSum) with every KV split.
+//    With one KV split per (request, KV head) the attention CTAs run it themselves at
+//    their end (CombineRow) and there is no combine launch.
 //
 // Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
 #pragma once
@@ -365,44 +367,6 @@ __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
   return y;
 }
 
-// mbarriers and bulk (TMA) copies global -> shared, completion counted in bytes.
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  const uint32_t a = SmemAddr(bar);
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(a), "r"(parity)
-        : "memory");
-  }
-}
-// Orders this thread's earlier shared-memory accesses before later async-proxy (bulk copy)
-// writes, and mbarrier inits before their use by the async proxy.
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void BulkCopyToShared(void* smem, const void* gmem, uint32_t bytes,
-                                                 uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          SmemAddr(smem)),
-      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
-
 // Programmatic dependent launch: a kernel lets the next one in the stream start early; the
 // next one waits for its completion (and memory) where it needs it.
 __device__ __forceinline__ void GridLaunchDependents() {
@@ -431,6 +395,9 @@ __device__ __forceinline__ void GridDependencyWait() {
 // ---------------------------------------------------------------------------------------
 
 static_assert(kLookupUnits == kWarps, "one lookup unit per warp");
+static_assert(size_t(kWarps) * kDecodeMaxParents * 4 <= AttnTile<64>::kBytes &&
+                  size_t(kWarps) * kDecodeMaxParents * 4 <= AttnTile<128>::kBytes,
+              "the fused combine's selection scratch fits the attention tiles");
 
 template <int KEY_DIM>
 struct SegSmem {
@@ -1068,15 +1035,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; beside a lookup CTA while the
 // lookup runs).
-template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
-  extern __shared__ float4 decode_smem[];
-  GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
-  AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), reinterpret_cast<char*>(decode_smem));
-  // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
-  // so this kernel completes after the lookup and the combine sees its results.
-  if (blockIdx.x == 0) GridDependencyWait();
-}
 
 // ---------------------------------------------------------------------------------------
 // Whitening (one launch per step when config.whitening): 32 rows of W (x - mean) per CTA.
@@ -1173,18 +1131,17 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 // contiguous dims.
 // ---------------------------------------------------------------------------------------
 
+// The combine of one (request b, query head hq), by one warp; `keys`: the warp's shared
+// scratch of kDecodeMaxParents words for HierarchicalChoice.
 template <typename DType, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
+__device__ __forceinline__ void CombineRow(const LaunchArgs& a, int b, int hq, uint32_t* keys) {
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;
   constexpr int kLaneSplits = kMaxKvSplits / 32;
   static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
-  __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
-  if (row >= int64_t(a.batch) * a.hq) return;
-  const int b = int(row / a.hq), hq = int(row % a.hq);
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(b) * a.hq + hq;
   const int h = hq / a.group, g = hq % a.group;
   const DecodeParams& p = a.p;
   const int c0 = lane * kPer;
@@ -1241,7 +1198,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       const LookupPartial* pb = a.pbest + bh * a.lookup_width;
       Best best{-INFINITY, -1};
       if (LookupViewOk(v, a) && v.C1 > 0) {
-        best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
+        best = HierarchicalChoice(a, v, bh, keys);
       } else if (LookupViewOk(v, a)) {
         for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
           const LookupPartial x = LoadPartial(pb + q);
@@ -1315,6 +1272,38 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     if (p.lse) p.lse[int64_t(b) * a.hq + hq] = lse;
     if (p.lookup_index && g == 0) p.lookup_index[int64_t(b) * a.hkv + h] = idx;
   }
+}
+
+template <typename DType, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
+  __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
+  const int warp = threadIdx.x >> 5;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
+  if (row >= int64_t(a.batch) * a.hq) return;
+  CombineRow<DType, HEAD_DIM>(a, int(row / a.hq), int(row % a.hq), parent_keys[warp]);
+}
+
+template <typename DType, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
+  extern __shared__ float4 decode_smem[];
+  GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
+  char* smem = reinterpret_cast<char*>(decode_smem);
+  AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), smem);
+  if (a.fused_combine) {
+    // One split per (request, KV head): this CTA also does the combine of the group's
+    // query heads (warp w: heads w, w + 4), after the lookup (programmatic dependent
+    // launch: CombineRow waits for it) and its own split state.
+    __syncthreads();  // the split state is written; shared memory is free again
+    uint32_t* keys = reinterpret_cast<uint32_t*>(smem) + (threadIdx.x >> 5) * kDecodeMaxParents;
+    const int b = int(blockIdx.x) / a.hkv, h = int(blockIdx.x) % a.hkv;
+    for (int g = threadIdx.x >> 5; g < GROUP; g += kWarps) {
+      CombineRow<DType, HEAD_DIM>(a, b, h * GROUP + g, keys);
+    }
+    return;
+  }
+  // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
+  // so this kernel completes after the lookup and the combine sees its results.
+  if (blockIdx.x == 0) GridDependencyWait();
 }
 
 // ---------------------------------------------------------------------------------------
