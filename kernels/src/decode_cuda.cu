@@ -51,12 +51,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
     return e != nullptr && e[0] == '1';
   }();
-  // With one KV split per (request, KV head) the attention CTAs do the combine themselves
-  // (off with ASMEM_DECODE_NO_FUSED_COMBINE=1).
-  static const bool no_fused_combine = [] {
-    const char* e = std::getenv("ASMEM_DECODE_NO_FUSED_COMBINE");
-    return e != nullptr && e[0] == '1';
-  }();
   static const int lookup_reps = [] {
     const char* e = std::getenv("ASMEM_DECODE_LOOKUP_REPS");
     const int r = e != nullptr ? std::atoi(e) : 0;
@@ -88,7 +82,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
-  a.fused_combine = plan.kv_splits == 1 && !no_fused_combine;
   kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
@@ -97,7 +90,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     if (a.lookup) LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::kBytes, a.lookup && !no_pdl,
                                              stream);
-    if (!a.fused_combine) LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
+    LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
   });
 }
 

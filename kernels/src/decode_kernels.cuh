@@ -17,8 +17,6 @@
 //    query head): the entry (the top_m parents by radix selection over the parent scores,
 //    the best child among them, or of all rows when they are childless; linear: the best
 //    slice), its (o, lse), and the n-way merge (state.cuh LseSum) with every KV split.
-//    With one KV split per (request, KV head) the attention CTAs run it themselves at
-//    their end (CombineRow) and there is no combine launch.
 //
 // Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
 #pragma once
@@ -395,9 +393,6 @@ __device__ __forceinline__ void GridDependencyWait() {
 // ---------------------------------------------------------------------------------------
 
 static_assert(kLookupUnits == kWarps, "one lookup unit per warp");
-static_assert(size_t(kWarps) * kDecodeMaxParents * 4 <= AttnTile<64>::kBytes &&
-                  size_t(kWarps) * kDecodeMaxParents * 4 <= AttnTile<128>::kBytes,
-              "the fused combine's selection scratch fits the attention tiles");
 
 template <int KEY_DIM>
 struct SegSmem {
@@ -1035,6 +1030,15 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; beside a lookup CTA while the
 // lookup runs).
+template <typename DType, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
+  extern __shared__ float4 decode_smem[];
+  GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
+  AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), reinterpret_cast<char*>(decode_smem));
+  // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
+  // so this kernel completes after the lookup and the combine sees its results.
+  if (blockIdx.x == 0) GridDependencyWait();
+}
 
 // ---------------------------------------------------------------------------------------
 // Whitening (one launch per step when config.whitening): 32 rows of W (x - mean) per CTA.
@@ -1131,17 +1135,18 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 // contiguous dims.
 // ---------------------------------------------------------------------------------------
 
-// The combine of one (request b, query head hq), by one warp; `keys`: the warp's shared
-// scratch of kDecodeMaxParents words for HierarchicalChoice.
 template <typename DType, int HEAD_DIM>
-__device__ __forceinline__ void CombineRow(const LaunchArgs& a, int b, int hq, uint32_t* keys) {
+__global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;
   constexpr int kLaneSplits = kMaxKvSplits / 32;
   static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(b) * a.hq + hq;
+  __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
+  if (row >= int64_t(a.batch) * a.hq) return;
+  const int b = int(row / a.hq), hq = int(row % a.hq);
   const int h = hq / a.group, g = hq % a.group;
   const DecodeParams& p = a.p;
   const int c0 = lane * kPer;
@@ -1198,7 +1203,7 @@ __device__ __forceinline__ void CombineRow(const LaunchArgs& a, int b, int hq, u
       const LookupPartial* pb = a.pbest + bh * a.lookup_width;
       Best best{-INFINITY, -1};
       if (LookupViewOk(v, a) && v.C1 > 0) {
-        best = HierarchicalChoice(a, v, bh, keys);
+        best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
       } else if (LookupViewOk(v, a)) {
         for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
           const LookupPartial x = LoadPartial(pb + q);
@@ -1272,38 +1277,6 @@ __device__ __forceinline__ void CombineRow(const LaunchArgs& a, int b, int hq, u
     if (p.lse) p.lse[int64_t(b) * a.hq + hq] = lse;
     if (p.lookup_index && g == 0) p.lookup_index[int64_t(b) * a.hkv + h] = idx;
   }
-}
-
-template <typename DType, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs a) {
-  __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
-  const int warp = threadIdx.x >> 5;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
-  if (row >= int64_t(a.batch) * a.hq) return;
-  CombineRow<DType, HEAD_DIM>(a, int(row / a.hq), int(row % a.hq), parent_keys[warp]);
-}
-
-template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
-  extern __shared__ float4 decode_smem[];
-  GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
-  char* smem = reinterpret_cast<char*>(decode_smem);
-  AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), smem);
-  if (a.fused_combine) {
-    // One split per (request, KV head): this CTA also does the combine of the group's
-    // query heads (warp w: heads w, w + 4), after the lookup (programmatic dependent
-    // launch: CombineRow waits for it) and its own split state.
-    __syncthreads();  // the split state is written; shared memory is free again
-    uint32_t* keys = reinterpret_cast<uint32_t*>(smem) + (threadIdx.x >> 5) * kDecodeMaxParents;
-    const int b = int(blockIdx.x) / a.hkv, h = int(blockIdx.x) % a.hkv;
-    for (int g = threadIdx.x >> 5; g < GROUP; g += kWarps) {
-      CombineRow<DType, HEAD_DIM>(a, b, h * GROUP + g, keys);
-    }
-    return;
-  }
-  // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
-  // so this kernel completes after the lookup and the combine sees its results.
-  if (blockIdx.x == 0) GridDependencyWait();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -38,8 +38,6 @@ struct LaunchArgs {
   bool lookup = false;        // dict_ids given: the lookup kernel runs
   int32_t n_lookup_ctas = 0;  // lookup_reps * Hkv * lookup_splits, or 0
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
-  bool fused_combine = false; // kv_splits == 1: the attention CTAs also do the combine
-                              // (no combine launch)
 };
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB), kStages stages (96 KB
