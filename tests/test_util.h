@@ -13,6 +13,8 @@
 #include <system_error>
 #include <vector>
 
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 
@@ -49,18 +51,23 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 inline std::string data_dir() { return ASMEM_TEST_DATA_DIR; }
 
 namespace detail {
+inline int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) {
+  ::remove(path);
+  return 0;  // go on with the rest
+}
+
 // Directories made by temp_dir(), removed when the test process exits (not by forked
 // children, which may exit first). ASMEM_KEEP_TEST_DIRS=1 keeps them for a look.
+// The removal uses nftw, not std::filesystem: in a binary linked with pip torch, libtorch
+// exports its own std::filesystem::remove_all, which faulted (a call through null) when
+// run from this static destructor at exit (H200, asmem_engine_gpu_tests).
 struct TempDirs {
   std::vector<std::string> paths;
   pid_t owner = getpid();
   ~TempDirs() {
     if (getpid() != owner) return;
     if (const char* keep = std::getenv("ASMEM_KEEP_TEST_DIRS"); keep && *keep && *keep != '0') return;
-    for (const std::string& p : paths) {
-      std::error_code ec;
-      std::filesystem::remove_all(p, ec);
-    }
+    for (const std::string& p : paths) nftw(p.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
   }
 };
 inline TempDirs& temp_dirs() {
