@@ -46,16 +46,15 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
 
   // The attention kernel starts beside the lookup kernel (programmatic dependent launch;
   // off with ASMEM_DECODE_NO_PDL=1), and lookup CTA sets per KV head take different
-  // dictionaries (ASMEM_DECODE_LOOKUP_REPS; default: kLookupReps, at most one per loaded
-  // dictionary): for comparison and tuning.
+  // dictionaries (ASMEM_DECODE_LOOKUP_REPS, default kLookupReps): for comparison and tuning.
   static const bool no_pdl = [] {
     const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
     return e != nullptr && e[0] == '1';
   }();
-  static const int lookup_reps_env = [] {  // 0: not set
+  static const int lookup_reps = [] {
     const char* e = std::getenv("ASMEM_DECODE_LOOKUP_REPS");
     const int r = e != nullptr ? std::atoi(e) : 0;
-    return r >= 1 ? r : 0;
+    return r >= 1 ? r : int(kLookupReps);
   }();
 
   LaunchArgs a;
@@ -79,12 +78,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.pbest = reinterpret_cast<LookupPartial*>(ws + L.pbest);
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
-    // No more reps than dictionaries: a rep serves the dictionaries whose first request
-    // falls to it, so reps past the number of dictionaries would only start idle CTAs
-    // (which the attention launch waits to see started).
-    a.lookup_reps = std::max(1, std::min(p.batch, lookup_reps_env > 0
-                                                      ? lookup_reps_env
-                                                      : std::min(int(kLookupReps), p.num_dicts)));
+    a.lookup_reps = std::min(p.batch, lookup_reps);
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
