@@ -128,8 +128,6 @@ __device__ __forceinline__ void WarpArgmax(Best& b) {
   }
 }
 
-__host__ __device__ constexpr int LargestDivisorUpTo2(int n) { return n % 2 == 0 ? 2 : 1; }
-
 __host__ __device__ constexpr int LargestDivisorUpTo4(int n) {
   return n % 4 == 0 ? 4 : (n % 3 == 0 ? 3 : (n % 2 == 0 ? 2 : 1));
 }
@@ -526,8 +524,8 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
 // dims (dims 8 t4 .. 8 t4 + 7), which serve as its A elements of two k-steps; its B
 // elements (member keys, shared) are the same dims of the same k-steps, so the k order
 // inside an mma differs from the dims' order but every product pairs a key dim with the
-// same member dim. Loads run one register chunk (up to 256 dims) ahead of the mma work,
-// across row tiles and segments.
+// same member dim. Loads run one register chunk (up to 128 dims) ahead of the mma work,
+// also into the next 16-row tile of the segment.
 template <typename KT, int KEY_DIM, int TERMS>
 __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
                               const SegList& segs, int n, int MB, int h) {

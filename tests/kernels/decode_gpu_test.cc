@@ -294,8 +294,8 @@ TEST(DecodeGpu, OtherGroupSizesAndLayouts) {
 }
 
 // More requests sharing one dictionary than one lookup member block holds (40 > 32 at
-// G*d = 512: the scan runs twice, the stage counter carries over), and, with 3 lookup CTAs
-// per KV head, more segments per CTA than its shared-memory segment cache (421 / 3 > 128).
+// G*d = 512: every unit scans twice), and, with 3 lookup CTAs per KV head (12 units), many
+// segments per unit (421 / 12 > 35).
 TEST(DecodeGpu, ManyMembersAndManySegmentsPerLookupCta) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(209);
