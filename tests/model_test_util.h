@@ -10,6 +10,12 @@ namespace asmem::test {
 // tools/fetch_model.sh installs it, and CI runs that first.
 inline std::string model_path() { return asmem::default_model_path(); }
 inline bool file_exists(const std::string& p) { return std::ifstream(p).good(); }
+
+// A short rulebook paragraph the engine tests feed the real model.
+inline constexpr const char* kLibraryText =
+    "The Lakeside Library lends books for twenty one days, allows eight loans per member, and charges a "
+    "quarter per late day. Members may renew a loan twice unless another member has reserved the book. "
+    "Reference works stay in the reading room. The library opens at nine and closes at six on weekdays.";
 #define ASMEM_REQUIRE_MODEL()                                                         \
   ASSERT_TRUE(::asmem::test::file_exists(::asmem::test::model_path()))               \
       << "model not found at " << ::asmem::test::model_path()                        \

@@ -14,6 +14,7 @@
 #include "asmem/error.h"
 #include "asmem/model/paths.h"
 #include "asmem/util/progress.h"
+#include "asmem/util/text_file.h"
 #include "commands.h"
 
 namespace asmem::cli {
@@ -29,14 +30,6 @@ struct EvalArgs {
   std::string dtype = "auto";
   int threads = 0;
 };
-
-std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 nlohmann::json stats_json(const FidelityStats& s) {
   return {{"tokens", s.tokens}, {"top1_agree", s.agree}, {"top1_agreement", s.agreement()},

@@ -18,6 +18,7 @@
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
 #include "asmem/util/progress.h"
+#include "asmem/util/text_file.h"
 #include "commands.h"
 #include "mac_flags.h"
 
@@ -37,14 +38,6 @@ struct EvalMacArgs {
   std::string dtype = "auto";
   int threads = 0;
 };
-
-std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 nlohmann::json layer_json(const MacLayerStats& s) {
   return {{"decisions", s.decisions},

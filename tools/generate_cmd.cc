@@ -27,19 +27,12 @@
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
 #include "asmem/util/progress.h"
+#include "asmem/util/text_file.h"
 #include "commands.h"
 #include "mac_flags.h"
 
 namespace asmem::cli {
 namespace {
-
-std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // SmolLM2's chat template inserts this system message when a conversation has none.
 constexpr const char* kSmolLM2DefaultSystem =

@@ -29,6 +29,7 @@
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
 #include "asmem/util/progress.h"
+#include "asmem/util/text_file.h"
 #include "xxhash.h"
 
 namespace asmem {
@@ -40,14 +41,6 @@ double since(Clock::time_point t0) {
 }
 
 uint64_t hash_bytes(const void* p, size_t n) { return XXH64(p, n, 0); }
-
-std::string read_text(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // One trace as tokens: the turn (user message and assistant header) and the response
 // (ending with the end-of-turn token). Served tokens after the prefix look the same.
@@ -434,7 +427,7 @@ void compile_dictionary(const CompileOptions& opt) {
       }
     }
   } else {
-    prefix_text = read_text(opt.prefix_path, "prefix");
+    prefix_text = read_text_file(opt.prefix_path, "prefix");
     if (prefix_text.empty()) throw InvalidArgument(opt.prefix_path + ": the prefix is empty");
     prefix_ids = layout_prefix_tokens(*tok, layout, prefix_text);
   }

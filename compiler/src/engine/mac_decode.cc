@@ -232,8 +232,9 @@ void MacDecode::upload_slots() {
 void MacDecode::fill(int64_t layer, Layer& ly, const at::Tensor& kc, const at::Tensor& vc,
                      const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t capacity) {
   const int64_t B = ly.rec_q.size(0), N = ly.rec_q.size(1);
-  at::Tensor pos = (at::arange(N, at::TensorOptions().dtype(at::kInt)) + int32_t(ly.rec_first))
-                       .unsqueeze(0).expand({B, N}).contiguous().to(kc.device());
+  // Built on the op's device (no host-to-device copy).
+  at::Tensor pos = (at::arange(N, at::TensorOptions().dtype(at::kInt).device(kc.device())) + int32_t(ly.rec_first))
+                       .unsqueeze(0).expand({B, N}).contiguous();
   MacFillParams p;
   p.batch = int32_t(B);
   p.num_positions = int32_t(N);
@@ -295,10 +296,11 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
   auto [kc, vc] = op_kv(layer, k, v, length, &capacity);
   const at::Device dev = kc.device();
   const int64_t pages = capacity / kPage;
-  at::Tensor bt = (at::arange(pages, at::TensorOptions().dtype(at::kInt)).unsqueeze(0) +
-                   at::arange(B, at::TensorOptions().dtype(at::kInt)).unsqueeze(1) * int32_t(Hkv_ * pages))
-                      .contiguous().to(dev);
-  at::Tensor seq_lens = at::full({B}, int32_t(length), at::TensorOptions().dtype(at::kInt)).to(dev);
+  // Block table and lengths built on the op's device: no host-to-device copy per layer.
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(dev);
+  at::Tensor bt = (at::arange(pages, i32).unsqueeze(0) + at::arange(B, i32).unsqueeze(1) * int32_t(Hkv_ * pages))
+                      .contiguous();
+  at::Tensor seq_lens = at::full({B}, int32_t(length), i32);
   if (ly.rec_q.defined()) fill(layer, ly, kc, vc, bt, seq_lens, capacity);
 
   at::Tensor q16 = q.reshape({B, Hq_, d_}).to(op_scalar_).contiguous();

@@ -17,11 +17,6 @@
 namespace asmem {
 namespace {
 
-const char* kText =
-    "The Lakeside Library lends books for twenty one days, allows eight loans per member, and charges a "
-    "quarter per late day. Members may renew a loan twice unless another member has reserved the book. "
-    "Reference works stay in the reading room. The library opens at nine and closes at six on weekdays.";
-
 // Runs the CUDA engine and a CPU engine side by side; returns the CUDA engine's states.
 class Twin : public AttentionHook {
  public:
@@ -63,7 +58,7 @@ TEST(MacEngineGpu, CudaStepsMatchTheCpuReference) {
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_model_path(test::model_path());
   LlamaModel gpu_model(*w, at::Device("cuda"), at::kBFloat16);
   LlamaModel cpu_model(*w, at::Device(at::kCPU), at::kFloat);
-  const std::vector<int32_t> ids = tok->encode(kText, false);
+  const std::vector<int32_t> ids = tok->encode(test::kLibraryText, false);
   const std::vector<int32_t> prompt(ids.begin(), ids.end() - 20), cont(ids.end() - 20, ids.end());
   for (float tau : {0.f, 0.5f, 1.f}) {
     SCOPED_TRACE("tau " + std::to_string(tau));

@@ -24,11 +24,6 @@
 namespace asmem {
 namespace {
 
-const char* kText =
-    "The Lakeside Library lends books for twenty one days, allows eight loans per member, and charges a "
-    "quarter per late day. Members may renew a loan twice unless another member has reserved the book. "
-    "Reference works stay in the reading room. The library opens at nine and closes at six on weekdays.";
-
 struct Loaded {
   std::unique_ptr<Tokenizer> tok;
   std::unique_ptr<LlamaModel> model;
@@ -41,7 +36,7 @@ Loaded& loaded() {
     std::unique_ptr<WeightSource> w = open_weights(test::model_path());
     x->tok = Tokenizer::from_model_path(test::model_path());
     x->model = std::make_unique<LlamaModel>(*w, at::Device(at::kCPU), at::kFloat);
-    x->ids = x->tok->encode(kText, false);
+    x->ids = x->tok->encode(test::kLibraryText, false);
     return x;
   }();
   return *l;
