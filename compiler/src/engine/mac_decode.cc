@@ -32,6 +32,21 @@ Aligned aligned_bytes(size_t bytes, const at::Device& device) {
   return a;
 }
 
+// The paged-KV fields MacParams and MacFillParams share: kc / vc [B, Hkv, capacity, d] as
+// pages of kPage tokens, block table bt [B, pages], lengths seq_lens [B].
+template <typename Params>
+void set_paged_kv(Params& p, const at::Tensor& kc, const at::Tensor& vc, int64_t capacity, int64_t d,
+                const at::Tensor& bt, const at::Tensor& seq_lens) {
+  p.k_cache = kc.data_ptr();
+  p.v_cache = vc.data_ptr();
+  p.kv_stride_page = kPage * d;
+  p.kv_stride_head = capacity * d;
+  p.kv_stride_token = d;
+  p.block_table = bt.data_ptr<int32_t>();
+  p.block_table_stride = bt.size(1);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+}
+
 }  // namespace
 
 void MacLayerStats::add(const MacLayerStats& o) {
@@ -247,14 +262,7 @@ void MacDecode::fill(int64_t layer, Layer& ly, const at::Tensor& kc, const at::T
   p.q_pre_stride_b = N * Hq_ * d_;
   p.q_pre_stride_n = Hq_ * d_;
   p.q_pre_stride_h = d_;
-  p.k_cache = kc.data_ptr();
-  p.v_cache = vc.data_ptr();
-  p.kv_stride_page = kPage * d_;
-  p.kv_stride_head = capacity * d_;
-  p.kv_stride_token = d_;
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.size(1);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  set_paged_kv(p, kc, vc, capacity, d_, block_table, seq_lens);
   p.state = ly.state;
   if (cuda_) {
 #ifdef ASMEM_ENGINE_CUDA
@@ -321,14 +329,7 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
   p.q_pre = qp16.data_ptr();
   p.q_pre_stride_b = Hq_ * d_;
   p.q_pre_stride_h = d_;
-  p.k_cache = kc.data_ptr();
-  p.v_cache = vc.data_ptr();
-  p.kv_stride_page = kPage * d_;
-  p.kv_stride_head = capacity * d_;
-  p.kv_stride_token = d_;
-  p.block_table = bt.data_ptr<int32_t>();
-  p.block_table_stride = pages;
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  set_paged_kv(p, kc, vc, capacity, d_, bt, seq_lens);
   p.state = ly.state;
   if (po.defined()) {
     p.prefix_o = po.data_ptr();
