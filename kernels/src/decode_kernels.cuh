@@ -128,10 +128,6 @@ __device__ __forceinline__ void WarpArgmax(Best& b) {
   }
 }
 
-__host__ __device__ constexpr int LargestDivisorUpTo4(int n) {
-  return n % 4 == 0 ? 4 : (n % 3 == 0 ? 3 : (n % 2 == 0 ? 2 : 1));
-}
-
 __host__ __device__ constexpr int LargestDivisorUpTo8(int n) {
   int b = 1;
   for (int i = 2; i <= 8; ++i) {
@@ -396,14 +392,16 @@ template <int KEY_DIM>
 struct SegSmem {
   using L = SegTile<KEY_DIM>;
   char* q;          // [terms][MB][KEY_DIM] member keys (16-byte chunk c of member i at
-                    // c ^ 4 (i & 1)); CUDA-core path: [2][KEY_DIM] f32
+                    // c ^ (i & 7)); CUDA-core path: [2][KEY_DIM] f32
+  char* ring;       // [kWarps][kRingStages][kPieces][32] 16-byte key pieces (RingPos)
   int32_t* mem;     // [kMaxMembers] member requests of the current block
   int32_t* ids;     // [kIdCache] dict ids of the first requests
   int32_t* misc;    // [8]
   Best* red;        // [kWarps] CUDA-core path: per-warp bests
   __device__ explicit SegSmem(char* base) {
     q = base;
-    char* t = q + L::kQueryBytes;
+    ring = q + L::kQueryBytes;
+    char* t = ring + L::kRingBytes;
     red = reinterpret_cast<Best*>(t);
     t += sizeof(Best) * kWarps;
     mem = reinterpret_cast<int32_t*>(t);
@@ -457,9 +455,10 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The member keys of sm.mem[0, n) into sm.q for the tensor-core scan (whole CTA; ends with
-// a barrier): one exact term when they are q_pre itself (KT == DType, no whitening), else
-// three KT terms of the fp32 key (hi + mid + lo). Members n .. 8 ceil(n / 8) are zero.
+// The member keys of sm.mem[0, n) into sm.q for the tensor-core scan (whole CTA): one exact
+// term when they are q_pre itself (KT == DType, no whitening; cp.async, one commit group that
+// the caller waits for), else three KT terms of the fp32 key (hi + mid + lo, stored). The
+// caller's barrier makes them visible. Members n .. 8 ceil(n / 8) are zero.
 template <typename DType, typename KT, int KEY_DIM>
 __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
                                 const DictLayerView& v, int n, int MB, int terms, int h) {
@@ -476,10 +475,9 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
       if (i < n) {
         src += int64_t(sm.mem[i]) * p.q_pre_stride_b + int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
       }
-      CpAsync16(sm.q + (i * kQRC + (ch ^ ((i & 1) << 2))) * 16, src, i < n);
+      CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
     }
     CpAsyncCommit();
-    CpAsyncWait<0>();
   } else {  // fp32 keys (whitened, or q_pre of the other type) split into KT terms
     for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
@@ -499,7 +497,7 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
 #pragma unroll
         for (int j = 0; j < 8; ++j) x[j] = 0.f;
       }
-      char* dst = sm.q + (i * kQRC + (ch ^ ((i & 1) << 2))) * 16;
+      char* dst = sm.q + (i * kQRC + (ch ^ (i & 7))) * 16;
       for (int tt = 0; tt < terms; ++tt) {
         uint32_t w[4];
 #pragma unroll
@@ -514,45 +512,149 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
       }
     }
   }
-  __syncthreads();
 }
+
+// Where the 16-byte piece of key dims 8 t4 .. 8 t4 + 7 of tile row r (r < 8; rows r + 8 use
+// the pair's second piece slot) sits among a ring piece slot's 32: swizzled so that the 8
+// rows an ldmatrix matrix reads lie in 8 different bank groups.
+__device__ __forceinline__ int RingPos(int r, int t4) { return r * 4 + (t4 ^ ((r >> 1) & 3)); }
+
+// The mma work of one ring chunk for the first NT n-tiles (8 members each): per 32-dim key
+// block j, A = the 16 rows' two k-steps by ldmatrix from the ring (piece slot 2j: rows 0-7,
+// 2j + 1: rows 8-15), B = the members' same dims by ldmatrix from sm.q (x4: b0, b1 of both
+// k-steps); even and odd k-steps go to separate accumulator chains. The fragments of block
+// j + 1 are loaded before the mma work of block j (one exact term; three terms load per
+// block), so that a warp alone on its scheduler does not wait on every ldmatrix.
+template <typename KT, int KEY_DIM, int TERMS, int NT, int kNt>
+__device__ __forceinline__ void ScanChunk(float (&acc)[kNt][2][4], const char* slot, const char* q, int ch,
+                                          int term_bytes, int lane) {
+  constexpr int kQRC = KEY_DIM / 8;
+  constexpr int kChunkPairs = SegTile<KEY_DIM>::kChunkPairs;
+  constexpr int kBuf = TERMS == 1 ? 2 : 1;
+  const int mi = lane >> 3, r = lane & 7;
+  // This lane's ldmatrix row addresses: A matrix mi = rows 8 (mi & 1) + r, dims 8 (mi >> 1)
+  // of k-step ks -> piece t4 = 2 ks + (mi >> 1); B matrix mi = member 8 nt + r, dims 8 mi.
+  const char* a_addr0 = slot + (mi & 1) * 512 + RingPos(r, mi >> 1) * 16;
+  const char* a_addr1 = slot + (mi & 1) * 512 + RingPos(r, 2 + (mi >> 1)) * 16;
+  uint32_t af[kBuf][2][4], bf[kBuf][NT][TERMS][4];
+  auto load = [&](int j, int buf) {
+    Ldsm4(af[buf][0], a_addr0 + j * 1024);
+    Ldsm4(af[buf][1], a_addr1 + j * 1024);
+    const int c = 4 * (ch * kChunkPairs + j) + mi;  // the member key chunk of B matrix mi
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const char* qa = q + ((8 * nt + r) * kQRC + (c ^ r)) * 16;
+#pragma unroll
+      for (int tt = 0; tt < TERMS; ++tt) Ldsm4(bf[buf][nt][tt], qa + tt * term_bytes);
+    }
+  };
+  if (kBuf == 2) load(0, 0);
+#pragma unroll
+  for (int j = 0; j < kChunkPairs; ++j) {
+    const int buf = kBuf == 2 ? (j & 1) : 0;
+    if (kBuf == 1) {
+      load(j, 0);
+    } else if (j + 1 < kChunkPairs) {
+      load(j + 1, buf ^ 1);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int tt = 0; tt < TERMS; ++tt) {
+        Mma16816<KT>(acc[nt][0], af[buf][0], bf[buf][nt][tt][0], bf[buf][nt][tt][1]);
+        Mma16816<KT>(acc[nt][1], af[buf][1], bf[buf][nt][tt][2], bf[buf][nt][tt][3]);
+      }
+    }
+  }
+}
+
+// The key copies of one lookup unit (warp) into its shared-memory ring: chunk pch of the
+// 16-row tile at prow of segment pk (rows up to phi) is the next to copy; the cursor visits
+// the non-empty segments of `segs` in order, kRingStages - 1 chunks ahead of the scan. Lane
+// (g, t4) copies 16 bytes of rows g and g + 8 per 32 key dims (dims 8 t4 .. 8 t4 + 7); rows
+// past the segment are clamped into it (their scores are dropped).
+template <int KEY_DIM>
+struct KeyRing {
+  using L = SegTile<KEY_DIM>;
+  const SegList& segs;
+  const uint4* keys;   // + t4
+  const uint4* pkeys;  // + t4
+  char* dst0;          // this lane's piece in slot 0, piece slot 0
+  int g;
+  int pk = -1, phi = 0, prow = 0, pch = 0;
+  __device__ KeyRing(const SegSmem<KEY_DIM>& sm, const DictLayerView& v, const SegList& s) : segs(s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t4 = lane & 3;
+    g = lane >> 2;
+    keys = static_cast<const uint4*>(v.keys) + t4;
+    pkeys = static_cast<const uint4*>(v.parent_keys) + t4;
+    dst0 = sm.ring + size_t(warp) * L::kRingStages * L::kPieces * 512 + RingPos(g, t4) * 16;
+    Seek();
+  }
+  // Starts the copies: chunks 0 .. kRingStages - 2 into slots 0 .. kRingStages - 2.
+  __device__ void Start() {
+#pragma unroll
+    for (int i = 0; i < L::kRingStages - 1; ++i) Issue(i);
+  }
+  __device__ void Seek() {
+    for (++pk; pk < segs.n; ++pk) {
+      int64_t lo, hi;
+      segs.Bounds(pk, lo, hi);
+      if (hi > lo) {
+        prow = int(lo);
+        phi = int(hi);
+        pch = 0;
+        return;
+      }
+    }
+  }
+  // Copies the cursor's chunk into ring slot `slot` and advances; one commit group per call,
+  // empty past the end.
+  __device__ void Issue(int slot) {
+    constexpr int kRowVecs = KEY_DIM / 8;  // uint4 per key row
+    if (pk < segs.n) {
+      const uint4* base = segs.Parents(pk) ? pkeys : keys;
+      const int off = pch * L::kChunkPairs * 4;
+      const uint4* r0 = base + int64_t(min(prow + g, phi - 1)) * kRowVecs + off;
+      const uint4* r1 = base + int64_t(min(prow + g + 8, phi - 1)) * kRowVecs + off;
+      char* dst = dst0 + slot * L::kPieces * 512;
+#pragma unroll
+      for (int j = 0; j < L::kChunkPairs; ++j) {
+        CpAsync16(dst + (2 * j) * 512, r0 + 4 * j, true);
+        CpAsync16(dst + (2 * j + 1) * 512, r1 + 4 * j, true);
+      }
+      if (++pch == L::kPairs / L::kChunkPairs) {
+        pch = 0;
+        prow += 16;
+        if (prow >= phi) Seek();
+      }
+    }
+    CpAsyncCommit();
+  }
+};
 
 // One warp scores the segments of its unit `segs` for members sm.mem[0, n) on tensor cores
 // (keys of type KT, bf16 or f16), without waiting for any other warp. Per 16 key rows, mma
-// m16n8k16 with A = the 16 rows and B = 8 members per n-tile. A is loaded straight from
-// global memory into registers: lane (g, t4) loads 16 bytes of rows g and g + 8 per 32 key
-// dims (dims 8 t4 .. 8 t4 + 7), which serve as its A elements of two k-steps; its B
-// elements (member keys, shared) are the same dims of the same k-steps, so the k order
-// inside an mma differs from the dims' order but every product pairs a key dim with the
-// same member dim. Loads run one register chunk (up to 128 dims) ahead of the mma work,
-// also into the next 16-row tile of the segment.
+// m16n8k16 with A = the 16 rows and B = 8 members per n-tile. The key rows come through the
+// warp's ring `kr` (started by the caller), kRingStages - 1 chunks (16 rows x up to 128 dims)
+// ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
+// after the wait and a warp barrier (a fragment holds other lanes' pieces).
 template <typename KT, int KEY_DIM, int TERMS>
 __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
-                              const SegList& segs, int n, int MB, int h) {
-  constexpr int kQRC = KEY_DIM / 8;
-  constexpr int kPairs = KEY_DIM / 32;                    // 32-dim blocks (k-step pairs)
-  constexpr int kChunkPairs = LargestDivisorUpTo4(kPairs);  // blocks per register chunk
-  constexpr int kChunks = kPairs / kChunkPairs;
-  constexpr int kNt = SegTile<KEY_DIM>::kMaxMembers / 8;
-  static_assert(KEY_DIM % 32 == 0, "key dims in 32-dim blocks");
-  const int lane = threadIdx.x & 31;
+                              const SegList& segs, KeyRing<KEY_DIM>& kr, int n, int MB, int h) {
+  using L = SegTile<KEY_DIM>;
+  constexpr int kChunkPairs = L::kChunkPairs;
+  constexpr int kChunks = L::kPairs / kChunkPairs;
+  constexpr int kPieces = L::kPieces;
+  constexpr int kRing = L::kRingStages;
+  constexpr int kNt = L::kMaxMembers / 8;
+  static_assert(KEY_DIM % 64 == 0, "key dims in 32-dim blocks, at least 8 16-byte chunks");
+  static_assert(kRing >= 2 && kNt == 4, "ring stages, n-tiles");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int nnt = (n + 7) / 8;
   const int term_bytes = MB * KEY_DIM * 2;
-  const KT* keys = static_cast<const KT*>(v.keys);
-  const KT* pkeys = static_cast<const KT*>(v.parent_keys);
-
-  // Chunk `ch` of a 16-row tile whose rows g and g + 8 start at r0 and r1 (rows past the
-  // segment are clamped into it; their scores are dropped): dims 32 j + 8 t4 .. + 7 of the
-  // chunk's blocks j.
-  auto load = [&](const uint4* r0, const uint4* r1, int ch, uint4 (&r)[2 * kChunkPairs]) {
-#pragma unroll
-    for (int j = 0; j < kChunkPairs; ++j) {
-      r[2 * j] = __ldg(r0 + (ch * kChunkPairs + j) * 4);
-      r[2 * j + 1] = __ldg(r1 + (ch * kChunkPairs + j) * 4);
-    }
-  };
-  constexpr int kRowVecs = KEY_DIM / 8;  // uint4 per key row
+  const char* ring = sm.ring + size_t(warp) * kRing * kPieces * 512;
+  int slot = 0;  // the ring slot of the next chunk to score (kr started kRing - 1 chunks)
 
   for (int k = 0; k < segs.n; ++k) {
     int64_t lo64, hi64;
@@ -567,18 +669,9 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
       }
       continue;
     }
-    const uint4* base = reinterpret_cast<const uint4*>(parents ? pkeys : keys) + t4;
-    auto rows = [&](int row, const uint4*& r0, const uint4*& r1) {
-      r0 = base + int64_t(min(row + g, hi - 1)) * kRowVecs;
-      r1 = base + int64_t(min(row + g + 8, hi - 1)) * kRowVecs;
-    };
     Best best[kNt][2];
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) best[nt][0] = best[nt][1] = Best{-INFINITY, -1};
-    const uint4 *r0, *r1;
-    rows(lo, r0, r1);
-    uint4 ra[2 * kChunkPairs], rb[2 * kChunkPairs];
-    load(r0, r1, 0, ra);
     for (int row = lo; row < hi; row += 16) {
       // Two accumulator chains per n-tile (even and odd k-steps), summed at the end.
       float acc[kNt][2][4];
@@ -587,39 +680,20 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = 0.f;
       }
-      const uint4 *n0 = r0, *n1 = r1;
-      if (row + 16 < hi) rows(row + 16, n0, n1);
 #pragma unroll 1
       for (int ch = 0; ch < kChunks; ++ch) {
-        if (ch + 1 < kChunks) {
-          load(r0, r1, ch + 1, rb);
-        } else if (row + 16 < hi) {
-          load(n0, n1, 0, rb);  // the next tile's first chunk
+        CpAsyncWait<kRing - 2>();  // this lane's pieces of the chunk in `slot` have landed
+        __syncwarp();  // every lane's have, and the previous slot's reads are done (refilled next)
+        kr.Issue(slot == 0 ? kRing - 1 : slot - 1);
+        const char* src = ring + slot * kPieces * 512;
+        switch (nnt) {  // warp-uniform: only the n-tiles that hold members
+          case 1: ScanChunk<KT, KEY_DIM, TERMS, 1>(acc, src, sm.q, ch, term_bytes, lane); break;
+          case 2: ScanChunk<KT, KEY_DIM, TERMS, 2>(acc, src, sm.q, ch, term_bytes, lane); break;
+          case 3: ScanChunk<KT, KEY_DIM, TERMS, 3>(acc, src, sm.q, ch, term_bytes, lane); break;
+          default: ScanChunk<KT, KEY_DIM, TERMS, 4>(acc, src, sm.q, ch, term_bytes, lane); break;
         }
-#pragma unroll
-        for (int j = 0; j < kChunkPairs; ++j) {
-          const int qch = 4 * (ch * kChunkPairs + j) + t4;  // this lane's 16-byte chunk of a key
-          const uint32_t a0[4] = {ra[2 * j].x, ra[2 * j + 1].x, ra[2 * j].y, ra[2 * j + 1].y};
-          const uint32_t a1[4] = {ra[2 * j].z, ra[2 * j + 1].z, ra[2 * j].w, ra[2 * j + 1].w};
-#pragma unroll
-          for (int nt = 0; nt < kNt; ++nt) {
-            if (nt < nnt) {
-              const int i = 8 * nt + g;
-              const char* qa = sm.q + (i * kQRC + (qch ^ ((i & 1) << 2))) * 16;
-#pragma unroll
-              for (int tt = 0; tt < TERMS; ++tt) {
-                const uint4 bq = *reinterpret_cast<const uint4*>(qa + tt * term_bytes);
-                Mma16816<KT>(acc[nt][0], a0, bq.x, bq.y);
-                Mma16816<KT>(acc[nt][1], a1, bq.z, bq.w);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 2 * kChunkPairs; ++j) ra[j] = rb[j];
+        slot = slot + 1 == kRing ? 0 : slot + 1;
       }
-      r0 = n0;
-      r1 = n1;
       // The tile's scores: rows g and g + 8, members 8 nt + 2 t4 + e.
       const int r_lo = row + g, r_hi = r_lo + 8;
       const bool ok_lo = r_lo < hi, ok_hi = r_hi < hi;
@@ -664,6 +738,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
       }
     }
   }
+  CpAsyncWait<0>();  // only empty groups are left; the ring is rewritten by the next block
 }
 
 // Members sm.mem[0, n) of view v on CUDA cores (f32 keys, whitening without the whitening
@@ -706,8 +781,10 @@ __device__ void SegScanCc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   }
 }
 
+// Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits
+// beside two attention CTAs.
 template <typename DType, int KEY_DIM>
-__global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchArgs a) {
   GridLaunchDependents();  // the attention kernel may start at once
   using L = SegTile<KEY_DIM>;
   extern __shared__ float4 lookup_smem[];
@@ -774,20 +851,30 @@ __global__ void __launch_bounds__(kThreads) DecodeLookupKernel(const LaunchArgs 
           SegScanCc<DType, KEY_DIM>(a, sm, v, SegList(v, kLookupUnits * s + w, U), n, h);
         }
       } else {
+        // The member keys' copies first, then this warp's first key chunks; one wait for
+        // the member keys (the oldest group) and a barrier, then the scan.
         const SegList mine(v, kLookupUnits * s + warp, U);
-        if (v.keys_dtype == KernelDType::kBF16) {
+        const bool bf16 = v.keys_dtype == KernelDType::kBF16;
+        if (bf16) {
           StageMemberKeys<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, n, MB, terms, h);
-          if (terms == 1) {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, v, mine, n, MB, h);
-          } else {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, v, mine, n, MB, h);
-          }
         } else {
           StageMemberKeys<DType, __half, KEY_DIM>(a, sm, v, n, MB, terms, h);
+        }
+        KeyRing<KEY_DIM> kr(sm, v, mine);
+        kr.Start();
+        CpAsyncWait<L::kRingStages - 1>();
+        __syncthreads();
+        if (bf16) {
           if (terms == 1) {
-            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, v, mine, n, MB, h);
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, v, mine, kr, n, MB, h);
           } else {
-            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, v, mine, n, MB, h);
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, v, mine, kr, n, MB, h);
+          }
+        } else {
+          if (terms == 1) {
+            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, v, mine, kr, n, MB, h);
+          } else {
+            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, v, mine, kr, n, MB, h);
           }
         }
       }
@@ -811,7 +898,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   using Cfg = AttnTile<HEAD_DIM>;
   using P = Pack<DType>;
   constexpr int kBlockN = Cfg::kBlockN;
-  constexpr int kStages = Cfg::kStages;
   constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
   constexpr int kKSteps = HEAD_DIM / 16;    // QK k-steps = PV dim tiles
   constexpr int kWarpTokens = kBlockN / kWarps;
@@ -863,6 +949,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
+  const int stages = a.attn_stages;  // 2 or 3 (the launch's shared memory holds them)
   // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
   // ahead so the block-table round trip never sits between a barrier and the copies.
   int32_t pages[kLoads];
@@ -875,7 +962,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   };
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      DType* kt = tiles + (tile % kStages) * 2 * kTile;
+      DType* kt = tiles + (tile % stages) * 2 * kTile;
       DType* vt = kt + kTile;
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
@@ -897,14 +984,18 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     load_pages(tile + 1);
   };
   load_pages(0);
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+  for (int i = 0; i < stages - 1; ++i) issue_tile(i);
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    CpAsyncWait<kStages - 2>();  // this thread's copies of `tile` have landed
-    __syncthreads();             // everyone's have; the buffer of tile-1 is free again
-    issue_tile(tile + kStages - 1);
-    const DType* kt = tiles + (tile % kStages) * 2 * kTile;
+    // This thread's copies of `tile` have landed (stages - 2 newer groups may be pending).
+    if (stages == 3) {
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // everyone's have; the buffer of tile-1 is free again
+    issue_tile(tile + stages - 1);
+    const DType* kt = tiles + (tile % stages) * 2 * kTile;
     const DType* vt = kt + kTile;
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) {
@@ -1026,8 +1117,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   }
 }
 
-// 128 threads, two CTAs per SM (96 KB of shared memory each; beside a lookup CTA while the
-// lookup runs).
+// 128 threads, two CTAs per SM (96 KB of shared memory each; 64 KB with kAttnLookupStages,
+// so that two fit beside a lookup CTA while the lookup runs).
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
   extern __shared__ float4 decode_smem[];

@@ -17,12 +17,18 @@ namespace decode {
 constexpr int kThreads = 128;  // every decode kernel runs 4 warps per CTA
 constexpr int kWarps = kThreads / 32;
 
+// Attention cp.async stages: kAttnStages, or kAttnLookupStages beside the lookup kernel for
+// short splits (then two attention CTAs and a lookup CTA share an SM; decode_cuda.cu).
+constexpr int kAttnStages = 3;
+constexpr int kAttnLookupStages = 2;
+
 // One step's arguments as the kernels see them (passed by value as a kernel parameter).
 struct LaunchArgs {
   DecodeParams p;
   int32_t batch = 0;  // params.batch
   int32_t hq = 0, hkv = 0, group = 0, head_dim = 0;
   int32_t kv_splits = 1;
+  int32_t attn_stages = kAttnStages;  // attention cp.async stages (2 or 3)
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
   int32_t parent_width = 0;   // pscore row length: the most parents a view may have
@@ -40,24 +46,37 @@ struct LaunchArgs {
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
 };
 
-// Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB), kStages stages (96 KB
-// in all: two CTAs per SM).
+// Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB
+// (two CTAs per SM), kAttnLookupStages 64 KB.
 template <int HEAD_DIM>
 struct AttnTile {
   static constexpr int kBlockN = 16384 / (HEAD_DIM * 2);  // 64 tokens (d 128), 128 (d 64)
-  static constexpr int kStages = 3;
-  static constexpr size_t kBytes = size_t(kStages) * 2 * kBlockN * HEAD_DIM * 2;  // 16-bit K, V
+  static constexpr int kStages = kAttnStages;
+  static constexpr size_t Bytes(int stages) { return size_t(stages) * 2 * kBlockN * HEAD_DIM * 2; }
+  static constexpr size_t kBytes = Bytes(kStages);  // 16-bit K, V
 };
 
-// Lookup CTA shared memory: the member keys (kQueryBytes) and small tables (key rows go
-// straight from global memory to registers).
+// Lookup CTA shared memory: the member keys (kQueryBytes), each warp's ring of key chunks
+// (kRingStages chunks of 16 rows x up to 128 dims, 4 KB each, filled by cp.async, read back
+// by ldmatrix), and small tables: 97 KB, which fits beside two attention CTAs of
+// kAttnLookupStages (228 KB per SM).
 template <int KEY_DIM>
 struct SegTile {
   static constexpr int kQueryBytes = 32 * 1024;
   static constexpr int kMaxMembers = 32;  // requests scored together (8 per mma n-tile)
-  static constexpr int kIdCache = 512;    // dict ids cached in shared memory
+  static constexpr int kIdCache = 128;    // dict ids cached in shared memory
+  static constexpr int kPairs = KEY_DIM / 32;  // 32-dim key blocks (mma k-step pairs)
+  static constexpr int kChunkPairs =            // blocks per ring chunk: the largest divisor
+      kPairs % 4 == 0 ? 4 : (kPairs % 3 == 0 ? 3 : (kPairs % 2 == 0 ? 2 : 1));  // <= 4
+  static constexpr int kPieces = 2 * kChunkPairs;  // 16-byte pieces per lane per chunk
+  static constexpr int kRingStages = 4;
+  static constexpr size_t kRingBytes = size_t(kWarps) * kRingStages * kPieces * 32 * 16;
   static constexpr size_t kBytes =
-      size_t(kQueryBytes) + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8);
+      size_t(kQueryBytes) + kRingBytes + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8);
+  // A lookup CTA and two attention CTAs of kAttnLookupStages (1 KB reserved per CTA) fit in
+  // the H100 / H200 SM's 228 KB.
+  static_assert(kBytes + 1024 + 2 * (AttnTile<128>::Bytes(kAttnLookupStages) + 1024) <= 228 * 1024,
+                "lookup CTA beside two attention CTAs");
 };
 
 // Lookup kernel (reps x Hkv x S CTAs): scores every row of each request's view, writes
