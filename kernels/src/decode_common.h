@@ -18,10 +18,13 @@ namespace decode {
 constexpr int32_t kSplitAlign = 64;
 constexpr int32_t kMinSplitTokens = 128;
 // The plan aims at this many attention CTAs per step: one wave at two resident CTAs per SM
-// (96 KB of shared memory each). Fewer, longer CTAs keep the cp.async pipeline full; on
-// the H200 (bench_decode, B=32 T=1K with a dictionary) one wave measured best: 100 us vs
-// 103 / 109 / 120 us at two / four / eight waves. DecodeConfig::plan_ctas overrides it.
+// (96 KB of shared memory each); fewer, longer CTAs keep the cp.async pipeline full. With
+// dictionaries (kTargetCtasWithLookup) the lookup CTAs hold SMs while the attention starts,
+// and shorter splits fill the SMs as they free up: H200, bench_decode, LLaMA-3.1-8B shapes,
+// T = 1K, K = 4096 hierarchical, B = 32: 78.5 us with 1056 vs 83.5 with 264 (K = 1024:
+// 66.8 vs 76.1); B = 8 and 64 within 1 us. DecodeConfig::plan_ctas overrides both.
 constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
+constexpr int32_t kTargetCtasWithLookup = 8 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
 // Lookup: CTA s of the S lookup CTAs per (rep, KV head) runs units kLookupUnits s .. + 3,
 // and unit u of U = kLookupUnits S scores segments u, u + U, ... of a view

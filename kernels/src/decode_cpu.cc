@@ -203,7 +203,8 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
   using namespace decode;
   DecodePlan plan;
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;  // (request, KV head) pairs
-  const int64_t target = c.plan_ctas > 0 ? c.plan_ctas : kTargetCtas;
+  const int64_t target =
+      c.plan_ctas > 0 ? c.plan_ctas : (c.use_dictionaries ? kTargetCtasWithLookup : kTargetCtas);
   const int64_t want = std::max<int64_t>(1, target / units);
   const int64_t by_len = std::max<int64_t>(1, (int64_t(c.max_seq_len) + kMinSplitTokens - 1) /
                                                   kMinSplitTokens);

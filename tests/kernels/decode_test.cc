@@ -536,6 +536,18 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   c.lookup_ctas = 3000;  // more lookup units (4 per CTA) than parents: one result slot each
   EXPECT_EQ(PlanDecode(c).lookup_splits, 1024);
   EXPECT_EQ(PlanDecode(c).lookup_width, 4096);
+  // Beside the lookup the plan cuts the attention into 4x more CTAs (B = 32, T = 1K: 256
+  // token splits instead of one per (request, KV head)).
+  DecodeConfig cd = c;
+  cd.lookup_ctas = 0;
+  cd.batch = 32;
+  cd.max_seq_len = 1024;
+  cd.use_dictionaries = false;
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
+  cd.use_dictionaries = true;
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
+  cd.plan_ctas = 256;  // the knob still rules
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
 }
 
 TEST(DecodeCpu, BadArgumentsThrow) {

@@ -121,7 +121,8 @@ struct DecodeConfig {
                              // a separate launch (without it every lookup CTA whitens the
                              // keys it needs on CUDA cores: correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
-                             // default (2 * kDecodePlanSms: one wave of two CTAs per SM).
+                             // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
+                             // 8 * kDecodePlanSms with use_dictionaries).
                              // A tuning knob; like every field it only changes the plan.
   int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
                              // (about one per SM over all KV heads). A tuning knob: it only
