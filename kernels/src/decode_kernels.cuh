@@ -397,6 +397,7 @@ struct SegSmem {
   int32_t* mem;     // [kMaxMembers] member requests of the current block
   int32_t* ids;     // [kIdCache] dict ids of the first requests
   int32_t* misc;    // [8]
+  uint8_t* first;   // [kIdCache] request b is the first of its dictionary
   Best* red;        // [kWarps] CUDA-core path: per-warp bests
   __device__ explicit SegSmem(char* base) {
     q = base;
@@ -409,6 +410,8 @@ struct SegSmem {
     ids = reinterpret_cast<int32_t*>(t);
     t += 4 * L::kIdCache;
     misc = reinterpret_cast<int32_t*>(t);
+    t += 4 * 8;
+    first = reinterpret_cast<uint8_t*>(t);
   }
   __device__ int32_t IdOf(const DecodeParams& p, int b) const {
     return b < L::kIdCache ? ids[b] : p.dict_ids[b];
@@ -797,14 +800,32 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
   const int h = (cta / S) % a.hkv;
   const int r = cta / S / a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int i = tid; i < min(a.batch, L::kIdCache); i += kThreads) sm.ids[i] = p.dict_ids[i];
+  const int cached = min(a.batch, L::kIdCache);
+  for (int i = tid; i < cached; i += kThreads) sm.ids[i] = p.dict_ids[i];
+  __syncthreads();
+  // first[b]: request b is its dictionary's first (b < kIdCache; later ones are checked in
+  // the loop), so a rep skips the other requests without a barrier each. Thread b compares
+  // with the earlier lanes of its warp (match) and with the earlier warps' requests.
+  static_assert(L::kIdCache == kThreads, "one cached request per thread");
+  {
+    const int32_t id = tid < cached ? sm.ids[tid] : INT32_MIN;
+    const unsigned same = __match_any_sync(0xffffffffu, id);
+    bool first = (same & ((1u << lane) - 1u)) == 0u;
+    const int earlier = min(tid & ~31, cached);
+    for (int bb = 0; bb < earlier; ++bb) first &= sm.ids[bb] != id;
+    if (tid < cached) sm.first[tid] = first ? 1 : 0;
+  }
   __syncthreads();
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
-    bool dup = false;  // not the dictionary's first request
-    for (int bb = tid; bb < b0; bb += kThreads) dup |= sm.IdOf(p, bb) == id;
-    if (__syncthreads_or(dup)) continue;
+    if (b0 < cached) {
+      if (!sm.first[b0]) continue;
+    } else {
+      bool dup = false;  // not the dictionary's first request
+      for (int bb = tid; bb < b0; bb += kThreads) dup |= sm.IdOf(p, bb) == id;
+      if (__syncthreads_or(dup)) continue;
+    }
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     if (!LookupViewOk(v, a)) continue;  // the combine flags it
     if (SegList(v, kLookupUnits * s, U).n == 0) continue;  // a small view: nothing for this CTA

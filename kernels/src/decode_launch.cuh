@@ -72,7 +72,7 @@ struct SegTile {
   static constexpr int kRingStages = 4;
   static constexpr size_t kRingBytes = size_t(kWarps) * kRingStages * kPieces * 32 * 16;
   static constexpr size_t kBytes =
-      size_t(kQueryBytes) + kRingBytes + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8);
+      size_t(kQueryBytes) + kRingBytes + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8) + kIdCache;
   // A lookup CTA and two attention CTAs of kAttnLookupStages (1 KB reserved per CTA) fit in
   // the H100 / H200 SM's 228 KB.
   static_assert(kBytes + 1024 + 2 * (AttnTile<128>::Bytes(kAttnLookupStages) + 1024) <= 228 * 1024,
