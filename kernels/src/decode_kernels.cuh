@@ -5,14 +5,15 @@
 //    has whitening, into the workspace.
 //  * lookup (dictionaries only): CTAs (rep, KV head, s) score every key row of the views
 //    for all requests that share a dictionary at once: bf16 / f16 keys on tensor cores
-//    (each warp scans its own segments, key rows straight into registers, up to 32
-//    requests per pass), f32 keys on CUDA cores. A view is cut into segments (its parents;
-//    each parent's children; or slices of a linear view); each segment's best and the
-//    parent scores go to the workspace. No CTA or warp waits for another.
+//    (each warp scans its own segments through its own shared-memory ring of key chunks,
+//    up to 32 requests per pass), f32 keys on CUDA cores. A view is cut into segments (its
+//    parents; each parent's children; or slices of a linear view); each segment's best
+//    and the parent scores go to the workspace. No CTA or warp waits for another.
 //  * attention, launched with programmatic dependent launch so its CTAs run beside the
 //    lookup CTAs: CTAs (request, KV head, KV split) stream K/V tiles through a 3-stage
-//    cp.async pipeline (page ids loaded one step ahead), Q K^T and P V on tensor cores for
-//    all G heads of the group, fp32 online softmax; write the split's normalized state.
+//    cp.async pipeline (2 stages for short splits beside a lookup; page ids loaded one
+//    step ahead), Q K^T and P V on tensor cores for all G heads of the group, fp32
+//    online softmax; write the split's normalized state.
 //  * combine (programmatic dependent launch after the attention), one warp per (request,
 //    query head): the entry (the top_m parents by radix selection over the parent scores,
 //    the best child among them, or of all rows when they are childless; linear: the best
@@ -642,8 +643,8 @@ struct KeyRing {
 // ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
 // after the wait and a warp barrier (a fragment holds other lanes' pieces).
 template <typename KT, int KEY_DIM, int TERMS>
-__device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const DictLayerView& v,
-                              const SegList& segs, KeyRing<KEY_DIM>& kr, int n, int MB, int h) {
+__device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const SegList& segs,
+                              KeyRing<KEY_DIM>& kr, int n, int MB, int h) {
   using L = SegTile<KEY_DIM>;
   constexpr int kChunkPairs = L::kChunkPairs;
   constexpr int kChunks = L::kPairs / kChunkPairs;
@@ -887,15 +888,15 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
         __syncthreads();
         if (bf16) {
           if (terms == 1) {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, v, mine, kr, n, MB, h);
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, mine, kr, n, MB, h);
           } else {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, v, mine, kr, n, MB, h);
+            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, mine, kr, n, MB, h);
           }
         } else {
           if (terms == 1) {
-            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, v, mine, kr, n, MB, h);
+            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, mine, kr, n, MB, h);
           } else {
-            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, v, mine, kr, n, MB, h);
+            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, mine, kr, n, MB, h);
           }
         }
       }
