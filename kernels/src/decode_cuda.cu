@@ -90,9 +90,9 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
   // Beside a lookup, attention splits of at most kShortSplitTokens run kAttnLookupStages
   // (two CTAs fit beside a lookup CTA; a short split gains little from a third stage);
-  // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K:
-  // B = 8 (256-token splits) 45.5 vs 50.3 us with three stages; B = 32 (1K-token splits)
-  // 93.4 vs 83.3 us with two.
+  // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with the
+  // one-wave plan of 264 CTAs: B = 8 (256-token splits) 45.5 vs 50.3 us with three stages;
+  // B = 32 (1K-token splits) 93.4 vs 83.3 us with two.
   constexpr int32_t kShortSplitTokens = 512;
   const bool short_splits = SplitTokens(c.max_seq_len, plan.kv_splits) <= kShortSplitTokens;
   a.attn_stages = !a.lookup                  ? kAttnStages
