@@ -68,6 +68,7 @@ struct Options {
   int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
   int lookup_ctas = 0;  // DecodeConfig::lookup_ctas (0: the default)
   double hbm_tbps = 4.3;
+  double child_skew = 0.0;  // hierarchical views: children per parent ~ exp(skew N(0, 1))
   std::vector<std::string> modes = {"linear", "hier"};
   std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
   std::vector<int> batches = {1, 8, 32, 64};
@@ -114,9 +115,41 @@ void FillRandom(void* dst, size_t bytes, const DevMem& chunk) {
   }
 }
 
+// child_offsets of K leaves under C1 parents. skew 0: sizes differ by at most one. skew > 0:
+// parent p gets a share of K in proportion to exp(skew N(0, 1)) (at least one leaf each,
+// C1 <= K), like the unequal clusters of a k-means hierarchy. The rulebook dictionary (K =
+// 1024, C1 = 32) has its largest parent at 2.56x the mean children in the median section
+// and 4.94x at most; skew 0.6 draws 2.53x and 4.78x (median and max of 24 draws).
+std::vector<int32_t> ChildOffsets(int64_t K, int64_t C1, double skew, Rng& rng) {
+  std::vector<int32_t> offsets(size_t(C1 + 1), 0);
+  if (skew <= 0.0) {
+    for (int64_t p = 0; p <= C1; ++p) offsets[size_t(p)] = int32_t(K * p / C1);
+    return offsets;
+  }
+  std::vector<double> w(static_cast<size_t>(C1));
+  double sum = 0.0;
+  for (auto& x : w) sum += (x = std::exp(skew * rng.normal()));
+  // One leaf each, the other K - C1 by share (floors, then the largest remainders).
+  std::vector<int64_t> count(size_t(C1), 1);
+  std::vector<std::pair<double, int64_t>> rest(static_cast<size_t>(C1));
+  int64_t left = K - C1;
+  for (int64_t p = 0; p < C1; ++p) {
+    const double share = double(K - C1) * w[size_t(p)] / sum;
+    const int64_t f = int64_t(share);
+    count[size_t(p)] += f;
+    left -= f;
+    rest[size_t(p)] = {share - double(f), p};
+  }
+  std::sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (int64_t i = 0; i < left; ++i) ++count[size_t(rest[size_t(i)].second)];
+  for (int64_t p = 0; p < C1; ++p) offsets[size_t(p + 1)] = offsets[size_t(p)] + int32_t(count[size_t(p)]);
+  return offsets;
+}
+
 // One dictionary (all KV heads) on the device, in `copies` disjoint copies.
 struct DeviceDict {
   int64_t K = 0, C1 = 0, D = 0;
+  double child_max_over_mean = 1.0;  // largest parent's children / (K / C1), over the views
   int copies = 0;
   std::vector<DevMem> mem;
   std::vector<DictLayerView> linear_views, hier_views;  // [copies, Hkv]
@@ -124,7 +157,7 @@ struct DeviceDict {
   int64_t bytes_per_copy = 0;
 };
 
-DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, int copies, Rng& rng) {
+DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, int copies, Rng& rng) {
   DeviceDict dd;
   const int64_t G = s.hq / s.hkv, D = G * kHeadDim;
   dd.K = K;
@@ -145,9 +178,6 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, int copies, Rng& rng) 
     }
     return v;
   };
-  // Parents: C1 leaves each (children contiguous, sizes differ by at most one).
-  std::vector<int32_t> offsets(dd.C1 + 1);
-  for (int64_t p = 0; p <= dd.C1; ++p) offsets[p] = int32_t(K * p / dd.C1);
   std::vector<float> lse(size_t(K * G));
   for (auto& x : lse) x = 4.f + rng.normal();
   for (int c = 0; c < copies; ++c) {
@@ -160,6 +190,12 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, int copies, Rng& rng) 
       const float* vlse = dd.mem.back().as<float>();
       dd.mem.push_back(Upload(unit_rows(dd.C1)));
       const void* parents = dd.mem.back().p;
+      // Children contiguous per parent (ChildOffsets: equal sizes, or unequal with skew).
+      const std::vector<int32_t> offsets = ChildOffsets(K, dd.C1, child_skew, rng);
+      for (int64_t p = 0; p < dd.C1; ++p) {
+        dd.child_max_over_mean = std::max(dd.child_max_over_mean, double(offsets[p + 1] - offsets[p]) *
+                                                                      double(dd.C1) / double(K));
+      }
       dd.mem.push_back(Upload(offsets));
       const int32_t* offs = dd.mem.back().as<int32_t>();
       DictLayerView v;
@@ -428,7 +464,8 @@ int Run(const Options& opt) {
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"T", T}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"top_m", opt.top_m},
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
-                     {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas}};
+                     {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
+                     {"child_skew", opt.child_skew}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -456,7 +493,8 @@ int Run(const Options& opt) {
       const int64_t D = int64_t(G) * kHeadDim;
       const double dict_bytes = double(s.hkv) * (double(K) * D * 2 + double(K) * G * kHeadDim * 2);
       const double kv_bytes = double(Bmin) * s.hkv * T * kHeadDim * 2 * 2;
-      dicts[K] = MakeDict(s, K, opt.top_m, rotations_for(kv_bytes + dict_bytes, int64_t(Bmin) * op_ppr), rng);
+      dicts[K] = MakeDict(s, K, opt.top_m, opt.child_skew,
+                          rotations_for(kv_bytes + dict_bytes, int64_t(Bmin) * op_ppr), rng);
     }
 
     for (int B : opt.batches) {
@@ -623,6 +661,7 @@ int Run(const Options& opt) {
                     {"mode", mode}, {"C1", hier ? dd.C1 : 0}, {"top_m", hier ? opt.top_m : 0},
                     {"bytes", bytes}, {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits},
                     {"lookup_splits", plan.lookup_splits}};
+          if (hier) j["child_max_over_mean"] = dd.child_max_over_mean;
           j.update(TimingJson(t));
           out["op"].push_back(j);
           std::string line;
@@ -677,6 +716,10 @@ int main(int argc, char** argv) {
   app.add_option("--modes", opt.modes, "lookup modes: linear and/or hier");
   app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
+  app.add_option("--child-skew", opt.child_skew,
+                 "unequal children per parent, ~ exp(SKEW N(0, 1)) (0: equal; 0.6 is about as "
+                 "unequal as a compiled dictionary)")
+      ->check(CLI::Range(0.0, 4.0));
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
