@@ -414,6 +414,8 @@ struct SegSmem {
     t += 4 * 8;
     first = reinterpret_cast<uint8_t*>(t);
   }
+  // Warp w's ring: piece slot j of ring slot s at + (s kPieces + j) 512 bytes.
+  __device__ char* WarpRing(int w) const { return ring + size_t(w) * L::kRingStages * L::kPieces * 512; }
   __device__ int32_t IdOf(const DecodeParams& p, int b) const {
     return b < L::kIdCache ? ids[b] : p.dict_ids[b];
   }
@@ -591,7 +593,7 @@ struct KeyRing {
     g = lane >> 2;
     keys = static_cast<const uint4*>(v.keys) + t4;
     pkeys = static_cast<const uint4*>(v.parent_keys) + t4;
-    dst0 = sm.ring + size_t(warp) * L::kRingStages * L::kPieces * 512 + RingPos(g, t4) * 16;
+    dst0 = sm.WarpRing(warp) + RingPos(g, t4) * 16;
     Seek();
   }
   // Starts the copies: chunks 0 .. kRingStages - 2 into slots 0 .. kRingStages - 2.
@@ -657,7 +659,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
   const int g = lane >> 2, t4 = lane & 3;
   const int nnt = (n + 7) / 8;
   const int term_bytes = MB * KEY_DIM * 2;
-  const char* ring = sm.ring + size_t(warp) * kRing * kPieces * 512;
+  const char* ring = sm.WarpRing(warp);
   int slot = 0;  // the ring slot of the next chunk to score (kr started kRing - 1 chunks)
 
   for (int k = 0; k < segs.n; ++k) {
