@@ -21,8 +21,9 @@ constexpr int32_t kMinSplitTokens = 128;
 // (96 KB of shared memory each); fewer, longer CTAs keep the cp.async pipeline full. With
 // dictionaries (kTargetCtasWithLookup) the lookup CTAs hold SMs while the attention starts,
 // and shorter splits fill the SMs as they free up: H200, bench_decode, LLaMA-3.1-8B shapes,
-// T = 1K, K = 4096 hierarchical, B = 32: 78.5 us with 1056 vs 83.5 with 264 (K = 1024:
-// 66.8 vs 76.1); B = 8 and 64 within 1 us. DecodeConfig::plan_ctas overrides both.
+// T = 1K, B = 32: K = 4096 hierarchical 78.5 us with 1056 vs 83.5 with 264, linear 72.7 vs
+// 78.0 (K = 1024 hierarchical: 66.8 vs 76.1); K = 4096 at B = 8: 46.0 vs 45.1 (linear 40.5
+// vs 39.0), at B = 64: 124.5 vs 125.0. DecodeConfig::plan_ctas overrides both.
 constexpr int32_t kTargetCtas = 2 * kDecodePlanSms;
 constexpr int32_t kTargetCtasWithLookup = 8 * kDecodePlanSms;
 constexpr int32_t kMaxKvSplits = 128;
