@@ -215,7 +215,9 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
         int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
     plan.parent_width = int32_t(kDecodeMaxParents);  // any valid view fits: plans survive
                                                      // a dictionary replace
-    plan.lookup_width = std::max(plan.parent_width, plan.lookup_splits * kLookupUnits);
+    // Slots: a hierarchical view's child pieces (at most C1 + U - 1, decode_kernels.cuh
+    // SegList) or a linear view's U slices, U = kLookupUnits S.
+    plan.lookup_width = plan.parent_width + plan.lookup_splits * kLookupUnits;
   }
   plan.workspace_bytes = LayoutWorkspace(c, plan).total;
   return plan;

@@ -32,7 +32,7 @@ struct LaunchArgs {
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
   int32_t parent_width = 0;   // pscore row length: the most parents a view may have
-  int32_t lookup_width = 0;   // pbest row length: max(parent_width, kLookupUnits S)
+  int32_t lookup_width = 0;   // pbest row length: parent_width + kLookupUnits S
   int32_t page_shift = 0;     // log2(page_size)
   float scale_log2 = 0.f;     // sm_scale * log2(e): scores are kept in base 2 inside a CTA
   float* part_o = nullptr;    // workspace: [B, Hq, kv_splits, d]

@@ -528,14 +528,14 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   EXPECT_EQ(DecodeWorkspaceBytes(c), pd.workspace_bytes);
   EXPECT_EQ(pd.lookup_splits, 17);  // about one lookup CTA per SM over the 8 KV heads
   EXPECT_EQ(pd.parent_width, kDecodeMaxParents);
-  EXPECT_EQ(pd.lookup_width, kDecodeMaxParents);
+  EXPECT_EQ(pd.lookup_width, kDecodeMaxParents + 4 * 17);  // child pieces: C1 + U - 1 at most
   c.lookup_ctas = 40;  // the knob sets the lookup CTAs per KV head
   EXPECT_EQ(PlanDecode(c).lookup_splits, 40);
   c.max_lookup_rows = 30;  // a hint only: every valid view fits any plan (replacements)
   EXPECT_EQ(PlanDecode(c).parent_width, kDecodeMaxParents);
-  c.lookup_ctas = 3000;  // more lookup units (4 per CTA) than parents: one result slot each
+  c.lookup_ctas = 3000;  // many lookup units (4 per CTA): a result slot per unit and parent
   EXPECT_EQ(PlanDecode(c).lookup_splits, 1024);
-  EXPECT_EQ(PlanDecode(c).lookup_width, 4096);
+  EXPECT_EQ(PlanDecode(c).lookup_width, kDecodeMaxParents + 4096);
   // Beside the lookup the plan cuts the attention into 4x more CTAs (B = 32, T = 1K: 256
   // token splits instead of one per (request, KV head)).
   DecodeConfig cd = c;
