@@ -447,7 +447,7 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
       // Complete.
       std::fill(out.begin(), out.end(), 0.f);
       float out_lse = -INFINITY;
-      if (p.prefix_o) {
+      if (p.prefix_o && p.prefix_lse[b * Hq + hq] > -INFINITY) {  // an empty state is (0, -inf)
         for (int64_t i = 0; i < d; ++i) {
           out[size_t(i)] = LoadAsFloat(p.prefix_o, dt, b * p.prefix_stride_b + hq * p.prefix_stride_h + i);
         }

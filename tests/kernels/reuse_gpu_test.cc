@@ -27,7 +27,7 @@ using test::MacSeqStats;
 using test::MakeMac;
 
 struct Counts {
-  int64_t sequences = 0, steps = 0, decisions = 0, hits = 0, ties = 0, mixed = 0, mismatches = 0;
+  int64_t sequences = 0, steps = 0, decisions = 0, hits = 0, ties = 0, mixed = 0, empty = 0, mismatches = 0;
   double max_rel_l2 = 0;
 };
 Counts g_counts;
@@ -36,11 +36,12 @@ class CountsReporter : public ::testing::Environment {
  public:
   void TearDown() override {
     std::printf(
-        "[mac gpu] %lld sequences, %lld steps, %lld decisions (%lld hits, %lld ties, %lld mixed groups): "
+        "[mac gpu] %lld sequences, %lld steps, %lld decisions (%lld hits, %lld ties, %lld mixed groups), "
+        "%lld empty rows: "
         "%lld decisions differ from the CPU reference; max relative L2 vs oracle %.3e\n",
         (long long)g_counts.sequences, (long long)g_counts.steps, (long long)g_counts.decisions,
         (long long)g_counts.hits, (long long)g_counts.ties, (long long)g_counts.mixed,
-        (long long)g_counts.mismatches, g_counts.max_rel_l2);
+        (long long)g_counts.empty, (long long)g_counts.mismatches, g_counts.max_rel_l2);
   }
 };
 const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
@@ -212,6 +213,7 @@ void Record(const MacSeqStats& st) {
   g_counts.hits += st.hits;
   g_counts.ties += st.ties;
   g_counts.mixed += st.groups_mixed;
+  g_counts.empty += st.empty_rows;
   g_counts.mismatches += st.dev_hit_mismatch;
   g_counts.max_rel_l2 = std::max(g_counts.max_rel_l2, st.max_dev_rel_l2);
 }

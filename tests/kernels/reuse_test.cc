@@ -24,7 +24,8 @@ using test::MacSeqStats;
 using test::MakeMac;
 
 // The sweep: >= 64 chained steps each, ring wrap-around (W < steps), ties (exact copies),
-// contexts shorter than r, F > 0 (also F > T), mixed and clustered groups, G 1/2/3/8,
+// contexts shorter than r, F > 0 (also F > T), empty rows (T = 0), mixed and clustered
+// groups, G 1/2/3/8,
 // d 64/128, bf16/f16, page sizes 1/8/16, both KV layouts, prefix states, epoch resets,
 // not-ready stretches, min_context gating.
 std::vector<MacCase> SweepCases() {
@@ -71,6 +72,7 @@ TEST(MacCpu, ChainedSequencesMatchOracle) {
     all.ties += st.ties;
     all.wraps += st.wraps;
     all.short_steps += st.short_steps;
+    all.empty_rows += st.empty_rows;
     all.groups_all_hit += st.groups_all_hit;
     all.groups_mixed += st.groups_mixed;
     all.groups_all_miss += st.groups_all_miss;
@@ -81,14 +83,16 @@ TEST(MacCpu, ChainedSequencesMatchOracle) {
   EXPECT_GT(all.ties, 0);
   EXPECT_GT(all.wraps, 0);
   EXPECT_GT(all.short_steps, 0);
+  EXPECT_GT(all.empty_rows, 0);
   EXPECT_GT(all.groups_all_hit, 0);
   EXPECT_GT(all.groups_mixed, 0);
   EXPECT_GT(all.groups_all_miss, 0);
   std::printf(
-      "[mac cpu] %lld steps, %lld decisions, %lld hits, %lld ties, %lld wrapped steps, %lld short; "
+      "[mac cpu] %lld steps, %lld decisions, %lld hits, %lld ties, %lld wrapped steps, %lld short, "
+      "%lld empty rows; "
       "groups all-hit %lld mixed %lld all-miss %lld; max rel L2 vs oracle %.2e\n",
       (long long)all.steps, (long long)all.decisions, (long long)all.hits, (long long)all.ties,
-      (long long)all.wraps, (long long)all.short_steps, (long long)all.groups_all_hit,
+      (long long)all.wraps, (long long)all.short_steps, (long long)all.empty_rows, (long long)all.groups_all_hit,
       (long long)all.groups_mixed, (long long)all.groups_all_miss, all.max_rel_l2);
 }
 

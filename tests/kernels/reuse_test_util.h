@@ -53,6 +53,8 @@ struct MacCase {
   float sm_scale = 0.f;
   int32_t reset_step = -1;         // request 0's slot gets a new epoch before this step
   int32_t unready_from = -1, unready_to = -1;  // the last request not ready in [from, to)
+  int32_t idle_from = -1, idle_to = -1;  // request 0 is an empty row (T = 0) in [from, to):
+                                         // out = its prefix state, nothing written
   bool programmatic_launch = false;  // MacDecodeConfig::programmatic_launch (CUDA op only)
 };
 
@@ -377,6 +379,7 @@ struct MacSeqStats {
   int64_t steps = 0, decisions = 0, hits = 0, ties = 0, wraps = 0;
   int64_t groups_all_hit = 0, groups_mixed = 0, groups_all_miss = 0;
   int64_t short_steps = 0;  // T < r
+  int64_t empty_rows = 0;   // (step, request) with T = 0
   double max_rel_l2 = 0;    // of the checked outputs against the oracle
   double max_dev_rel_l2 = 0;
   int64_t dev_hit_mismatch = 0;
@@ -448,6 +451,8 @@ inline std::vector<MacCase> CommonMacCases() {
   c.T0 = {12};
   c.steps = 80;
   c.p_exact = 0.3;
+  c.idle_from = 40;  // the only request empty: a step with no KV work at all
+  c.idle_to = 43;
   v.push_back(c);
 
   c = MacCase{};
@@ -460,6 +465,8 @@ inline std::vector<MacCase> CommonMacCases() {
   c.T0 = {6, 30, 9};
   c.with_prefix = true;
   c.sm_scale = 0.2f;
+  c.idle_from = 20;  // request 0 (with a prefix state) empty beside the others
+  c.idle_to = 26;
   v.push_back(c);
   return v;
 }
@@ -631,11 +638,12 @@ inline MacSeqStats RunMacSequence(const MacCase& cs, uint64_t seed, MacDevice* d
     std::vector<std::vector<std::vector<double>>> qs(B), qps(B), pos(B);
     std::vector<std::vector<double>> pls(B);
     for (int64_t b = 0; b < B; ++b) {
-      const int32_t T = cs.T0[b] + k + 1;
+      const bool idle = b == 0 && k >= cs.idle_from && k < cs.idle_to;
+      const int32_t T = idle ? 0 : cs.T0[b] + k + 1;
       seq[b] = T;
       qs[b] = make_q(b);
       qps[b].resize(Hq);
-      const std::vector<int32_t> cand = oracle.Candidates(b, T, slots.data());
+      const std::vector<int32_t> cand = idle ? std::vector<int32_t>{} : oracle.Candidates(b, T, slots.data());
       std::vector<char> group_hit(Hkv);
       for (int64_t h = 0; h < Hkv; ++h) group_hit[h] = u01(rng) < cs.p_hit;
       for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -704,6 +712,23 @@ inline MacSeqStats RunMacSequence(const MacCase& cs, uint64_t seed, MacDevice* d
     std::vector<std::vector<double>> ol(B);
     for (int64_t b = 0; b < B; ++b) {
       const int32_t T = seq[b], m = T - 1;
+      if (T == 0) {  // an empty row: the prefix state, no hit; an empty prefix state (none,
+                     // or lse = -inf) gives (0, -inf)
+        oo[b] = pos[b];
+        ol[b] = pls[b];
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          if (pls[b][hq] == -INFINITY) std::fill(oo[b][hq].begin(), oo[b][hq].end(), 0.0);
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          EXPECT_EQ(hit[b * Hq + hq], -1) << "reference decision of an empty row, b=" << b;
+          if (dev) {
+            st.dev_hit_mismatch += dev_hit[b * Hq + hq] != -1;
+            EXPECT_EQ(dev_hit[b * Hq + hq], -1) << "device decision of an empty row, b=" << b;
+          }
+        }
+        ++st.empty_rows;
+        continue;
+      }
       std::vector<MacOracle::Decision> dec;
       oracle.Step(b, T, qs[b], qps[b], cs.with_prefix ? &pos[b] : nullptr, cs.with_prefix ? &pls[b] : nullptr,
                   slots.data(), &dec, &oo[b], &ol[b]);

@@ -33,7 +33,8 @@
 //  group's KV is streamed once: tokens [0, F_m) and [min_g bs_g, m] (misses: bs = F_m), each
 //  head masking what it does not need. Hits and misses are decided before the attention work
 //  is divided, so an all-miss step costs what full attention costs (plus the match scan).
-//  T == 0: nothing is attended or written; out = prefix state (or (0, -inf)).
+//  T == 0: nothing is attended or written; out = prefix state (or (0, -inf) without one; a
+//  prefix state with lse = -inf is empty: (0, -inf) whatever its o).
 //
 // Staleness. A ring entry is served only when its tag matches the slot's current epoch and
 // the wanted position, and the slot is ready. Handing a slot to a new request: bump its epoch
@@ -66,9 +67,11 @@
 //
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
-// epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
-// attention over the planned KV chunks (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two are launched as
-// programmatic dependents (Hopper PDL).
+// epochs, ready flags, prefix states). Two launches: match (+ the plan, in its last CTA) and
+// attention over the planned KV chunks (one CTA per chunk; the CTA that finishes a group's
+// last chunk merges the group's states and writes its outputs and ring entries); with
+// config.programmatic_launch the attention is launched as a programmatic dependent (Hopper
+// PDL).
 #pragma once
 
 #include <cstddef>
@@ -106,9 +109,9 @@ struct MacDecodeConfig {
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
   MacConfig mac;
-  bool programmatic_launch = false;  // CUDA op: launch attend and combine as programmatic
-                                     // dependents (Hopper PDL; same results). Off: measured
-                                     // slower at B = 1 on an H200 (see reuse_kernels.cuh)
+  bool programmatic_launch = false;  // CUDA op: launch the attention as a programmatic
+                                     // dependent (Hopper PDL; same results). Off: measured
+                                     // no faster on an H200 (see reuse_kernels.cuh)
 };
 
 // Ring tag: the position held and the epoch it was written under; position -1: empty.
