@@ -59,9 +59,8 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
 // two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
 // and one pipeline fill, not one per segment. Chunks of groups with W_u >= base / 2 are
 // numbered first, the shorter groups' after them (CTAs start in index order). At most
-// kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1; a group without work gets one
-// empty chunk); the attention grid has that many CTAs and the unused ones exit. Each chunk
-// is written out whole (ChunkDesc).
+// kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
+// CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).
 // ---------------------------------------------------------------------------------------
 constexpr int32_t kTargetChunks = 2 * 132;
 constexpr int32_t kMinChunk = 128;
@@ -115,19 +114,14 @@ inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
 // The plan of one group (written by the match kernel's last CTA).
 struct UnitPlan {
   int32_t first_chunk;  // global index of its first chunk
-  int32_t n_chunks;     // its chunks, each `per` work tokens (the last shorter); a group
-                        // without work (T = 0) has one empty chunk, so its outputs are
-                        // still written
+  int32_t n_chunks;     // its chunks, each `per` work tokens (the last shorter)
   int32_t per;
   int32_t sink_end, band_lo, band_end, end;
-  int32_t done;  // the group's chunks finished so far this step: the plan writes 0, each
-                 // attention CTA adds 1, and the one that brings it to n_chunks finishes
-                 // the group (merges the partials, writes the output and the ring entry)
 };
 // One planned chunk as the attention CTA reads it (one 32-byte load, no further plan
-// lookups): group u, work tokens [w0, w1), the group's ranges and its chunks.
+// lookups): group u, work tokens [w0, w1), and the group's ranges.
 struct alignas(16) ChunkDesc {
-  int32_t u, w0, w1, sink_end, band_lo, band_end, first_chunk, n_chunks;
+  int32_t u, w0, w1, sink_end, band_lo, band_end, pad0, pad1;
 };
 // Work tokens of a group (sink, then body): index w is token w < sink_end ? w : w + band_lo -
 // sink_end.

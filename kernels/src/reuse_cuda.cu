@@ -97,6 +97,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
     constexpr int GROUP = decltype(gs)::value;
     LaunchMatch<DType, HEAD_DIM>(a, stream);
     LaunchAttend<DType, HEAD_DIM, GROUP>(a, a.max_chunks, stream);
+    LaunchCombine<DType, HEAD_DIM>(a, stream);
   });
 }
 

@@ -1,6 +1,6 @@
 // MAC reuse device code (contracts: asmem/reuse.h; ranges and plan: reuse_common.h).
 //
-// A step is two kernels:
+// A step is three kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query in registers
 //    (8 dims per lane), the split's candidate rows of the query ring streamed with 16-byte
 //    loads (d/8 lanes per row, 4 or 8 rows per lane in flight), tags checked, fp32 squared
@@ -17,19 +17,14 @@
 //    with the G heads as the mma N dimension, 96 KB of shared memory, two CTAs per SM).
 //    Two online-softmax states per lane: the band (each head from its own band start:
 //    the new entry) and the sink and tail (the output); a 16-token piece of a warp updates
-//    only the states it touches. Two normalized partial states per chunk and head. The CTA
-//    that finishes a group's last chunk then finishes the group (FinishGroup): band
-//    partials + the reused entry -> the new entry; sink and tail partials + the new entry +
-//    the prefix state -> the output; then the ring writes (query, entry, tag).
-// With programmatic launch (off by default), attend starts while the match drains and waits
-// (griddepcontrol.wait) before reading anything it wrote.
+//    only the states it touches. Two normalized partial states per chunk and head.
+//  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
+//    new entry; sink and tail partials + the new entry + the prefix state -> the output;
+//    then the ring writes (query, entry, tag). Every merge is state.cuh's.
+// With programmatic launch (off by default), attend and combine start while their
+// predecessor drains and wait (griddepcontrol.wait) before reading anything it wrote.
 //
-// Measured on the H200 (ncu, B = 1 and 32, 32K context, every head hitting) before the
-// group finish moved into the attend kernel: a third kernel, one CTA per (request, query
-// head), took 9.3 us at B = 1 and 18.8 us at B = 32 (1024 CTAs of a few dependent loads
-// each), beside match 10.5 / 54.7 us and attend 9.7 / 31.4 us.
-//
-// Measured (H200, bf16, asmem_bench_mac) with the
+// Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json) with the
 // earlier attend kernel (CUDA cores, 32-token tiles, four CTAs per SM, about eight chunks
 // per SM, sink, band and tail chunked apart), and why so:
 //  * A grid of resident CTAs looping over the chunks (c += gridDim.x) was slower than one
@@ -37,11 +32,26 @@
 //    some CTAs several long chunks; the hardware's dynamic CTA dispatch balances them.
 //  * Programmatic dependent launch made the B=1 all-hit step slower (43.2 vs 38.9 us) and
 //    did not change B=32 (140 vs 138 us): early-launched CTAs sit on SMs waiting. With the
-//    tensor-core attend and the three kernels (733a49d), it changed nothing either: 32.2 vs
-//    31.9 us at B = 1 and 128.5 vs 128.7 us at B = 32 (99% hits, 32K).
+//    tensor-core attend (a752665) it changed nothing either: 32.2 vs 31.9 us at B = 1 and
+//    128.5 vs 128.7 us at B = 32 (99% clustered hits, 32K).
 //  * All-hit cost: ~38 us at B=1 (three dependent kernels of little work each) plus ~4 us
 //    per request at W = 512 for ~7 MB read (the 4 MB query ring scan of 32 heads and
 //    ~2.7 MB of band and tail KV): ~1.7 TB/s, well under HBM speed.
+//  * The group's finish in the attention kernel instead of the combine kernel (branch
+//    mac-fuse, session 6): the CTA that finished a group's last chunk (a per-group count)
+//    merged the group's partials and wrote the output and ring entries, one warp per head.
+//    LLaMA-8B heads gained (B = 1 all-hit 32.2 -> 28.7 us, B = 32 107.7 -> 95.1 us, B = 32
+//    99% clustered 32K 128.3 -> 121.2 us) but a group of many chunks then has one CTA read
+//    all its partials: GQA-8 (8 heads per group) B = 1 all-miss 32K 59.0 -> 81.0 us, B = 16
+//    99% clustered 32K 85.6 -> 117.8 us, B = 1 all-hit 32.4 -> 34.6 us. Not merged; a tree of
+//    partial merges spread over the chunks' CTAs would be needed for large groups. The
+//    fused attend also needed no static shared memory: a 16-byte __shared__ flag beside the
+//    dynamic tiles made it 4.5 us slower at B = 32 (36.5 vs 41.0 us, ncu); __syncthreads_or
+//    replaced it.
+//  * The ring rows through shared memory in 8 KB tiles with cp.async, two tiles ahead (16
+//    KB in flight per CTA, 8 CTAs per SM): match 53.9-55.2 us against 54.4-55.0 us for
+//    the register loads (B = 32 all-hit, 32K, ncu). About 11 us of it is not the scan: with
+//    min_context above T (no row read) the match took 10.8 us at B = 32, 7.2 us at B = 1.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -186,10 +196,6 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
         if (work > 0 && is_long == (pass == 0)) {
           GroupChunks(work, base, &up.n_chunks, &up.per);
           cnt = up.n_chunks;
-        } else if (work == 0 && pass == 1) {  // one empty chunk writes the group's outputs
-          up.n_chunks = 1;
-          up.per = 0;
-          cnt = 1;
         }
       }
       int32_t tile_total = 0;
@@ -206,8 +212,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
           d.sink_end = up.sink_end;
           d.band_lo = up.band_lo;
           d.band_end = up.band_end;
-          d.first_chunk = up.first_chunk;
-          d.n_chunks = up.n_chunks;
+          d.pad0 = d.pad1 = 0;
           a.chunks[up.first_chunk + j] = d;
         }
       }
@@ -225,11 +230,6 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 // Match
 // ---------------------------------------------------------------------------------------
 
-// Tried (H200, B = 32 all-hit, 32K, ncu): the rows through shared memory in 8 KB tiles with
-// cp.async, two tiles ahead (16 KB in flight per CTA, 8 CTAs per SM, no registers holding
-// rows): 53.9-55.2 us against 54.4-55.0 us for this kernel. Of that, about 11 us is not the
-// scan: with min_context above T (no row read) the kernel took 10.8 us at B = 32 and 7.2 us
-// at B = 1 (launch, query loads, the count, the last CTA's plan).
 // UNROLL: rows per lane group in flight. 8 (one batch covers a B = 1 split of kMinMatchRows
 // rows at d = 128: one memory round trip instead of two) costs registers, 72 vs 54 at d = 128,
 // so 7 CTAs per SM instead of 9 (d = 64: 88 vs 56, 5 vs 9); LaunchMatch takes it only for
@@ -693,6 +693,33 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
   AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, nullptr, reinterpret_cast<char*>(mac_smem));
 }
 
+// Decode: CTA c attends planned chunks c, c + gridDim.x, ... (one chunk per CTA as launched).
+template <typename DType, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
+  extern __shared__ float4 mac_smem[];
+  GridDependencyWait();  // the plan is complete and visible
+  GridLaunchDependents();
+  // The chunk's descriptor is read together with the chunk count (the array has
+  // max_chunks entries; one past the plan holds a stale value, never used).
+  for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
+    const int n = int(__ldcg(a.plan_info + 1));  // written by the plan grid: not __ldg
+    const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
+    const int4 d0 = __ldcg(dp), d1 = __ldcg(dp + 1);
+    if (c >= n) break;
+    __syncthreads();  // the previous chunk is done with shared memory
+    ChunkDesc d;
+    d.u = d0.x;
+    d.w0 = d0.y;
+    d.w1 = d0.z;
+    d.sink_end = d0.w;
+    d.band_lo = d1.x;
+    d.band_end = d1.y;
+    const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
+    AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP,
+                                        reinterpret_cast<char*>(mac_smem));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------------------
@@ -774,6 +801,114 @@ __device__ __forceinline__ void MergeWarps(LaneState<kPer>* st, float* sm_o, flo
 }
 
 template <typename DType, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a) {
+  constexpr int kPer = HEAD_DIM / 32;
+  constexpr int kBatch = 8;
+  __shared__ __align__(16) float sm_o[2 * kWarps * HEAD_DIM];
+  __shared__ float sm_l[2 * kWarps];
+  GridDependencyWait();  // the attend partials (and the plan before them) are visible
+  const MacParams& p = a.p;
+  const int bhq = int(blockIdx.x);
+  const int b = bhq / a.hq, hq = bhq % a.hq;
+  const int h = hq / a.group, g = hq % a.group;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c0 = lane * kPer;
+  const int32_t T = p.seq_lens[b];
+  const int32_t slot = SlotOfDev(p.slot_ids, b);
+  const int32_t W = a.window;
+  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
+
+  // Warp 0's decision is loaded before the partials are merged and its other inputs (the
+  // reused entry, the prefix state, the query and epoch for the ring writes) right after, so
+  // their round trips overlap the merge instead of following it one after another (holding
+  // them across the partial loop would cost the registers of a sixth CTA per SM). Same
+  // values, same merge order.
+  HeadDecision dec{-1, 0};
+  if (warp == 0) dec = a.heads[bhq];
+
+  LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
+  st[0].init();
+  st[1].init();
+  {
+    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T. Each
+    // chunk has two partials: [band state, sink-and-tail state].
+    const UnitPlan up = a.units[b * a.hkv + h];
+    const int n_all = 2 * up.n_chunks;
+    const int64_t row0 = int64_t(up.first_chunk) * 2;
+    for (int j0 = warp; j0 < n_all; j0 += kWarps * kBatch) {
+      float o2[kBatch][kPer], l2[kBatch];
+      bool band[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int j = j0 + k * kWarps;
+        band[k] = (j & 1) == 0;
+        if (j < n_all) {
+          const int64_t row = (row0 + j) * a.group + g;
+          LoadRow<kPer>(a.part_o + row * HEAD_DIM + c0, o2[k]);
+          l2[k] = a.part_lse[row];
+        } else {
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) o2[k][i] = 0.f;
+          l2[k] = -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (band[k]) {
+          st[0].merge(o2[k], l2[k]);
+        } else {
+          st[1].merge(o2[k], l2[k]);
+        }
+      }
+    }
+  }
+  float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
+  uint2 q_copy = make_uint2(0, 0);
+  int32_t epoch = 0;
+  if (warp == 0) {
+    if (T > 0 && dec.hit_pos >= 0) {
+      const int64_t row = ring_row0 + dec.hit_pos % W;
+      LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
+      e_lse = p.state.ring_lse[row];
+    }
+    if (p.prefix_o) {
+      const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
+      p_lse = p.prefix_lse[bhq];
+    }
+    if (T > 0) {
+      Copy16<kPer>(&q_copy, static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+      if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
+    }
+  }
+  MergeWarps<HEAD_DIM, kPer>(st, sm_o, sm_l);
+  if (warp != 0) return;
+
+  if (T > 0 && dec.hit_pos >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
+  LaneState<kPer> out;
+  out.init();
+  if (p.prefix_o) out.merge(po, p_lse);
+  out.merge(st[1].o, st[1].lse);
+  out.merge(st[0].o, st[0].lse);
+  StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, out.o);
+  if (lane == 0) {
+    if (p.lse) p.lse[bhq] = out.lse;
+    if (p.hit_pos) p.hit_pos[bhq] = T > 0 ? dec.hit_pos : -1;
+  }
+  if (T <= 0) return;
+  // Amend: the entry and query of position m into ring slot m % W.
+  const int32_t m = T - 1;
+  const int64_t row = ring_row0 + m % W;
+  StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
+  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0, &q_copy);
+  if (lane == 0) {
+    p.state.ring_lse[row] = st[0].lse;
+    if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
+  }
+}
+
+template <typename DType, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;
@@ -830,160 +965,6 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode attend and group finish
-// ---------------------------------------------------------------------------------------
-
-// 4 float (kPer = 4) or 2 float (kPer = 2) load through L2: rows another CTA of this grid
-// wrote (the L1 does not see them).
-template <int kPer>
-__device__ __forceinline__ void LoadRowCg(const float* src, float* dst) {
-  if constexpr (kPer == 4) {
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
-    dst[0] = x.x; dst[1] = x.y; dst[2] = x.z; dst[3] = x.w;
-  } else {
-    const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
-    dst[0] = x.x; dst[1] = x.y;
-  }
-}
-
-// The end of a group's step, run by the CTA that finished the group's last chunk: per head
-// (warp w takes heads w, w + 4), the band partials + the reused entry -> the new entry; the
-// sink-and-tail partials + the new entry + the prefix state -> the output; then the ring
-// writes (query, entry, tag). Every merge is state.cuh's. kBatch chunks' partials are in
-// flight at once; the entry, prefix state and query loads are issued before them.
-template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void FinishGroup(const LaunchArgs& a, const ChunkPos& cp, int first_chunk, int n_chunks) {
-  constexpr int kPer = HEAD_DIM / 32;
-  constexpr int kBatch = 8;
-  const MacParams& p = a.p;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int c0 = lane * kPer;
-  const int b = cp.b;
-  const int32_t T = p.seq_lens[b];
-  const int32_t slot = SlotOfDev(p.slot_ids, b);
-  const int32_t W = a.window;
-  for (int hh = warp; hh < GROUP; hh += kWarps) {
-    const int hq = cp.h * GROUP + hh;
-    const int64_t bhq = int64_t(b) * a.hq + hq;
-    const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
-    const int2 dv = __ldcg(reinterpret_cast<const int2*>(a.heads + bhq));  // written by the plan
-    const int32_t hit = T > 0 ? dv.x : -1;
-    float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
-    uint2 q_copy = make_uint2(0, 0);
-    int32_t epoch = 0;
-    if (hit >= 0) {
-      const int64_t row = ring_row0 + hit % W;
-      LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
-      e_lse = p.state.ring_lse[row];
-    }
-    if (p.prefix_o) {
-      const DType* src = static_cast<const DType*>(p.prefix_o) + b * p.prefix_stride_b + hq * p.prefix_stride_h + c0;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) po[i] = Pack<DType>::One(src[i]);
-      p_lse = p.prefix_lse[bhq];
-    }
-    if (T > 0) {
-      Copy16<kPer>(&q_copy, static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
-      if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
-    }
-
-    LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-    st[0].init();
-    st[1].init();
-    // Partial j of the group (chunk j / 2, state j % 2) is row (2 first_chunk + j) G + hh.
-    const int n_all = 2 * n_chunks;
-    const int64_t row0 = int64_t(first_chunk) * 2 * GROUP + hh;
-    for (int j0 = 0; j0 < n_all; j0 += kBatch) {
-      float o2[kBatch][kPer], l2[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int j = j0 + k;
-        if (j < n_all) {
-          const int64_t row = row0 + int64_t(j) * GROUP;
-          LoadRowCg<kPer>(a.part_o + row * HEAD_DIM + c0, o2[k]);
-          l2[k] = __ldcg(a.part_lse + row);
-        } else {
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) o2[k][i] = 0.f;
-          l2[k] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) st[k & 1].merge(o2[k], l2[k]);  // j0 is even
-    }
-
-    if (hit >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
-    LaneState<kPer> out;
-    out.init();
-    if (p.prefix_o) out.merge(po, p_lse);
-    out.merge(st[1].o, st[1].lse);
-    out.merge(st[0].o, st[0].lse);
-    StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, out.o);
-    if (lane == 0) {
-      if (p.lse) p.lse[bhq] = out.lse;
-      if (p.hit_pos) p.hit_pos[bhq] = hit;
-    }
-    if (T <= 0) continue;
-    // Amend: the entry and query of position m into ring slot m % W.
-    const int32_t m = T - 1;
-    const int64_t row = ring_row0 + m % W;
-    StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-    Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0, &q_copy);
-    if (lane == 0) {
-      p.state.ring_lse[row] = st[0].lse;
-      if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
-    }
-  }
-}
-
-// atomicAdd with acquire-release semantics at device scope (cumulative: with a barrier
-// before it, it publishes the writes of the caller's whole CTA; with a barrier after it,
-// the whole CTA sees what the earlier counters published). Cheaper than fencing around a
-// relaxed atomic.
-__device__ __forceinline__ int32_t AtomicAddAcqRel(int32_t* p, int32_t v) {
-  int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-// Decode: CTA c attends planned chunk c (the grid has the most chunks a plan can have; the
-// CTAs past the plan exit). The CTA that finishes a group's last chunk then finishes the
-// group (FinishGroup): a group of one chunk right away, otherwise the CTA whose count of
-// the group's done chunks (UnitPlan::done) reaches n_chunks.
-template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
-  extern __shared__ float4 mac_smem[];
-  GridDependencyWait();  // the plan is complete and visible
-  const int c = int(blockIdx.x);
-  // The chunk's descriptor is read together with the chunk count (the array has
-  // max_chunks entries; one past the plan holds a stale value, never used).
-  const int n = int(__ldcg(a.plan_info + 1));  // written by the plan grid: not __ldg
-  const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
-  const int4 d0 = __ldcg(dp), d1 = __ldcg(dp + 1);
-  if (c >= n) return;
-  ChunkDesc d;
-  d.u = d0.x;
-  d.w0 = d0.y;
-  d.w1 = d0.z;
-  d.sink_end = d0.w;
-  d.band_lo = d1.x;
-  d.band_end = d1.y;
-  d.first_chunk = d1.z;
-  d.n_chunks = d1.w;
-  const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
-  AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP, reinterpret_cast<char*>(mac_smem));
-  // Every thread's partial rows are written before the CTA counts itself (barrier, then a
-  // release by thread 0); the last CTA reads the others' rows after its count (acquire by
-  // thread 0, then the barrier).
-  __syncthreads();
-  if (d.n_chunks > 1) {
-    const bool last = threadIdx.x == 0 && AtomicAddAcqRel(&a.units[d.u].done, 1) == d.n_chunks - 1;
-    if (!__syncthreads_or(last)) return;
-  }
-  FinishGroup<DType, HEAD_DIM, GROUP>(a, cp, d.first_chunk, d.n_chunks);
-}
-
-// ---------------------------------------------------------------------------------------
 // Launch functions (instantiated in reuse_attn_*.cu)
 // ---------------------------------------------------------------------------------------
 
@@ -1022,6 +1003,12 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
 }
 
 template <typename DType, int HEAD_DIM>
+void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
+  decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM>, unsigned(int64_t(a.batch) * a.hq), kThreads, 0,
+                         a.pdl, a, stream);
+}
+
+template <typename DType, int HEAD_DIM>
 void LaunchFillCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.fill_n * a.hq;
   MacFillCombineKernel<DType, HEAD_DIM><<<unsigned(ctas), kThreads, 0, stream>>>(a);
@@ -1039,6 +1026,7 @@ void LaunchFillCombine(const LaunchArgs& a, cudaStream_t stream) {
   template void LaunchAttend<DT, HD, 7>(const LaunchArgs&, int32_t, cudaStream_t); \
   template void LaunchAttend<DT, HD, 8>(const LaunchArgs&, int32_t, cudaStream_t); \
   template void LaunchMatch<DT, HD>(const LaunchArgs&, cudaStream_t);              \
+  template void LaunchCombine<DT, HD>(const LaunchArgs&, cudaStream_t);            \
   template void LaunchFillCombine<DT, HD>(const LaunchArgs&, cudaStream_t);
 
 }  // namespace mac

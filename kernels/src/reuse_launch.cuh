@@ -45,19 +45,20 @@ struct LaunchArgs {
   UnitPlan* units = nullptr;
   ChunkDesc* chunks = nullptr;  // [max_chunks] the planned chunks
   int32_t max_chunks = 0;
-  // Partial states of the chunks: [chunk, 2, G, d] and [chunk, 2, G] (decode), [chunk, G, d]
-  // and [chunk, G] (fill).
+  // Partial states of the chunks: [chunk, G, d] and [chunk, G] (decode and fill).
   float* part_o = nullptr;
   float* part_lse = nullptr;
   // Fill: positions per request and splits per (request, position, KV head).
   int32_t fill_n = 0, fill_splits = 1;
-  bool pdl = false;  // attend launched as a programmatic dependent
+  bool pdl = false;  // attend and combine launched as programmatic dependents
 };
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream);
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream);
+template <typename DType, int HEAD_DIM>
+void LaunchCombine(const LaunchArgs& a, cudaStream_t stream);
 template <typename DType, int HEAD_DIM>
 void LaunchFillCombine(const LaunchArgs& a, cudaStream_t stream);
 void LaunchUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch,

@@ -67,11 +67,9 @@
 //
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
-// epochs, ready flags, prefix states). Two launches: match (+ the plan, in its last CTA) and
-// attention over the planned KV chunks (one CTA per chunk; the CTA that finishes a group's
-// last chunk merges the group's states and writes its outputs and ring entries); with
-// config.programmatic_launch the attention is launched as a programmatic dependent (Hopper
-// PDL).
+// epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
+// attention over the planned KV chunks (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two are launched as
+// programmatic dependents (Hopper PDL).
 #pragma once
 
 #include <cstddef>
@@ -109,9 +107,9 @@ struct MacDecodeConfig {
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
   MacConfig mac;
-  bool programmatic_launch = false;  // CUDA op: launch the attention as a programmatic
-                                     // dependent (Hopper PDL; same results). Off: measured
-                                     // no faster on an H200 (see reuse_kernels.cuh)
+  bool programmatic_launch = false;  // CUDA op: launch attend and combine as programmatic
+                                     // dependents (Hopper PDL; same results). Off: measured
+                                     // slower at B = 1 on an H200 (see reuse_kernels.cuh)
 };
 
 // Ring tag: the position held and the epoch it was written under; position -1: empty.
