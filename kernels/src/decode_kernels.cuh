@@ -376,8 +376,9 @@ __device__ __forceinline__ void GridDependencyWait() {
 // b0 % reps == r, for all of that dictionary's requests ("members") at once. Its warp w
 // takes unit u = kLookupUnits s + w of the U = kLookupUnits S units per KV head (SegList):
 //   hierarchical view (C1 > 0): unit 0 the C1 parent rows; the children of every parent
-//     are cut into pieces of at most R = PieceRows(K, U) rows (about K / (U - 1): a parent
-//     of many children takes several units, however unequal the k-means clusters), and
+//     are cut into pieces of at most R = PieceRows(K, U) rows (about K / (U - 1), at least
+//     64: a parent of many children takes several units, however unequal the k-means
+//     clusters), and
 //     unit u >= 1 takes pieces u - 1, u - 1 + (U - 1), ...;
 //   linear view: one slice per unit, key rows [K u/U, K (u+1)/U).
 // Per (member b, KV head h) it writes to the workspace every parent's score (pscore) and

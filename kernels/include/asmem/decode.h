@@ -161,8 +161,9 @@ struct DecodePlan {
   int32_t lookup_splits = 0;  // lookup CTAs per KV head and dictionary rep (S); each runs
                               // 4 units: of a hierarchical view, unit 0 scores the parents
                               // and the other 4S - 1 take turns at its children cut into
-                              // pieces of about K / (4S - 1) rows; of a linear view each
-                              // unit scores a 1/(4S) slice; 0 without dictionaries
+                              // pieces of about K / (4S - 1) rows (at least 64); of a
+                              // linear view each unit scores a 1/(4S) slice; 0 without
+                              // dictionaries
   int32_t parent_width = 0;   // parent scores kept per (request, KV head): kDecodeMaxParents
   int32_t lookup_width = 0;   // per-(request, KV head) segment results in the workspace
   size_t workspace_bytes = 0; // device workspace DecodeAttention needs
