@@ -44,7 +44,10 @@
 //    99% clustered 32K 128.3 -> 121.2 us) but a group of many chunks then has one CTA read
 //    all its partials: GQA-8 (8 heads per group) B = 1 all-miss 32K 59.0 -> 81.0 us, B = 16
 //    99% clustered 32K 85.6 -> 117.8 us, B = 1 all-hit 32.4 -> 34.6 us. Not merged; a tree of
-//    partial merges spread over the chunks' CTAs would be needed for large groups. The
+//    partial merges spread over the chunks' CTAs would be needed for large groups (branch
+//    mac-fuse2 merges blocks of 8 chunks first; it passed the GPU tests but made every
+//    B = 1 cell about 10 us slower than mac-fuse, also those without a block merge, for a
+//    reason not found: LLaMA-8B all-hit 38.0 vs 28.9 us, GQA-8 48.9 vs 34.9 us). The
 //    fused attend also needed no static shared memory: a 16-byte __shared__ flag beside the
 //    dynamic tiles made it 4.5 us slower at B = 32 (36.5 vs 41.0 us, ncu); __syncthreads_or
 //    replaced it.
