@@ -54,7 +54,8 @@
 //  * The ring rows through shared memory in 8 KB tiles with cp.async, two tiles ahead (16
 //    KB in flight per CTA, 8 CTAs per SM): match 53.9-55.2 us against 54.4-55.0 us for
 //    the register loads (B = 32 all-hit, 32K, ncu). About 11 us of it is not the scan: with
-//    min_context above T (no row read) the match took 10.8 us at B = 32, 7.2 us at B = 1.
+//    min_context above T (no row read) that variant took 10.8 us at B = 32, 7.2 us at B = 1
+//    (its launch, query loads, count and plan are this kernel's).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
