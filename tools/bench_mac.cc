@@ -242,6 +242,14 @@ int Run(const Options& opt) {
     // One slot's ring content, shared by every slot: random queries, entries, lse.
     const size_t ring_rows = size_t(s.hq) * W;
     const std::vector<uint16_t> ring_q_host = RandomBF16(ring_rows * kHeadDim, rng);
+    // Their 8-bit copies, as the ring keeps them (reuse.h).
+    std::vector<int8_t> ring_q8(ring_rows * kHeadDim);
+    std::vector<MacQueryScale> ring_qs_host(ring_rows);
+    for (size_t r = 0; r < ring_rows; ++r) {
+      float row[kHeadDim];
+      for (int i = 0; i < kHeadDim; ++i) row[i] = BF16BitsToFloat(ring_q_host[r * kHeadDim + i]);
+      ring_qs_host[r] = MacQuantizeQuery(row, kHeadDim, &ring_q8[r * kHeadDim]);
+    }
     std::vector<float> ring_o_host(ring_rows * kHeadDim), ring_lse_host(ring_rows);
     for (auto& x : ring_o_host) x = 0.5f * rng.normal();
     for (auto& x : ring_lse_host) x = 5.f + rng.normal();
@@ -279,8 +287,10 @@ int Run(const Options& opt) {
         // Rings: the shared content in every slot, tags for positions m-W .. m-1.
         for (int b = 0; b < B; ++b) {
           const size_t r0 = size_t(b) * ring_rows;
-          ASMEM_CUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(state.ring_q) + r0 * kHeadDim, ring_q_host.data(),
-                                      ring_q_host.size() * 2, cudaMemcpyHostToDevice));
+          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_q + r0 * kHeadDim, ring_q8.data(), ring_q8.size(),
+                                      cudaMemcpyHostToDevice));
+          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_qs + r0, ring_qs_host.data(),
+                                      ring_qs_host.size() * sizeof(MacQueryScale), cudaMemcpyHostToDevice));
           ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_o + r0 * kHeadDim, ring_o_host.data(), ring_o_host.size() * 4,
                                       cudaMemcpyHostToDevice));
           ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_lse + r0, ring_lse_host.data(), ring_lse_host.size() * 4,

@@ -2,6 +2,7 @@
 // the CPU reference (host and device code). Private to kernels/src. Contracts: asmem/reuse.h.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -45,6 +46,54 @@ ASMEM_HOST_DEVICE UnitRanges GroupRanges(int32_t F, int32_t r, int32_t T, int32_
   u.band_lo = band_lo;
   u.end = T;
   return u;
+}
+
+// ---------------------------------------------------------------------------------------
+// The 8-bit query ring (reuse.h): one rule for the writers and the match on both paths.
+// ---------------------------------------------------------------------------------------
+
+// fp32 operations that no compiler contracts or reorders (nvcc fuses a * b + c by default).
+#if defined(__CUDA_ARCH__)
+ASMEM_HOST_DEVICE float MulRn(float a, float b) { return __fmul_rn(a, b); }
+ASMEM_HOST_DEVICE float SubRn(float a, float b) { return __fsub_rn(a, b); }
+ASMEM_HOST_DEVICE float FmaRn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+ASMEM_HOST_DEVICE float DivRn(float a, float b) { return __fdiv_rn(a, b); }
+ASMEM_HOST_DEVICE float RintF(float a) { return rintf(a); }
+#else
+ASMEM_HOST_DEVICE float MulRn(float a, float b) { return a * b; }
+ASMEM_HOST_DEVICE float SubRn(float a, float b) { return a - b; }
+ASMEM_HOST_DEVICE float FmaRn(float a, float b, float c) { return std::fma(a, b, c); }
+ASMEM_HOST_DEVICE float DivRn(float a, float b) { return a / b; }
+ASMEM_HOST_DEVICE float RintF(float a) { return std::nearbyint(a); }  // round to nearest even
+#endif
+
+constexpr float kQueryLevels = 127.f;
+constexpr float kFltMin = 1.17549435e-38f;  // FLT_MIN
+
+// A row's quantizer from amax = max |x_i| and whether every value is finite: the scale, and
+// the factor the values are multiplied by before rounding (0: every value is 0).
+struct QueryQuant {
+  float scale, inv;
+};
+ASMEM_HOST_DEVICE QueryQuant QueryQuantOf(float amax, bool finite) {
+  if (!finite) return {NAN, 0.f};
+  if (!(amax >= kFltMin)) return {0.f, 0.f};
+  return {DivRn(amax, kQueryLevels), DivRn(kQueryLevels, amax)};
+}
+ASMEM_HOST_DEVICE int32_t QueryValue(float x, float inv) {
+  if (inv == 0.f) return 0;
+  float y = RintF(MulRn(x, inv));
+  y = y > kQueryLevels ? kQueryLevels : (y < -kQueryLevels ? -kQueryLevels : y);
+  return int32_t(y);
+}
+// sum_i (s_q q_i - s_r r_i)^2 from a = sum q_i^2, b = sum r_i^2, c = sum q_i r_i (exact
+// integers) as s_q s_r (a + b - 2c) + (s_q - s_r)(s_q a - s_r b): equal scales (copies of
+// one row) leave only the first term, without cancellation.
+ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, int32_t c) {
+  const int32_t dd = a + b - 2 * c;  // sum (q_i - r_i)^2 >= 0
+  const float main = MulRn(MulRn(sq, sr), float(dd));
+  const float cross = FmaRn(sq, float(a), -MulRn(sr, float(b)));
+  return FmaRn(SubRn(sq, sr), cross, main);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -161,7 +210,8 @@ void CheckParams(const MacDecodeConfig& config, const MacParams& params, const c
 void CheckFillParams(const MacDecodeConfig& config, const MacFillParams& params, const char* fn);
 // Ring byte offsets inside one layer's state block.
 struct StateLayout {
-  size_t ring_q = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, match_done = 0, total = 0;
+  size_t ring_q = 0, ring_qs = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, match_done = 0,
+         total = 0;
 };
 StateLayout LayoutState(const MacDecodeConfig& config);
 

@@ -18,6 +18,34 @@ float MacThreshold(const MacConfig& mac, int32_t head_dim) {
   return float(2.0 * double(head_dim) * t * t);
 }
 
+MacQueryScale MacQuantizeQuery(const float* x, int32_t d, int8_t* out) {
+  if (d < 1 || d > kMacMaxHeadDim) {
+    throw InvalidArgument("MacQuantizeQuery: d must be in [1, " + std::to_string(kMacMaxHeadDim) + "], got " +
+                          std::to_string(d));
+  }
+  float amax = 0.f;
+  bool finite = true;
+  for (int32_t i = 0; i < d; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const mac::QueryQuant qq = mac::QueryQuantOf(amax, finite);
+  MacQueryScale s;
+  s.scale = qq.scale;
+  for (int32_t i = 0; i < d; ++i) {
+    const int32_t r = mac::QueryValue(x[i], qq.inv);
+    out[i] = int8_t(r);
+    s.sum_sq += r * r;
+  }
+  return s;
+}
+
+float MacQueryDistance(MacQueryScale q, const int8_t* qv, MacQueryScale r, const int8_t* rv, int32_t d) {
+  int32_t c = 0;
+  for (int32_t i = 0; i < d; ++i) c += int32_t(qv[i]) * int32_t(rv[i]);
+  return mac::QueryDistance(q.scale, q.sum_sq, r.scale, r.sum_sq, c);
+}
+
 void ValidateMacConfig(const MacConfig& mac) {
   auto fail = [](const std::string& m) { throw InvalidArgument("MacConfig: " + m); };
   if (!(mac.tau >= 0.f && mac.tau <= 1.f)) fail("tau = " + std::to_string(mac.tau) + " is outside [0, 1]");
@@ -65,6 +93,7 @@ void CheckKv(const MacDecodeConfig& c, const void* k, const void* v, int64_t sp,
 void CheckState(const MacLayerState& s, const MacSlot* slots, const char* fn) {
   if (slots == nullptr) Fail(fn, "slots is null");
   CheckPtr(s.ring_q, "state.ring_q", fn);
+  CheckPtr(s.ring_qs, "state.ring_qs", fn);
   CheckPtr(s.ring_o, "state.ring_o", fn);
   if (s.ring_lse == nullptr) Fail(fn, "state.ring_lse is null");
   if (s.ring_tag == nullptr) Fail(fn, "state.ring_tag is null");
@@ -78,7 +107,9 @@ void CheckConfig(const MacDecodeConfig& c, const char* fn, bool cuda) {
     Fail(fn, "num_q_heads (" + std::to_string(c.num_q_heads) +
                  ") must be a positive multiple of num_kv_heads (" + std::to_string(c.num_kv_heads) + ")");
   }
-  if (c.head_dim < 1) Fail(fn, "head_dim must be positive, got " + std::to_string(c.head_dim));
+  if (c.head_dim < 1 || c.head_dim > kMacMaxHeadDim) {
+    Fail(fn, "head_dim must be in [1, " + std::to_string(kMacMaxHeadDim) + "], got " + std::to_string(c.head_dim));
+  }
   if (c.page_size < 1) Fail(fn, "page_size must be positive, got " + std::to_string(c.page_size));
   if (c.max_seq_len < 0) Fail(fn, "max_seq_len must be >= 0");
   if (c.num_slots < 1) Fail(fn, "num_slots must be >= 1, got " + std::to_string(c.num_slots));
@@ -172,7 +203,9 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
                d = size_t(c.head_dim);
   size_t off = 0;
   L.ring_q = off;
-  off = AlignUp(off + S * Hq * W * d * size_t(KernelDTypeSize(c.dtype)));
+  off = AlignUp(off + S * Hq * W * d);
+  L.ring_qs = off;
+  off = AlignUp(off + S * Hq * W * sizeof(MacQueryScale));
   L.ring_o = off;
   off = AlignUp(off + S * Hq * W * d * sizeof(float));
   L.ring_lse = off;
@@ -306,7 +339,8 @@ MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base) {
   const mac::StateLayout L = mac::LayoutState(config);
   char* p = static_cast<char*>(base);
   MacLayerState s;
-  s.ring_q = p + L.ring_q;
+  s.ring_q = reinterpret_cast<int8_t*>(p + L.ring_q);
+  s.ring_qs = reinterpret_cast<MacQueryScale*>(p + L.ring_qs);
   s.ring_o = reinterpret_cast<float*>(p + L.ring_o);
   s.ring_lse = reinterpret_cast<float*>(p + L.ring_lse);
   s.ring_tag = reinterpret_cast<MacTag*>(p + L.ring_tag);
@@ -406,8 +440,10 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
   const mac::KvView kv{p.k_cache, p.v_cache, p.kv_stride_page, p.kv_stride_head, p.kv_stride_token,
                        p.block_table, p.block_table_stride, c.page_size, dt};
   std::vector<double> q(static_cast<size_t>(d));
-  std::vector<float> out(static_cast<size_t>(d)), part(static_cast<size_t>(d));
+  std::vector<float> out(static_cast<size_t>(d)), part(static_cast<size_t>(d)), xf(static_cast<size_t>(d));
   std::vector<float> new_o(static_cast<size_t>(Hq * d)), new_lse(static_cast<size_t>(Hq));
+  std::vector<int8_t> q8(static_cast<size_t>(Hq * d));  // the request's queries, 8-bit
+  std::vector<MacQueryScale> qs(static_cast<size_t>(Hq));
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t T = p.seq_lens[b];
@@ -420,22 +456,25 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
     const int32_t em = T > 0 ? mac::EntryEnd(F, r, m) : 0;
     const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
     for (int64_t hq = 0; hq < Hq; ++hq) {
+      for (int64_t i = 0; i < d; ++i) {
+        xf[size_t(i)] = LoadAsFloat(p.q_pre, dt, b * p.q_pre_stride_b + hq * p.q_pre_stride_h + i);
+      }
+      qs[size_t(hq)] = MacQuantizeQuery(xf.data(), int32_t(d), &q8[size_t(hq * d)]);
+    }
+    for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
       const int64_t ring_row0 = (int64_t(slot) * Hq + hq) * W;  // row of ring slot 0
       // Match.
       int32_t best_p = -1;
-      double best = INFINITY;
+      float best = INFINITY;
       if (gate) {
         for (int32_t x = std::max<int32_t>(0, int32_t(m - W)); x < m; ++x) {
           const MacTag tag = tags[x % W];
           if (tag.position != x || tag.epoch != st.epoch) continue;
-          double dist = 0;
-          for (int64_t i = 0; i < d; ++i) {
-            const double a = LoadAsFloat(p.q_pre, dt, b * p.q_pre_stride_b + hq * p.q_pre_stride_h + i);
-            const double e = LoadAsFloat(p.state.ring_q, dt, (ring_row0 + x % W) * d + i);
-            dist += (a - e) * (a - e);
-          }
-          if (dist < best) {  // ascending x: ties keep the earlier position
+          const int64_t row = ring_row0 + x % W;
+          const float dist = MacQueryDistance(qs[size_t(hq)], &q8[size_t(hq * d)], p.state.ring_qs[row],
+                                              p.state.ring_q + row * d, int32_t(d));
+          if (dist < best) {  // ascending x: ties keep the earlier position; NaN never
             best = dist;
             best_p = x;
           }
@@ -484,11 +523,9 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
       const int64_t w = m % W;
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const int64_t row = (int64_t(slot) * Hq + hq) * W + w;
-        for (int64_t i = 0; i < d; ++i) {
-          StoreFromFloat(p.state.ring_q, dt, row * d + i,
-                         LoadAsFloat(p.q_pre, dt, b * p.q_pre_stride_b + hq * p.q_pre_stride_h + i));
-          p.state.ring_o[row * d + i] = new_o[size_t(hq * d + i)];
-        }
+        std::copy_n(&q8[size_t(hq * d)], d, p.state.ring_q + row * d);
+        p.state.ring_qs[row] = qs[size_t(hq)];
+        for (int64_t i = 0; i < d; ++i) p.state.ring_o[row * d + i] = new_o[size_t(hq * d + i)];
         p.state.ring_lse[row] = new_lse[size_t(hq)];
       }
       p.state.ring_tag[int64_t(slot) * W + w] = MacTag{m, st.epoch};
@@ -509,6 +546,7 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
   const mac::KvView kv{p.k_cache, p.v_cache, p.kv_stride_page, p.kv_stride_head, p.kv_stride_token,
                        p.block_table, p.block_table_stride, c.page_size, dt};
   std::vector<double> q(static_cast<size_t>(d));
+  std::vector<float> xf(static_cast<size_t>(d));
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t T = p.seq_lens[b];
     const int32_t slot = mac::SlotOf(p.slot_ids, b, c.num_slots, fn);
@@ -535,9 +573,8 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
         const int64_t row = (int64_t(slot) * Hq + hq) * W + w;
         mac::ExactRange(kv, b, h, q, scale, mac::SinkEnd(F, x), mac::EntryEnd(F, r, x), d,
                         p.state.ring_o + row * d, p.state.ring_lse + row, fn);
-        for (int64_t i = 0; i < d; ++i) {
-          StoreFromFloat(p.state.ring_q, dt, row * d + i, LoadAsFloat(p.q_pre, dt, poff + i));
-        }
+        for (int64_t i = 0; i < d; ++i) xf[size_t(i)] = LoadAsFloat(p.q_pre, dt, poff + i);
+        p.state.ring_qs[row] = MacQuantizeQuery(xf.data(), int32_t(d), p.state.ring_q + row * d);
       }
       p.state.ring_tag[int64_t(slot) * W + w] = MacTag{x, epoch};
     }

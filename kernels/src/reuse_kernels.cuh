@@ -234,15 +234,68 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
 // Match
 // ---------------------------------------------------------------------------------------
 
-// UNROLL: rows per lane group in flight. 8 (one batch covers a B = 1 split of kMinMatchRows
-// rows at d = 128: one memory round trip instead of two) costs registers, 72 vs 54 at d = 128,
-// so 7 CTAs per SM instead of 9 (d = 64: 88 vs 56, 5 vs 9); LaunchMatch takes it only for
-// grids that stay resident.
+// The 8-bit copy of this lane's kVec query values (reuse.h), the row spread over groups of
+// LANES consecutive lanes (every group of the warp holds the same row): packed values
+// (4 per word), the scale and the row's sum of squared values.
+template <int LANES, int kVec>
+struct LaneQuery8 {
+  uint32_t v[(kVec + 3) / 4];
+  float scale;
+  int32_t sum_sq;
+  __device__ __forceinline__ explicit LaneQuery8(const float (&x)[kVec]) {
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      finite = finite && isfinite(x[i]);
+      amax = fmaxf(amax, fabsf(x[i]));
+    }
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      finite = __shfl_xor_sync(0xffffffffu, int(finite), o) != 0 && finite;
+    }
+    const QueryQuant qq = QueryQuantOf(amax, finite);
+    scale = qq.scale;
+    int32_t ss = 0;
+#pragma unroll
+    for (int w = 0; w < (kVec + 3) / 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int k = 0; k < 4 && 4 * w + k < kVec; ++k) {
+        const int32_t r = QueryValue(x[4 * w + k], qq.inv);
+        ss += r * r;
+        word |= (uint32_t(r) & 0xffu) << (8 * k);
+      }
+      v[w] = word;
+    }
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    sum_sq = ss;
+  }
+};
+
+// Warp-wide: the 8-bit copy of a query row, kPer values per lane (lane l holds values
+// l kPer ..), into a ring row: values at `dst` (the row's first byte), scale and sum at `qs`.
+template <int kPer>
+__device__ __forceinline__ void StoreRingQuery(int8_t* dst, MacQueryScale* qs, const float (&x)[kPer]) {
+  static_assert(kPer == 2 || kPer == 4, "head dims 64 and 128");
+  const int lane = threadIdx.x & 31;
+  const LaneQuery8<32, kPer> q8(x);
+  if (kPer == 4) {
+    *reinterpret_cast<uint32_t*>(dst + lane * 4) = q8.v[0];
+  } else {
+    *reinterpret_cast<uint16_t*>(dst + lane * 2) = uint16_t(q8.v[0]);
+  }
+  if (lane == 0) *reinterpret_cast<int2*>(qs) = make_int2(__float_as_int(q8.scale), q8.sum_sq);
+}
+
+// UNROLL: rows per lane group in flight (8 for grids that stay resident; LaunchMatch).
 template <typename DType, int HEAD_DIM, int UNROLL>
 __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
-  constexpr int kVec = 8;
-  constexpr int kLanes = HEAD_DIM / kVec;  // lanes per candidate row: 16 or 8
-  constexpr int kRows = 32 / kLanes;       // rows a warp reads at once: 2 or 4
+  constexpr int kVec = 16;                 // int8 values per lane: one 16-byte load per row
+  constexpr int kLanes = HEAD_DIM / kVec;  // lanes per candidate row: 8 or 4
+  constexpr int kRows = 32 / kLanes;       // rows a warp reads at once: 4 or 8
   constexpr int kUnroll = UNROLL;
   constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
   using P = Pack<DType>;
@@ -264,24 +317,29 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   // The loads that depend on nothing go out together: T, the slot, the query.
   const int32_t T = p.seq_lens[b];
   const int32_t slot = SlotOfDev(p.slot_ids, b);
-  float q[kVec];
-  P::ToFloat(__ldg(reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b +
-                                                  hq * p.q_pre_stride_h + sub * kVec)),
-             q);
+  const uint4* qsrc = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b +
+                                                     hq * p.q_pre_stride_h + sub * kVec);
+  const uint4 qa = __ldg(qsrc), qb = __ldg(qsrc + 1);
   if (a.enable && T > 0 && T >= a.min_context) {
+    float qf[kVec];
+    P::ToFloat(qa, qf);
+    P::ToFloat(qb, qf + 8);
+    const LaneQuery8<kLanes, kVec> q8(qf);
     // The slot's epoch and ready flag are loaded alongside the first batch of ring rows (the
     // ring of any slot is readable); a slot that is not ready stops after that batch.
     const MacSlot st = p.slots[slot];
     const int32_t m = T - 1, W = a.window;
     const int32_t lo = max(0, m - W), n = m - lo;
     const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
-    const DType* ring = static_cast<const DType*>(p.state.ring_q) +
-                        (int64_t(slot) * a.hq + hq) * W * HEAD_DIM + sub * kVec;
+    const int64_t row0 = (int64_t(slot) * a.hq + hq) * W;
+    const int8_t* ring = p.state.ring_q + row0 * HEAD_DIM + sub * kVec;
+    const int2* scales = reinterpret_cast<const int2*>(p.state.ring_qs + row0);
     const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
     // The loop bound is uniform over the warp (the shuffles below need every lane).
     for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
       const int32_t xb = xw + grp;
       uint4 u[kUnroll];
+      int2 sc[kUnroll];
       MacTag tg[kUnroll];
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
@@ -289,29 +347,28 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
         if (x < x1) {
           const int32_t w = x % W;
           u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
+          sc[j] = __ldg(scales + w);
           tg[j] = tags[w];
         } else {
           u[j] = make_uint4(0, 0, 0, 0);
+          sc[j] = make_int2(0, 0);
           tg[j] = MacTag{-1, -1};
         }
       }
       if (!st.ready) break;  // uniform over the CTA
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
-        float f[kVec];
-        P::ToFloat(u[j], f);
-        float acc = 0.f;
+        int32_t c = __dp4a(int(u[j].x), int(q8.v[0]), 0);
+        c = __dp4a(int(u[j].y), int(q8.v[1]), c);
+        c = __dp4a(int(u[j].z), int(q8.v[2]), c);
+        c = __dp4a(int(u[j].w), int(q8.v[3]), c);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float t = q[i] - f[i];
-          acc = fmaf(t, t, acc);
-        }
-#pragma unroll
-        for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        for (int o = kLanes / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+        const float dist = QueryDistance(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, c);
         const int32_t x = xb + j * kStep;
         const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
-        if (valid && Better(acc, x, bd, bp)) {
-          bd = acc;
+        if (valid && Better(dist, x, bd, bp)) {
+          bd = dist;
           bp = x;
         }
       }
@@ -771,16 +828,6 @@ __device__ __forceinline__ void StoreOut(DType* dst, const float* o) {
   }
 }
 
-// Copies kPer 16-bit values.
-template <int kPer>
-__device__ __forceinline__ void Copy16(void* dst, const void* src) {
-  if constexpr (kPer == 4) {
-    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
-  }
-}
-
 // Cross-warp merge of two lane states per warp through shared memory; warp 0 ends with the
 // merged states. sm_o: [2][kWarps][HEAD_DIM], sm_l: [2][kWarps].
 template <int HEAD_DIM, int kPer>
@@ -867,7 +914,7 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
     }
   }
   float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
-  uint2 q_copy = make_uint2(0, 0);
+  float qv[kPer] = {};
   int32_t epoch = 0;
   if (warp == 0) {
     if (T > 0 && dec.hit_pos >= 0) {
@@ -882,7 +929,9 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
       p_lse = p.prefix_lse[bhq];
     }
     if (T > 0) {
-      Copy16<kPer>(&q_copy, static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0);
+      const DType* src = static_cast<const DType*>(p.q_pre) + b * p.q_pre_stride_b + hq * p.q_pre_stride_h + c0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) qv[i] = Pack<DType>::One(src[i]);
       if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
     }
   }
@@ -905,7 +954,7 @@ __global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a)
   const int32_t m = T - 1;
   const int64_t row = ring_row0 + m % W;
   StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-  Copy16<kPer>(static_cast<DType*>(p.state.ring_q) + row * HEAD_DIM + c0, &q_copy);
+  StoreRingQuery<kPer>(p.state.ring_q + row * HEAD_DIM, p.state.ring_qs + row, qv);
   if (lane == 0) {
     p.state.ring_lse[row] = st[0].lse;
     if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
@@ -959,9 +1008,12 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
   const int32_t W = a.window;
   const int64_t row = (int64_t(slot) * a.hq + hq) * W + x % W;
   StoreRow<kPer>(f.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-  Copy16<kPer>(static_cast<DType*>(f.state.ring_q) + row * HEAD_DIM + c0,
-               static_cast<const DType*>(f.q_pre) + b * f.q_pre_stride_b + n * f.q_pre_stride_n +
-                   hq * f.q_pre_stride_h + c0);
+  float qv[kPer];
+  const DType* src = static_cast<const DType*>(f.q_pre) + b * f.q_pre_stride_b + n * f.q_pre_stride_n +
+                     hq * f.q_pre_stride_h + c0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) qv[i] = Pack<DType>::One(src[i]);
+  StoreRingQuery<kPer>(f.state.ring_q + row * HEAD_DIM, f.state.ring_qs + row, qv);
   if (lane == 0) {
     f.state.ring_lse[row] = st[0].lse;
     if (hq == 0) f.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{x, f.slots[slot].epoch};

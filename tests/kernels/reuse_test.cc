@@ -140,13 +140,16 @@ struct Tiny {
     bt = {2, 0, 3, 1};
     seq = {T};
   }
-  // Writes ring entry x (query `val + delta on the first k dims`, entry state 0.25 / lse 1).
-  void Put(int32_t x, float val, int32_t n_delta = 0, float delta = 1.f, int32_t epoch = 5, int32_t tag_pos = -2) {
+  // Writes ring entry x (query `val + delta on the first n_delta dims`, 8-bit, entry state
+  // 0.25 / lse 1).
+  void Put(int32_t x, float val, int32_t n_delta = 0, float delta = -1.f, int32_t epoch = 5, int32_t tag_pos = -2) {
     const int64_t W = c.mac.window, row = int64_t(slot) * W + x % W;
+    float qrow[64];
     for (int i = 0; i < 64; ++i) {
-      StoreFromFloat(ring.state.ring_q, KernelDType::kBF16, row * 64 + i, val + (i < n_delta ? delta : 0.f));
+      qrow[i] = val + (i < n_delta ? delta : 0.f);  // the tests' values are exact in bf16
       ring.state.ring_o[row * 64 + i] = 0.25f;
     }
+    ring.state.ring_qs[row] = MacQuantizeQuery(qrow, 64, ring.state.ring_q + row * 64);
     ring.state.ring_lse[row] = 1.f;
     ring.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{tag_pos == -2 ? x : tag_pos, epoch};
   }
@@ -183,19 +186,24 @@ struct Tiny {
   }
 };
 
+// kV = 127/128: a row of kV and kV - 1 = -1/128 has amax kV, so its 8-bit copy is exact
+// (scale 1/128, values 127 and -1), and n dims at kV - 1 put it at distance exactly n from a
+// query of kV everywhere.
+constexpr float kV = 127.f / 128.f;
+
 TEST(MacCpuDecision, ThresholdIsStrict) {
-  // tau 0.5, d 64: threshold 2 * 64 * 0.25 = 32; bf16 values 0.5 and 1.5 are exact.
+  // tau 0.5, d 64: threshold 2 * 64 * 0.25 = 32.
   const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
   EXPECT_EQ(MacThreshold(mac, 64), 32.f);
   {
     Tiny t(21, mac);
-    t.Put(15, 0.5f, 32);  // distance exactly 32
-    EXPECT_EQ(t.Run(0.5f), -1);
+    t.Put(15, kV, 32);  // distance exactly 32
+    EXPECT_EQ(t.Run(kV), -1);
   }
   {
     Tiny t(21, mac);
-    t.Put(15, 0.5f, 31);  // 31
-    EXPECT_EQ(t.Run(0.5f), 15);
+    t.Put(15, kV, 31);  // 31
+    EXPECT_EQ(t.Run(kV), 15);
   }
 }
 
@@ -203,16 +211,17 @@ TEST(MacCpuDecision, TiesGoToTheSmallerDistanceThenTheEarlierPosition) {
   const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
   {
     Tiny t(21, mac);  // candidates 12..19
-    t.Put(13, 0.5f, 3);
-    t.Put(17, 0.5f, 3);
-    t.Put(18, 0.5f, 3, -1.f);  // the same distance from the other side
-    EXPECT_EQ(t.Run(0.5f), 13);
+    t.Put(13, kV, 3);
+    t.Put(17, kV, 3);
+    t.Put(18, kV, 3);
+    t.Put(19, kV, 4);
+    EXPECT_EQ(t.Run(kV), 13);
   }
   {
     Tiny t(21, mac);
-    t.Put(13, 0.5f, 3);
-    t.Put(17, 0.5f, 2);  // later but nearer
-    EXPECT_EQ(t.Run(0.5f), 17);
+    t.Put(13, kV, 3);
+    t.Put(17, kV, 2);  // later but nearer
+    EXPECT_EQ(t.Run(kV), 17);
   }
 }
 
@@ -321,9 +330,10 @@ TEST(MacCpuDecision, HitOutputAndAmendByHand) {
   EXPECT_NEAR(t.ring.state.ring_lse[1 * 8 + 4], mx + std::log(ez), 1e-5);
   EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].position, 20);
   EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].epoch, 5);
-  for (int i = 0; i < d; ++i) {
-    EXPECT_EQ(LoadAsFloat(t.ring.state.ring_q, KernelDType::kBF16, (1 * 8 + 4) * 64 + i), 0.5f);
-  }
+  // The query 0.5 everywhere, 8-bit: values 127, scale 0.5 / 127.
+  for (int i = 0; i < d; ++i) EXPECT_EQ(t.ring.state.ring_q[(1 * 8 + 4) * 64 + i], 127);
+  EXPECT_EQ(t.ring.state.ring_qs[1 * 8 + 4].scale, 0.5f / 127.f);
+  EXPECT_EQ(t.ring.state.ring_qs[1 * 8 + 4].sum_sq, 64 * 127 * 127);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -485,9 +495,12 @@ TEST(MacCpu, FillWritesExactEntries) {
         } else {
           EXPECT_NEAR(ring.state.ring_lse[row], el, 1e-5);
         }
-        for (int64_t i = 0; i < d; ++i) {
-          EXPECT_EQ(LoadAsFloat(ring.state.ring_q, c.dtype, row * d + i), float(qq_pre[hq][i]));
-        }
+        std::vector<float> xf(qq_pre[hq].begin(), qq_pre[hq].end());
+        std::vector<int8_t> q8(static_cast<size_t>(d));
+        const MacQueryScale qs = MacQuantizeQuery(xf.data(), int32_t(d), q8.data());
+        EXPECT_EQ(0, std::memcmp(q8.data(), ring.state.ring_q + row * d, size_t(d)));
+        EXPECT_EQ(qs.scale, ring.state.ring_qs[row].scale);
+        EXPECT_EQ(qs.sum_sq, ring.state.ring_qs[row].sum_sq);
       }
     }
   }
@@ -508,6 +521,120 @@ TEST(MacCpu, GroupTokens) {
 // ---------------------------------------------------------------------------------------
 // Argument checks
 // ---------------------------------------------------------------------------------------
+
+// ---------------------------------------------------------------------------------------
+// The 8-bit query ring (reuse.h)
+// ---------------------------------------------------------------------------------------
+
+TEST(MacQuery8, RowsOfTheGridAreExact) {
+  // amax 127/128: scale 1/128, and every x = k/128 is the value k.
+  std::vector<float> x(64);
+  std::vector<int8_t> v(64);
+  int32_t sum = 0;
+  for (int i = 0; i < 64; ++i) {
+    const int k = i == 5 ? 127 : (i * 37) % 255 - 127;
+    x[i] = float(k) / 128.f;
+    sum += k * k;
+  }
+  const MacQueryScale s = MacQuantizeQuery(x.data(), 64, v.data());
+  EXPECT_EQ(s.scale, 1.f / 128.f);
+  EXPECT_EQ(s.sum_sq, sum);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(int(v[i]), i == 5 ? 127 : (i * 37) % 255 - 127) << i;
+  EXPECT_EQ(MacQueryDistance(s, v.data(), s, v.data(), 64), 0.f);
+}
+
+TEST(MacQuery8, RoundsHalfToEvenAndKeepsTheSign) {
+  // amax 127: the factor is exactly 1.
+  const std::vector<float> x = {127.f, 0.5f, 1.5f, 2.5f, -0.5f, -2.5f, -127.f, 3.49f};
+  std::vector<int8_t> v(x.size());
+  const MacQueryScale s = MacQuantizeQuery(x.data(), int32_t(x.size()), v.data());
+  EXPECT_EQ(s.scale, 1.f);
+  const std::vector<int> want = {127, 0, 2, 2, 0, -2, -127, 3};
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(int(v[i]), want[i]) << i;
+  EXPECT_EQ(s.sum_sq, 127 * 127 * 2 + 4 + 4 + 4 + 9);
+}
+
+TEST(MacQuery8, ZeroTinyAndNonFiniteRows) {
+  std::vector<int8_t> v(8, 7);
+  const std::vector<float> zero(8, 0.f);
+  MacQueryScale s = MacQuantizeQuery(zero.data(), 8, v.data());
+  EXPECT_EQ(s.scale, 0.f);
+  EXPECT_EQ(s.sum_sq, 0);
+  for (int8_t r : v) EXPECT_EQ(r, 0);
+  const std::vector<float> tiny(8, 1e-39f);  // below FLT_MIN: a zero row
+  std::fill(v.begin(), v.end(), int8_t(7));
+  s = MacQuantizeQuery(tiny.data(), 8, v.data());
+  EXPECT_EQ(s.scale, 0.f);
+  for (int8_t r : v) EXPECT_EQ(r, 0);
+  // The distance to a zero row is the query's own squared norm.
+  std::vector<float> q(8, 0.f);
+  q[0] = 127.f;
+  q[3] = -2.f;
+  std::vector<int8_t> qv(8);
+  const MacQueryScale qs = MacQuantizeQuery(q.data(), 8, qv.data());
+  EXPECT_EQ(MacQueryDistance(qs, qv.data(), s, v.data(), 8), 127.f * 127.f + 4.f);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY}) {
+    std::vector<float> x(8, 0.25f);
+    x[2] = bad;
+    std::fill(v.begin(), v.end(), int8_t(7));
+    s = MacQuantizeQuery(x.data(), 8, v.data());
+    EXPECT_TRUE(std::isnan(s.scale)) << bad;
+    EXPECT_EQ(s.sum_sq, 0);
+    for (int8_t r : v) EXPECT_EQ(r, 0);
+    EXPECT_TRUE(std::isnan(MacQueryDistance(qs, qv.data(), s, v.data(), 8))) << bad;
+  }
+  test::expect_error<InvalidArgument>([&] { MacQuantizeQuery(q.data(), 0, qv.data()); }, {"MacQuantizeQuery", "d"});
+}
+
+TEST(MacQuery8, DistanceIsTheDequantizedRowsAndNearTheRawOne) {
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd;
+  double worst = 0;
+  for (int d : {64, 128}) {
+    for (int trial = 0; trial < 200; ++trial) {
+      std::vector<float> a(d), b(d);
+      const float spread = trial % 3 == 0 ? 0.1f : 1.5f;  // near copies and unrelated rows
+      for (int i = 0; i < d; ++i) {
+        a[i] = nd(rng) * (i == 7 ? 6.f : 1.f);  // an outlier dim, as real queries have
+        b[i] = a[i] + spread * nd(rng);
+      }
+      std::vector<int8_t> av(d), bv(d);
+      const MacQueryScale as = MacQuantizeQuery(a.data(), d, av.data());
+      const MacQueryScale bs = MacQuantizeQuery(b.data(), d, bv.data());
+      double deq = 0, raw = 0;
+      for (int i = 0; i < d; ++i) {
+        const double t = double(as.scale) * av[i] - double(bs.scale) * bv[i];
+        deq += t * t;
+        raw += double(a[i] - b[i]) * double(a[i] - b[i]);
+      }
+      const double dist = MacQueryDistance(as, av.data(), bs, bv.data(), d);
+      EXPECT_NEAR(dist, deq, 1e-5 * deq + 1e-6) << d << " " << trial;
+      // Each value moves by at most half its scale.
+      const double bound = 0.5 * std::sqrt(double(d)) * (double(as.scale) + double(bs.scale));
+      EXPECT_LE(std::fabs(std::sqrt(deq) - std::sqrt(raw)), bound) << d << " " << trial;
+      double norm = 0;
+      for (int i = 0; i < d; ++i) norm += double(a[i]) * a[i];
+      worst = std::max(worst, std::fabs(std::sqrt(deq) - std::sqrt(raw)) / std::sqrt(norm));
+    }
+  }
+  std::printf("[mac query8] largest distance change: %.4f of the query norm\n", worst);
+  EXPECT_LT(worst, 0.02);
+}
+
+TEST(MacCpuDecision, NonFiniteQueriesNeverHit) {
+  const MacConfig mac = MakeMac(8, 2, 0, 0, 0.5f);
+  {
+    Tiny t(21, mac);
+    t.Put(15, std::numeric_limits<float>::quiet_NaN());
+    t.Put(16, 0.5f);
+    EXPECT_EQ(t.Run(0.5f), 16);
+  }
+  {
+    Tiny t(21, mac);
+    t.Put(15, 0.5f);
+    EXPECT_EQ(t.Run(std::numeric_limits<float>::quiet_NaN()), -1);
+  }
+}
 
 TEST(MacConfigCheck, SettingsNameTheField) {
   auto bad = [](auto edit, const char* field) {
@@ -542,7 +669,8 @@ TEST(MacConfigCheck, SupportedSet) {
   c.num_slots = 4;
   EXPECT_TRUE(MacSupported(c));
   EXPECT_GT(MacWorkspaceBytes(c), 0u);
-  EXPECT_GT(MacLayerStateBytes(c), size_t(4) * 32 * 512 * 128 * 6);  // q ring + f32 entries
+  // 8-bit query ring with its scales, f32 entries and lse
+  EXPECT_GE(MacLayerStateBytes(c), size_t(4) * 32 * 512 * (128 + 8 + 128 * 4 + 4));
   auto c2 = c;
   c2.head_dim = 96;
   EXPECT_FALSE(MacSupported(c2));

@@ -8,7 +8,8 @@
 // with the current query's logits, the entry's tokens with their stored logits, and the
 // prefix state as one pseudo-token of weight exp(lse_p) and value o_p. Everything in double;
 // no merges, so it shares no arithmetic with the reference. Its decisions are made apart too
-// (double distances on the rounded queries), and must equal the reference's.
+// (its own 8-bit copies of the rounded queries, by the rule in reuse.h, and double distances
+// between them), and must equal the reference's.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -83,7 +84,7 @@ struct HostRing {
     state = MacBindLayerState(c, reinterpret_cast<void*>((p + 255) / 256 * 256));
     MacInitLayerStateCpu(c, state);
   }
-  const uint8_t* base() const { return static_cast<const uint8_t*>(state.ring_q); }
+  const uint8_t* base() const { return reinterpret_cast<const uint8_t*>(state.ring_q); }
 };
 
 // The paged KV of a sequence (every future token is in place; seq_lens limits what is read).
@@ -182,6 +183,26 @@ inline void BuildMacProblem(const MacCase& cs, std::mt19937_64& rng, MacProblem*
 // Oracle
 // ---------------------------------------------------------------------------------------
 
+// The 8-bit copy of a query row by the rule in reuse.h, written apart from the library's:
+// the dequantized values s r_i (NaN for a row with a non-finite value).
+inline std::vector<double> Dequantized8(const double* x, int64_t d) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < d; ++i) {
+    finite = finite && std::isfinite(float(x[i]));
+    amax = std::max(amax, std::fabs(float(x[i])));
+  }
+  std::vector<double> out(size_t(d), 0.0);
+  if (!finite) return std::vector<double>(size_t(d), std::numeric_limits<double>::quiet_NaN());
+  if (amax < std::numeric_limits<float>::min()) return out;
+  const float s = amax / 127.f, inv = 127.f / amax;
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = std::nearbyint(float(x[i]) * inv);
+    out[size_t(i)] = double(s) * double(std::min(127.f, std::max(-127.f, y)));
+  }
+  return out;
+}
+
 class MacOracle {
  public:
   struct Entry {
@@ -265,16 +286,18 @@ class MacOracle {
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / pb_.G;
       for (int64_t i = 0; i < d; ++i) fresh.qpre[hq * d + i] = qpre[hq][i];
-      // Match: every candidate's distance, then the rule.
+      // Match: every candidate's distance between the 8-bit copies, then the rule.
+      const std::vector<double> q8 = Dequantized8(qpre[hq].data(), d);
       double best = INFINITY;
       int32_t best_p = -1;
       int n_best = 0;
       if (gate) {
         for (int32_t x : Candidates(b, T, slots)) {
           const Entry& e = ring_[slot][x % W];
+          const std::vector<double> r8 = Dequantized8(&e.qpre[hq * d], d);
           double dist = 0;
           for (int64_t i = 0; i < d; ++i) {
-            const double t = qpre[hq][i] - e.qpre[hq * d + i];
+            const double t = q8[size_t(i)] - r8[size_t(i)];
             dist += t * t;
           }
           if (dist < best) {
@@ -804,8 +827,9 @@ inline MacSeqStats RunMacSequence(const MacCase& cs, uint64_t seed, MacDevice* d
         [&](int64_t i) { return ring.state.ring_tag[(i / d / (Hq * W)) * W + (i / d) % W].position >= 0 ? double(ds.ring_o[i]) : 0.0; },
         [&](int64_t i) { return ring.state.ring_tag[(i / d / (Hq * W)) * W + (i / d) % W].position >= 0 ? double(ring.state.ring_o[i]) : 0.0; },
         Tolerance{1e-3, 1e-2}));
-    EXPECT_EQ(0, std::memcmp(ds.ring_q, ring.state.ring_q, size_t(n * d * KernelDTypeSize(cs.dtype))))
-        << "device query ring differs";
+    EXPECT_EQ(0, std::memcmp(ds.ring_q, ring.state.ring_q, size_t(n * d))) << "device query ring differs";
+    EXPECT_EQ(0, std::memcmp(ds.ring_qs, ring.state.ring_qs, size_t(n) * sizeof(MacQueryScale)))
+        << "device query ring scales differ";
   }
   return st;
 }

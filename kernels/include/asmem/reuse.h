@@ -13,20 +13,31 @@
 // head and a ring of their entries; ring slot w holds position x with x % W == w, tagged
 // (x, epoch). Per request slot (MacSlot, shared by all layers): epoch and ready.
 //
+// Query ring in 8 bits. The ring keeps each pre-RoPE query row x (d values) as int8 values
+// r_i with one scale s (MacQuantizeQuery): amax = max_i |x_i|; s = amax / 127 and
+// r_i = rint(x_i * (127 / amax)) in [-127, 127] (fp32, round to nearest even); a row whose
+// amax is below FLT_MIN is all zero (s = 0); a row with a NaN or infinite value has s = NaN,
+// values 0. The row also keeps S_r = sum_i r_i^2. The current query is quantized the same way
+// (s_q, q_i, S_q), so the match reads d + 8 bytes per candidate instead of 2 d.
+//
 // One step (MacAttention), per request b and query head hq = h*G + g:
 //  Match.   Candidates p: positions m-W .. m-1 (>= 0) whose ring slot holds a tag equal to
-//           (p, slots[slot].epoch). dist(p) = sum_i (q_pre[b,hq,i] - ring_q[p,hq,i])^2 over the
-//           raw (dtype-rounded) pre-RoPE values. The best candidate has the smallest
+//           (p, slots[slot].epoch). dist(p) = sum_i (s_q q_i - s_r r_i)^2 between the 8-bit
+//           copies of q_pre[b,hq] and of p's ring row, evaluated in fp32 as
+//           MacQueryDistance (exact integer sums, then a fixed sequence of roundings, so the
+//           CPU reference and the CUDA op get the same bits; a NaN distance is no candidate).
+//           The best candidate has the smallest
 //           distance, ties to the earlier position. Hit iff mac.enable, slots[slot].ready != 0,
 //           T >= mac.min_context, a candidate exists and dist < MacThreshold(mac, d)
-//           = float(2 d (1 - tau)^2) (strict). Otherwise miss.
+//           = float(2 d (1 - tau)^2) (strict). Otherwise miss. The 8-bit copies move a
+//           distance by about 1% of the query norm (amax / 127 per value at most).
 //  Complete. Hit at p: band start bs = max(F_m, e(p));
 //             entry'  = merge(entry(p), exact over [bs, e(m)))      (built by construction)
 //           Miss:   entry' = exact over [F_m, e(m)).
 //             out     = merge(prefix, exact over [0, F_m), entry', exact over [e(m), m])
 //           exact = attention of the post-RoPE q[b,hq] with s_t = sm_scale * q.k_t; every
 //           merge is asmem/state.cuh's; nothing is ever subtracted.
-//  Amend.   ring slot m % W of the request's slot gets q_pre[b,hq], entry' (this is entry(m)),
+//  Amend.   ring slot m % W of the request's slot gets q_pre[b,hq] (8-bit), entry' (this is entry(m)),
 //           and the tag (m, epoch). Written whatever the decision (also when ready == 0), so
 //           a ring warms up during decode; read only when ready != 0.
 //  GQA. The G heads of a KV group decide independently (all-hit, mixed or all-miss). The
@@ -58,7 +69,8 @@
 //   o            [B, Hq, d] DType with strides; lse [B, Hq] f32 (may be null);
 //   hit_pos      [B, Hq] int32: the reused position p, or -1 on a miss (may be null).
 // Ring (MacLayerState, one per layer; MacLayerStateBytes / MacBindLayerState lay it out):
-//   ring_q [num_slots, Hq, W, d] DType, ring_o [num_slots, Hq, W, d] f32,
+//   ring_q [num_slots, Hq, W, d] int8, ring_qs [num_slots, Hq, W] MacQueryScale,
+//   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
 //   own bookkeeping: match_best [num_slots, Hq] u64, match_done [1] u32 (left initialized
 //   after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
@@ -102,7 +114,7 @@ struct MacDecodeConfig {
   int32_t num_q_heads = 0;   // Hq
   int32_t num_kv_heads = 0;  // Hkv; G = Hq / Hkv in [1, 8]
   int32_t head_dim = 0;      // d: 64 or 128
-  KernelDType dtype = KernelDType::kBF16;  // q, q_pre, KV, prefix_o, o, ring_q: bf16 or f16
+  KernelDType dtype = KernelDType::kBF16;  // q, q_pre, KV, prefix_o, o: bf16 or f16
   int32_t page_size = 16;    // tokens per KV page: power of two in [1, 1024]
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
@@ -124,9 +136,24 @@ struct MacSlot {
   int32_t ready = 0;  // 0: the slot's rings are not read (every head misses)
 };
 
+// The scale of an 8-bit query row and the sum of its squared values (see above).
+struct MacQueryScale {
+  float scale = 0.f;
+  int32_t sum_sq = 0;
+};
+
+// The 8-bit copy of a query row x[0, d) into out[0, d); d in [1, kMacMaxHeadDim].
+MacQueryScale MacQuantizeQuery(const float* x, int32_t d, int8_t* out);
+// The match distance between two 8-bit rows of d values (the query first).
+float MacQueryDistance(MacQueryScale q, const int8_t* qv, MacQueryScale r, const int8_t* rv, int32_t d);
+// MAC head dims (the CUDA op: 64 and 128): at most this, so the match's integer sums stay
+// exact in fp32.
+constexpr int32_t kMacMaxHeadDim = 1024;
+
 // One layer's rings (see the layout above).
 struct MacLayerState {
-  void* ring_q = nullptr;
+  int8_t* ring_q = nullptr;
+  MacQueryScale* ring_qs = nullptr;
   float* ring_o = nullptr;
   float* ring_lse = nullptr;
   MacTag* ring_tag = nullptr;
