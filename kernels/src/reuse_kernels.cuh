@@ -851,10 +851,11 @@ __device__ __forceinline__ void MergeWarps(LaneState<kPer>* st, float* sm_o, flo
   }
 }
 
-template <typename DType, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads) MacCombineKernel(const LaunchArgs a) {
+// BATCH: partial rows per warp in flight; MIN_BLOCKS: the launch bound (LaunchCombine).
+template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
-  constexpr int kBatch = 8;
+  constexpr int kBatch = BATCH;
   __shared__ __align__(16) float sm_o[2 * kWarps * HEAD_DIM];
   __shared__ float sm_l[2 * kWarps];
   GridDependencyWait();  // the attend partials (and the plan before them) are visible
@@ -1058,10 +1059,23 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
                          stream);
 }
 
+// Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with
+// 8-row batches (92 registers at d = 128: 5 CTAs per SM). Larger grids take 4-row batches
+// bounded to 8 CTAs per SM (64 registers), measured at 32K context (asmem_bench_mac, us,
+// 8-row -> 4-row bounded): LLaMA-8B B = 32 all-hit 88.0 -> 78.2 and 99% clustered 111.3 ->
+// 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
+// Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
+// flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
+constexpr int64_t kCombineOneWave = 5 * 132;
+
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
-  decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM>, unsigned(int64_t(a.batch) * a.hq), kThreads, 0,
-                         a.pdl, a, stream);
+  const int64_t ctas = int64_t(a.batch) * a.hq;
+  if (ctas > kCombineOneWave) {
+    decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 4, 8>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);
+  } else {
+    decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 8, 1>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);
+  }
 }
 
 template <typename DType, int HEAD_DIM>

@@ -280,6 +280,29 @@ std::vector<MacCase> GpuCases() {
   c.dtype = KernelDType::kF16;
   v.push_back(c);
 
+  // More (request, head) pairs than one wave of the default combine (LaunchCombine takes
+  // its 8-CTAs-per-SM variant): d 128 and 64, a long request whose groups have many chunks.
+  c = MacCase{};
+  c.name = "many-heads-bf16";
+  c.Hq = 32;
+  c.Hkv = 8;
+  c.d = 128;
+  c.mac = MakeMac(40, 16, 2, 0);
+  c.T0.clear();
+  for (int b = 0; b < 24; ++b) c.T0.push_back(b == 5 ? 3000 : 60 + 29 * b);
+  c.steps = 20;
+  c.p_hit = 0.8;
+  v.push_back(c);
+  c.name = "many-heads-d64-f16-clustered";
+  c.Hq = 16;
+  c.Hkv = 4;
+  c.d = 64;
+  c.dtype = KernelDType::kF16;
+  c.T0.push_back(900);
+  for (int b = 0; b < 20; ++b) c.T0.push_back(100 + 13 * b);
+  c.clustered = true;
+  v.push_back(c);
+
   c = v[0];  // programmatic dependent launches instead of plain stream order
   c.name = "base-pdl";
   c.programmatic_launch = true;
