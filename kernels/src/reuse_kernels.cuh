@@ -1,10 +1,12 @@
 // MAC reuse device code (contracts: asmem/reuse.h; ranges and plan: reuse_common.h).
 //
 // A step is three kernels:
-//  * Match, one CTA per (request, query head, ring split): the pre-RoPE query in registers
-//    (8 dims per lane), the split's candidate rows of the query ring streamed with 16-byte
-//    loads (d/8 lanes per row, 4 or 8 rows per lane in flight), tags checked, fp32 squared
-//    distances, the best candidate by the tie rule folded into a per-head u64 with one
+//  * Match, one CTA per (request, query head, ring split): the pre-RoPE query quantized to
+//    8 bits in registers (16 dims per lane), the split's candidate rows of the 8-bit query
+//    ring streamed with 16-byte loads (d/16 lanes per row, 4 or 8 rows per lane in flight)
+//    beside their scales and tags, dot products by dp4a, the distance by QueryDistance
+//    (reuse_common.h, the CPU reference's sequence), the best candidate by the tie rule
+//    folded into a per-head u64 with one
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
 //    the keys into per-head decisions (resetting them) and plans the KV work: per-group
 //    ranges, the chunks of each group (about one wave of two CTAs per SM over the step's
@@ -56,6 +58,13 @@
 //    the register loads (B = 32 all-hit, 32K, ncu). About 11 us of it is not the scan: with
 //    min_context above T (no row read) that variant took 10.8 us at B = 32, 7.2 us at B = 1
 //    (its launch, query loads, count and plan are this kernel's).
+//  * The query ring in 8 bits (session 7): the match at B = 32 all-hit 32K went from 54.3 to
+//    31.4 us (ncu), the step from 107.6 to 87.9 us, B = 32 99% clustered from 134.5 to
+//    114.5 us. Then tried on it: 8-row batches at B = 32 (kMatchWideCtas 4x): all-hit 88.0
+//    -> 93.3 us; two ring splits per head at B = 32 (kMatchTargetCtas 2048): 88.0 -> 90.2 us.
+//  * More attention chunks per step (kTargetChunks 528 / 1056 instead of 264): B = 32 99%
+//    clustered 32K 113.3 -> 113.6 / 129.9 us, B = 1 all-miss 32K 71.2 -> 79.8 / 96.2 us
+//    (the combine then merges up to 128 partials per head).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
