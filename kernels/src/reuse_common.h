@@ -68,7 +68,8 @@ ASMEM_HOST_DEVICE float RintF(float a) { return std::nearbyint(a); }  // round t
 #endif
 
 constexpr float kQueryLevels = 127.f;
-constexpr float kFltMin = 1.17549435e-38f;  // FLT_MIN
+// Rows whose amax is below 2^-100 are all zero (127 / amax would overflow near FLT_MIN).
+constexpr float kQueryMinAmax = 7.88860905e-31f;  // 2^-100
 
 // A row's quantizer from amax = max |x_i| and whether every value is finite: the scale, and
 // the factor the values are multiplied by before rounding (0: every value is 0).
@@ -77,7 +78,7 @@ struct QueryQuant {
 };
 ASMEM_HOST_DEVICE QueryQuant QueryQuantOf(float amax, bool finite) {
   if (!finite) return {NAN, 0.f};
-  if (!(amax >= kFltMin)) return {0.f, 0.f};
+  if (!(amax >= kQueryMinAmax)) return {0.f, 0.f};
   return {DivRn(amax, kQueryLevels), DivRn(kQueryLevels, amax)};
 }
 ASMEM_HOST_DEVICE int32_t QueryValue(float x, float inv) {

@@ -561,11 +561,23 @@ TEST(MacQuery8, ZeroTinyAndNonFiniteRows) {
   EXPECT_EQ(s.scale, 0.f);
   EXPECT_EQ(s.sum_sq, 0);
   for (int8_t r : v) EXPECT_EQ(r, 0);
-  const std::vector<float> tiny(8, 1e-39f);  // below FLT_MIN: a zero row
-  std::fill(v.begin(), v.end(), int8_t(7));
-  s = MacQuantizeQuery(tiny.data(), 8, v.data());
-  EXPECT_EQ(s.scale, 0.f);
-  for (int8_t r : v) EXPECT_EQ(r, 0);
+  for (float t : {1e-39f, 1e-35f}) {  // amax below 2^-100: a zero row (127 / amax would overflow)
+    const std::vector<float> tiny(8, t);
+    std::fill(v.begin(), v.end(), int8_t(7));
+    s = MacQuantizeQuery(tiny.data(), 8, v.data());
+    EXPECT_EQ(s.scale, 0.f) << t;
+    for (int8_t r : v) EXPECT_EQ(r, 0) << t;
+  }
+  {  // just above it: quantized as usual
+    std::vector<float> small(8, 0.f);
+    small[1] = 1e-29f;
+    small[2] = -0.5e-29f;
+    s = MacQuantizeQuery(small.data(), 8, v.data());
+    EXPECT_EQ(s.scale, 1e-29f / 127.f);
+    EXPECT_EQ(int(v[1]), 127);
+    EXPECT_EQ(int(v[2]), -64);  // -63.5 rounds to even
+    EXPECT_EQ(int(v[0]), 0);
+  }
   // The distance to a zero row is the query's own squared norm.
   std::vector<float> q(8, 0.f);
   q[0] = 127.f;

@@ -194,7 +194,7 @@ inline std::vector<double> Dequantized8(const double* x, int64_t d) {
   }
   std::vector<double> out(size_t(d), 0.0);
   if (!finite) return std::vector<double>(size_t(d), std::numeric_limits<double>::quiet_NaN());
-  if (amax < std::numeric_limits<float>::min()) return out;
+  if (amax < std::ldexp(1.f, -100)) return out;  // the rule's zero rows
   const float s = amax / 127.f, inv = 127.f / amax;
   for (int64_t i = 0; i < d; ++i) {
     const float y = std::nearbyint(float(x[i]) * inv);

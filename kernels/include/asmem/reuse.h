@@ -16,7 +16,7 @@
 // Query ring in 8 bits. The ring keeps each pre-RoPE query row x (d values) as int8 values
 // r_i with one scale s (MacQuantizeQuery): amax = max_i |x_i|; s = amax / 127 and
 // r_i = rint(x_i * (127 / amax)) in [-127, 127] (fp32, round to nearest even); a row whose
-// amax is below FLT_MIN is all zero (s = 0); a row with a NaN or infinite value has s = NaN,
+// amax is below 2^-100 is all zero (s = 0); a row with a NaN or infinite value has s = NaN,
 // values 0. The row also keeps S_r = sum_i r_i^2. The current query is quantized the same way
 // (s_q, q_i, S_q), so the match reads d + 8 bytes per candidate instead of 2 d.
 //
