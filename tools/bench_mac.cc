@@ -17,7 +17,15 @@
 // median of --iters replays (mean and min too). A large memset enqueued first keeps the host
 // ahead of the GPU.
 //
-//   asmem_bench_mac [--quick] [--out FILE] [--commit SHA] [MAC flags: tools/mac_flags.h]
+// Real queries (--queries FILE, a query trace from `asmem generate --mac --save-queries`):
+// the model's own shape (Hq, Hkv, d from the trace) instead; request b replays one decode
+// step (layer l, position p) of the trace, drawn at random without repetition: its ring
+// holds the trace's queries of positions p-W+1 .. p-1 (those the trace has), placed so that p
+// falls on the benchmark's step m = context - 1, and its q_pre is the trace's query at p.
+// The hit decisions are then the op's own on the model's queries; entries, post-RoPE
+// queries and the KV stay random.
+//
+//   asmem_bench_mac [--quick] [--out FILE] [--commit SHA] [--queries FILE] [MAC flags: tools/mac_flags.h]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +48,7 @@
 #include "bench_util.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
+#include "asmem/query_trace.h"
 #include "asmem/reuse.h"
 #include "mac_flags.h"
 
@@ -68,6 +77,7 @@ struct Options {
   std::vector<double> hit_rates = {0.0, 0.5, 0.9, 0.99, 1.0};
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
   std::vector<std::string> layouts = {"independent", "clustered"};
+  std::string queries;  // a query trace: replay its steps instead of constructed hit rates
   MacConfig mac;
 };
 
@@ -172,7 +182,212 @@ std::string Now() {
   return buf;
 }
 
+// --queries: the trace's decode steps at the model's shape (see the file comment).
+int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& prop, const std::string& commit) {
+  const MacConfig& mc = opt.mac;
+  const int W = mc.window, Hq = tr.q_heads, Hkv = tr.kv_heads, d = tr.head_dim;
+  // The decode steps with at least one earlier position in the trace.
+  std::vector<std::pair<int32_t, int64_t>> samples;
+  for (int32_t l = 0; l < tr.layers; ++l) {
+    for (int64_t p = std::max(tr.first_decode, tr.first_position + 1); p < tr.first_position + tr.positions; ++p) {
+      samples.push_back({l, p});
+    }
+  }
+  if (samples.empty()) throw InvalidArgument(opt.queries + ": the trace has no decode step to replay");
+  std::printf("query trace %s: %s, %d layers, Hq %d, Hkv %d, d %d, positions %lld..%lld (decode from %lld): %zu steps\n",
+              opt.queries.c_str(), tr.model.c_str(), tr.layers, Hq, Hkv, d, (long long)tr.first_position,
+              (long long)(tr.first_position + tr.positions - 1), (long long)tr.first_decode, samples.size());
+  const int Cmax = *std::max_element(opt.contexts.begin(), opt.contexts.end());
+  const int Bmax = *std::max_element(opt.batches.begin(), opt.batches.end());
+  if (size_t(Bmax) > samples.size()) {
+    throw InvalidArgument("B = " + std::to_string(Bmax) + " exceeds the trace's " + std::to_string(samples.size()) +
+                          " decode steps");
+  }
+  const int64_t ppr_max = (int64_t(Cmax) + kPageSize - 1) / kPageSize;
+  const size_t pool_bytes = size_t(Bmax) * ppr_max * Hkv * kPageSize * d * 2;
+  DevMem kpool(pool_bytes), vpool(pool_bytes);
+  Rng rng(2025);
+  {
+    DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
+    FillRandom(kpool.p, pool_bytes, chunk);
+    FillRandom(vpool.p, pool_bytes, chunk);
+  }
+  DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
+  cudaStream_t stream;
+  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // A fixed random order of the steps; B requests take the first B.
+  std::vector<size_t> order(samples.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 shuf(11);
+  std::shuffle(order.begin(), order.end(), shuf);
+
+  json out;
+  out["gpu"] = prop.name;
+  out["sms"] = prop.multiProcessorCount;
+  out["date"] = Now();
+  out["commit"] = commit;
+  out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize}, {"dtype", "bf16"},
+                     {"flush_mb", opt.flush_mb}, {"programmatic_launch", opt.pdl},
+                     {"mac", {{"enable", mc.enable}, {"tau", mc.tau}, {"window", W}, {"band", mc.band},
+                              {"front_sink", mc.front_sink}, {"min_context", mc.min_context}}}};
+  out["trace"] = {{"file", opt.queries}, {"model", tr.model}, {"layers", tr.layers}, {"q_heads", Hq},
+                  {"kv_heads", Hkv}, {"head_dim", d}, {"first_position", tr.first_position},
+                  {"positions", tr.positions}, {"first_decode", tr.first_decode}, {"steps", samples.size()}};
+  out["results"] = json::array();
+  std::printf("\n%-8s %3s %5s | %9s | %6s %6s | %9s %8s\n", "trace", "B", "ctx", "full_us", "hit", "kv", "mac_us",
+              "speedup");
+  const int G = Hq / Hkv;
+  for (int B : opt.batches) {
+    MacDecodeConfig mcfg;
+    mcfg.batch = B;
+    mcfg.num_q_heads = Hq;
+    mcfg.num_kv_heads = Hkv;
+    mcfg.head_dim = d;
+    mcfg.dtype = KernelDType::kBF16;
+    mcfg.page_size = kPageSize;
+    mcfg.num_slots = B;
+    mcfg.mac = mc;
+    mcfg.programmatic_launch = opt.pdl;
+    if (!MacSupported(mcfg)) throw UnsupportedError("the MAC op does not support the trace's shape");
+    const size_t qn = size_t(B) * Hq * d;
+    DevMem q = Upload(RandomBF16(qn, rng)), q_pre(qn * 2), o(qn * 2), lse(size_t(B) * Hq * 4), hit(size_t(B) * Hq * 4);
+    DevMem ring(MacLayerStateBytes(mcfg)), ws(MacWorkspaceBytes(mcfg));
+    const MacLayerState state = MacBindLayerState(mcfg, ring.p);
+    std::vector<MacSlot> slots_host(B, MacSlot{0, 1});
+    DevMem slots = Upload(slots_host);
+    for (int ctx : opt.contexts) {
+      mcfg.max_seq_len = ctx;
+      const int32_t m = ctx - 1;
+      MacInitLayerState(mcfg, state, stream);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      // Rings and queries of the B replayed steps.
+      const size_t rows = size_t(B) * Hq * W;
+      std::vector<int8_t> r8(rows * d, 0);
+      std::vector<MacQueryScale> rs(rows);
+      std::vector<float> ro(rows * d), rl(rows);
+      for (auto& x : ro) x = 0.5f * rng.normal();
+      for (auto& x : rl) x = 5.f + rng.normal();
+      std::vector<MacTag> tags(size_t(B) * W, MacTag{-1, -1});
+      std::vector<uint16_t> qp(qn);
+      std::vector<float> row(static_cast<size_t>(d));
+      for (int b = 0; b < B; ++b) {
+        const auto [l, p] = samples[order[size_t(b)]];
+        // Candidates p-W+1 .. p-1: the step's own ring write lands on the slot of p-W, so
+        // leaving p-W out gives every timed replay the decisions of the first run.
+        for (int64_t x = std::max<int64_t>(tr.first_position, p - W + 1); x <= p; ++x) {
+          const uint16_t* src = tr.row(l, x);
+          if (x == p) {
+            std::copy(src, src + size_t(Hq) * d, &qp[size_t(b) * Hq * d]);
+            continue;
+          }
+          const int32_t X = m - int32_t(p - x), w = X % W;
+          tags[size_t(b) * W + w] = MacTag{X, 0};
+          for (int hq = 0; hq < Hq; ++hq) {
+            for (int i = 0; i < d; ++i) row[size_t(i)] = BF16BitsToFloat(src[size_t(hq) * d + i]);
+            const size_t r = (size_t(b) * Hq + hq) * W + w;
+            rs[r] = MacQuantizeQuery(row.data(), d, &r8[r * d]);
+          }
+        }
+      }
+      Put(q_pre, qp);
+      ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_q, r8.data(), r8.size(), cudaMemcpyHostToDevice));
+      ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_qs, rs.data(), rs.size() * sizeof(MacQueryScale), cudaMemcpyHostToDevice));
+      ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_o, ro.data(), ro.size() * 4, cudaMemcpyHostToDevice));
+      ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_lse, rl.data(), rl.size() * 4, cudaMemcpyHostToDevice));
+      ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_tag, tags.data(), tags.size() * sizeof(MacTag), cudaMemcpyHostToDevice));
+      const int64_t ppr = (int64_t(ctx) + kPageSize - 1) / kPageSize;
+      std::vector<int32_t> bt(size_t(B) * ppr);
+      std::iota(bt.begin(), bt.end(), 0);
+      std::shuffle(bt.begin(), bt.end(), shuf);
+      DevMem bt_dev = Upload(bt), lens = Upload(std::vector<int32_t>(B, ctx));
+      ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+
+      DecodeConfig dc;
+      dc.batch = B;
+      dc.num_q_heads = Hq;
+      dc.num_kv_heads = Hkv;
+      dc.head_dim = d;
+      dc.dtype = KernelDType::kBF16;
+      dc.page_size = kPageSize;
+      dc.max_seq_len = ctx;
+      DecodeParams dp;
+      dp.batch = B;
+      dp.q = q.p;
+      dp.q_stride_h = d;
+      dp.q_stride_b = int64_t(Hq) * d;
+      dp.k_cache = kpool.p;
+      dp.v_cache = vpool.p;
+      DecodeKvStrides(dc, &dp);
+      dp.block_table = bt_dev.as<int32_t>();
+      dp.block_table_stride = ppr;
+      dp.seq_lens = lens.as<int32_t>();
+      dp.o = o.p;
+      dp.o_stride_h = d;
+      dp.o_stride_b = int64_t(Hq) * d;
+      dp.lse = lse.as<float>();
+      DevMem dws(DecodeWorkspaceBytes(dc));
+      DecodeAttention(dc, dp, dws.p, dws.n, stream);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      CheckFinite(o, qn, lse, size_t(B) * Hq, "full attention");
+      const Timing full = TimeGraph([&](cudaStream_t st) { DecodeAttention(dc, dp, dws.p, dws.n, st); }, opt, stream,
+                                    flush, spin);
+
+      MacParams mp;
+      mp.batch = B;
+      mp.q = q.p;
+      mp.q_stride_h = d;
+      mp.q_stride_b = int64_t(Hq) * d;
+      mp.q_pre = q_pre.p;
+      mp.q_pre_stride_h = d;
+      mp.q_pre_stride_b = int64_t(Hq) * d;
+      mp.k_cache = kpool.p;
+      mp.v_cache = vpool.p;
+      MacKvStrides(mcfg, &mp);
+      mp.block_table = bt_dev.as<int32_t>();
+      mp.block_table_stride = ppr;
+      mp.seq_lens = lens.as<int32_t>();
+      mp.slots = slots.as<MacSlot>();
+      mp.state = state;
+      mp.o = o.p;
+      mp.o_stride_h = d;
+      mp.o_stride_b = int64_t(Hq) * d;
+      mp.lse = lse.as<float>();
+      mp.hit_pos = hit.as<int32_t>();
+      MacAttention(mcfg, mp, ws.p, ws.n, stream);
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      CheckFinite(o, qn, lse, size_t(B) * Hq, "MAC");
+      const int64_t nh = int64_t(B) * Hq, ng = int64_t(B) * Hkv;
+      std::vector<int32_t> hp(nh);
+      ASMEM_CUDA_CHECK(cudaMemcpy(hp.data(), hit.p, nh * 4, cudaMemcpyDeviceToHost));
+      int64_t hits = 0, tokens = 0;
+      for (int32_t x : hp) hits += x >= 0;
+      for (int64_t g0 = 0; g0 < ng; ++g0) tokens += MacGroupTokens(mc, ctx, &hp[g0 * G], G);
+      const Timing t = TimeGraph([&](cudaStream_t st) { MacAttention(mcfg, mp, ws.p, ws.n, st); }, opt, stream, flush,
+                                 spin);
+      const double hit_rate = double(hits) / double(nh), kv_fraction = double(tokens) / (double(ng) * ctx);
+      const double speedup = full.median_us / t.median_us;
+      out["results"].push_back({{"B", B}, {"context", ctx}, {"hit_rate", hit_rate}, {"kv_fraction", kv_fraction},
+                                {"mac_median_us", t.median_us}, {"mac_mean_us", t.mean_us}, {"mac_min_us", t.min_us},
+                                {"full_median_us", full.median_us}, {"full_mean_us", full.mean_us},
+                                {"speedup", speedup}, {"iters", t.iters}});
+      std::printf("%-8s %3d %4dK | %9.1f | %6.3f %6.4f | %9.1f %7.2fx\n", "trace", B, ctx / 1024, full.median_us,
+                  hit_rate, kv_fraction, t.median_us, speedup);
+      std::fflush(stdout);
+    }
+  }
+  ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+  if (!opt.out.empty()) {
+    std::ofstream f(opt.out);
+    if (!f) throw IoError("cannot write " + opt.out);
+    f << out.dump(2) << "\n";
+    std::printf("\nwrote %s\n", opt.out.c_str());
+  }
+  return 0;
+}
+
 int Run(const Options& opt) {
+  QueryTrace trace;  // read before any CUDA call: a bad file is reported as such
+  if (!opt.queries.empty()) trace = read_query_trace(opt.queries);
   int dev = 0;
   ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
@@ -188,6 +403,7 @@ int Run(const Options& opt) {
   std::printf("asmem_bench_mac on %s (%d SMs), commit %s; MAC tau %.2f W %d r %d F %d min_context %d%s%s\n",
               prop.name, prop.multiProcessorCount, commit.empty() ? "?" : commit.c_str(), mc.tau, W, mc.band,
               mc.front_sink, mc.min_context, mc.enable ? "" : " (disabled)", opt.pdl ? ", PDL" : "");
+  if (!opt.queries.empty()) return RunTrace(opt, trace, prop, commit);
 
   std::vector<Shape> shapes;
   for (const std::string& n : opt.shapes) {
@@ -502,6 +718,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
   app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
   app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default off)");
+  app.add_option("--queries", opt.queries,
+                 "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "
+                 "shape instead of constructed hit rates (uses --batches, --contexts)");
   asmem::AddMacFlags(app, &opt.mac);
   try {
     app.parse(argc, argv);

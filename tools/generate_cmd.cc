@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -26,6 +27,7 @@
 #include "asmem/model/sampler.h"
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
+#include "asmem/query_trace.h"
 #include "asmem/util/progress.h"
 #include "asmem/util/text_file.h"
 #include "commands.h"
@@ -58,7 +60,18 @@ struct GenerateArgs {
   bool compare = false;
   MacConfig mac;          // --mac / --no-mac / --mac-*
   bool use_mac = false;   // --mac or --no-mac given: decode through the MAC op
+  std::string save_queries;  // --save-queries: write the MAC engine's query trace here
 };
+
+// With --save-queries: the trace of the MAC run (asmem/query_trace.h), written atomically.
+void save_query_trace(const GenerateArgs& a, const MacDecode& mac) {
+  if (a.save_queries.empty()) return;
+  const QueryTrace t = mac.query_trace(std::filesystem::path(a.model).filename().string());
+  write_query_trace(a.save_queries, t);
+  std::fprintf(stderr, "query trace: %s (%d layers, %lld positions from %lld, first decode step at %lld)\n",
+               a.save_queries.c_str(), t.layers, (long long)t.positions, (long long)t.first_position,
+               (long long)t.first_decode);
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -168,6 +181,7 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
     mo.mac = a.mac;
     mo.inner = &hook;
     mac = std::make_unique<MacDecode>(model, mo);
+    mac->set_record_queries(!a.save_queries.empty());
   }
   AttentionHook* served_hook = mac ? static_cast<AttentionHook*>(mac.get()) : &hook;
   const ModelConfig& cfg = model.config();
@@ -194,6 +208,7 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
                  generated > 0 ? double(generated) / decode_s : 0.0, (long long)hook.lookups());
   }
   if (mac) print_mac_stats(*mac);
+  if (mac) save_query_trace(a, *mac);
   if (!a.compare || chosen.empty()) return;
   // The same tokens teacher-forced with the full prefix in context, and with no prefix.
   auto t2 = std::chrono::steady_clock::now();
@@ -272,6 +287,7 @@ void run_generate(const GenerateArgs& a) {
     MacDecodeOptions mo;
     mo.mac = a.mac;
     MacDecode mac(model, mo);
+    mac.set_record_queries(!a.save_queries.empty());
     std::vector<at::Tensor> rows;
     double prefill_s = 0, decode_s = 0;
     int64_t generated = 0;
@@ -282,6 +298,7 @@ void run_generate(const GenerateArgs& a) {
                    prefill_s, (long long)generated, decode_s, generated > 0 ? double(generated) / decode_s : 0.0);
     }
     print_mac_stats(mac);
+    save_query_trace(a, mac);
     if (!a.compare || chosen.empty()) return;
     auto t2 = std::chrono::steady_clock::now();
     KVCache fc = model.new_cache(1, P + int64_t(chosen.size()) + 1);
@@ -361,6 +378,9 @@ void add_generate_command(CLI::App& app) {
                 "With --dict and --system-file (the prefix text), or with --mac: also run the full prefix / full "
                 "attention over the same tokens and report top-1 agreement and KL");
   AddMacFlags(*cmd, &args->mac);
+  cmd->add_option("--save-queries", args->save_queries,
+                  "With --mac: write the pre-RoPE queries of the last W prompt positions and of every decode step, "
+                  "every layer, as a query trace (.asmq) for asmem_bench_mac --queries");
   cmd->callback([args, cmd] {
     // MAC runs when --mac or --no-mac is given (--no-mac: the MAC op with reuse off); the
     // --mac-* settings need one of them.
@@ -373,6 +393,7 @@ void add_generate_command(CLI::App& app) {
       }
     }
     if (args->use_mac) ValidateMacConfig(args->mac);
+    if (!args->save_queries.empty() && !args->use_mac) throw InvalidArgument("--save-queries applies only with --mac");
     run_generate(*args);
   });
 }

@@ -72,6 +72,10 @@ struct MacDecode::Layer {
   // [B, N, Hq, d] in the op's dtype; own index of the first.
   at::Tensor rec_q, rec_q_pre;
   int64_t rec_first = 0;
+  // Recorded queries (set_record_queries): bf16 bits [n][Hq][d] of own positions
+  // trace_first ..; trace_decode: own position of the first decode row (-1: none yet).
+  std::vector<uint16_t> trace;
+  int64_t trace_first = 0, trace_n = 0, trace_decode = -1;
   // Mirror of the cache in the op's dtype (undefined when the cache is read in place).
   at::Tensor mirror_k, mirror_v;
   int64_t mirrored = 0;
@@ -152,7 +156,53 @@ void MacDecode::reset() {
     ly->rec_q_pre = at::Tensor();
     ly->rec_first = 0;
     ly->mirrored = 0;
+    ly->trace.clear();
+    ly->trace_first = ly->trace_n = 0;
+    ly->trace_decode = -1;
   }
+}
+
+void MacDecode::record_queries(Layer& ly, const at::Tensor& q_pre, int64_t first, bool decode) {
+  const int64_t n = q_pre.size(1), row = Hq_ * d_;
+  at::Tensor rows = q_pre.select(0, 0).reshape({n, row}).to(at::kCPU).to(at::kBFloat16).contiguous();
+  if (ly.trace_n > 0 && ly.trace_first + ly.trace_n != first) {  // not contiguous: start over
+    ly.trace.clear();
+    ly.trace_n = 0;
+    ly.trace_decode = -1;
+  }
+  if (ly.trace_n == 0) ly.trace_first = first;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  ly.trace.insert(ly.trace.end(), src, src + n * row);
+  ly.trace_n += n;
+  if (decode && ly.trace_decode < 0) ly.trace_decode = first;
+  if (ly.trace_decode < 0 && ly.trace_n > opt_.mac.window) {  // prompt rows: the last W
+    const int64_t drop = ly.trace_n - opt_.mac.window;
+    ly.trace.erase(ly.trace.begin(), ly.trace.begin() + drop * row);
+    ly.trace_first += drop;
+    ly.trace_n -= drop;
+  }
+}
+
+QueryTrace MacDecode::query_trace(const std::string& model_name) const {
+  QueryTrace t;
+  t.model = model_name;
+  t.layers = int32_t(L_);
+  t.q_heads = int32_t(Hq_);
+  t.kv_heads = int32_t(Hkv_);
+  t.head_dim = int32_t(d_);
+  const Layer& l0 = *layers_[0];
+  for (const auto& ly : layers_) {
+    if (ly->trace_decode < 0 || ly->trace_first != l0.trace_first || ly->trace_n != l0.trace_n) {
+      throw InvalidArgument("MacDecode: no query trace recorded (set_record_queries before the prompt, then decode)");
+    }
+  }
+  t.first_position = l0.trace_first;
+  t.positions = l0.trace_n;
+  t.first_decode = l0.trace_decode;
+  t.queries.reserve(size_t(L_) * l0.trace.size());
+  for (const auto& ly : layers_) t.queries.insert(t.queries.end(), ly->trace.begin(), ly->trace.end());
+  t.validate();
+  return t;
 }
 
 void MacDecode::clear_stats() {
@@ -178,6 +228,7 @@ AttnState MacDecode::prefix_state(int64_t layer, const at::Tensor& q_pre, const 
   }
   if (T > 1) {
     Layer& ly = *layers_[size_t(layer)];
+    if (record_queries_) record_queries(ly, q_pre, chunk_start_, false);
     const int64_t W = opt_.mac.window;
     at::Tensor qn = q.to(op_scalar_);
     at::Tensor qp = q_pre.to(op_scalar_);
@@ -310,6 +361,7 @@ AttnState MacDecode::decode_state(int64_t layer, const at::Tensor& q_pre, const 
                       .contiguous();
   at::Tensor seq_lens = at::full({B}, int32_t(length), i32);
   if (ly.rec_q.defined()) fill(layer, ly, kc, vc, bt, seq_lens, capacity);
+  if (record_queries_) record_queries(ly, q_pre, length - 1, true);
 
   at::Tensor q16 = q.reshape({B, Hq_, d_}).to(op_scalar_).contiguous();
   at::Tensor qp16 = q_pre.reshape({B, Hq_, d_}).to(op_scalar_).contiguous();

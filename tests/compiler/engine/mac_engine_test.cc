@@ -11,7 +11,10 @@
 // logits differ from the exact ones but stay close.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 
 #include "asmem/engine/mac_decode.h"
@@ -279,6 +282,114 @@ TEST_F(MacEngine, InnerHookServesThePrefix) {
   const FidelityStats f = compare_next_token(exact, got);
   EXPECT_EQ(f.agree, f.tokens);
   EXPECT_LT(f.mean_kl(), 1e-4);
+}
+
+// Forwards to a MacDecode and keeps every decode step's hit positions, per layer.
+class HitLog : public AttentionHook {
+ public:
+  explicit HitLog(MacDecode* mac) : mac_(mac) { mac_->set_record_hits(true); }
+  AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
+                         const AttnState& exact_prefix) override {
+    return mac_->prefix_state(layer, q_pre, q, positions, exact_prefix);
+  }
+  AttnState decode_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, int64_t length, const AttnState& prefix) override {
+    AttnState st = mac_->decode_state(layer, q_pre, q, k, v, length, prefix);
+    if (layer == 0) steps.emplace_back();
+    steps.back().push_back(mac_->last_hits()[size_t(layer)].clone());
+    return st;
+  }
+  std::vector<std::vector<at::Tensor>> steps;  // [step][layer] [1, Hq] int32
+
+ private:
+  MacDecode* mac_;
+};
+
+// The query trace holds what the op matched on: replaying each decode step's match from the
+// trace alone (the ring = the trace's rows of the previous W positions, quantized by
+// MacQuantizeQuery) gives the engine's decisions at every step and layer. The op runs in bf16
+// so that its q_pre is the trace's rounding.
+TEST_F(MacEngine, QueryTraceReplaysTheEngineDecisions) {
+  std::vector<int32_t> prompt, cont;
+  split(20, &prompt, &cont);
+  MacDecodeOptions o;
+  o.mac.tau = 0.2f;
+  o.mac.min_context = 0;
+  o.mac.window = 24;
+  o.mac.band = 4;
+  o.bf16_for_fp32 = true;
+  MacDecode mac(*model_, o);
+  mac.set_record_queries(true);
+  HitLog log(&mac);
+  run(&log, prompt, cont);
+  const QueryTrace t = mac.query_trace("bundled");
+  const int64_t P = int64_t(prompt.size()), W = o.mac.window, n_steps = int64_t(log.steps.size());
+  ASSERT_EQ(n_steps, int64_t(cont.size()) - 1);  // the prefill predicts the first token
+  const ModelConfig& mc = model_->config();
+  EXPECT_EQ(t.layers, mc.n_layers);
+  EXPECT_EQ(t.q_heads, mc.n_heads);
+  EXPECT_EQ(t.kv_heads, mc.n_kv_heads);
+  EXPECT_EQ(t.head_dim, mc.head_dim);
+  EXPECT_EQ(t.first_position, P - W);  // the prompt rows the rings were filled with
+  EXPECT_EQ(t.first_decode, P);
+  EXPECT_EQ(t.positions, W + n_steps);
+  // Written and read back unchanged.
+  const std::string path = test::temp_dir("mac_trace") + "/t.asmq";
+  write_query_trace(path, t);
+  EXPECT_EQ(read_query_trace(path).queries, t.queries);
+
+  const int64_t Hq = t.q_heads, d = t.head_dim;
+  const float thr = MacThreshold(o.mac, int32_t(d));
+  auto row8 = [&](int32_t layer, int64_t x, int64_t hq, std::vector<int8_t>* v) {
+    std::vector<float> f(static_cast<size_t>(d));
+    const uint16_t* r = t.row(layer, x) + hq * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const uint32_t bits = uint32_t(r[i]) << 16;
+      std::memcpy(&f[size_t(i)], &bits, 4);
+    }
+    v->resize(size_t(d));
+    return MacQuantizeQuery(f.data(), int32_t(d), v->data());
+  };
+  int64_t hits = 0, checked = 0;
+  std::vector<int8_t> qv, rv;
+  for (int64_t s = 0; s < n_steps; ++s) {
+    const int64_t m = P + s;  // the step's own position (T = m + 1)
+    for (int32_t l = 0; l < t.layers; ++l) {
+      const int32_t* engine = log.steps[size_t(s)][size_t(l)].data_ptr<int32_t>();
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const MacQueryScale qs = row8(l, m, hq, &qv);
+        int32_t best_p = -1;
+        float best = INFINITY;
+        for (int64_t x = std::max<int64_t>(t.first_position, m - W); x < m; ++x) {
+          const MacQueryScale rs = row8(l, x, hq, &rv);
+          const float dist = MacQueryDistance(qs, qv.data(), rs, rv.data(), int32_t(d));
+          if (dist < best) {
+            best = dist;
+            best_p = int32_t(x);
+          }
+        }
+        const int32_t want = best_p >= 0 && best < thr ? best_p : -1;
+        EXPECT_EQ(engine[hq], want) << "step " << s << " layer " << l << " head " << hq;
+        hits += want >= 0;
+        ++checked;
+      }
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  std::printf("  trace replay: %lld decisions, %lld hits, all equal to the engine's\n", (long long)checked,
+              (long long)hits);
+  EXPECT_GT(hits, 0);
+  EXPECT_LT(hits, checked);
+}
+
+TEST_F(MacEngine, QueryTraceNeedsRecording) {
+  MacDecodeOptions o;
+  o.mac = no_hit_tau();
+  MacDecode mac(*model_, o);
+  std::vector<int32_t> prompt, cont;
+  split(3, &prompt, &cont);
+  run(&mac, prompt, cont);
+  test::expect_error<InvalidArgument>([&] { mac.query_trace("x"); }, {"no query trace"});
 }
 
 TEST_F(MacEngine, BadSettingsAndMisuseAreOneLineErrors) {

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "asmem/model/llama.h"
+#include "asmem/query_trace.h"
 #include "asmem/reuse.h"
 
 namespace asmem {
@@ -102,6 +103,13 @@ class MacDecode : public AttentionHook {
   // CUDA recording waits for the device once per layer).
   void set_record_hits(bool on) { record_hits_ = on; }
   const std::vector<at::Tensor>& last_hits() const { return last_hits_; }
+  // When set, sequence 0's pre-RoPE queries are kept, every layer, rounded to bf16 in host
+  // memory, for a query trace: the last W prompt positions (the ones the rings are filled
+  // with), then every decode step's. reset() drops them. Set it before the prompt.
+  void set_record_queries(bool on) { record_queries_ = on; }
+  // The recorded queries as a trace (asmem/query_trace.h). Throws InvalidArgument when no
+  // decode step was recorded.
+  QueryTrace query_trace(const std::string& model_name) const;
 
   AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
                          const at::Tensor& positions, const AttnState& exact_prefix) override;
@@ -138,6 +146,10 @@ class MacDecode : public AttentionHook {
   int64_t chunk_start_ = 0;     // own index of the forward in progress's first token
   MacStats stats_;
   bool record_hits_ = false;
+  bool record_queries_ = false;
+  // Appends sequence 0's rows of q_pre [B, N, Hq, d] (own positions first ..) to the layer's
+  // recorded queries; before the first decode step only the last W rows are kept.
+  void record_queries(Layer& ly, const at::Tensor& q_pre, int64_t first, bool decode);
   std::vector<at::Tensor> last_hits_;
   std::vector<at::Tensor> pending_hits_;  // [L] this step's hit positions (device)
   // Folds this step's hit positions of every layer into stats_ (one host wait per step).

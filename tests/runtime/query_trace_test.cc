@@ -1,0 +1,107 @@
+// Query traces (asmem/query_trace.h): the file round trip, and every kind of bad file giving
+// a one-line error that names the file and the problem, with nothing half-written left.
+#include "asmem/query_trace.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "asmem/error.h"
+#include "test_util.h"
+
+namespace asmem {
+namespace {
+
+QueryTrace SmallTrace() {
+  QueryTrace t;
+  t.model = "test-model";
+  t.layers = 3;
+  t.q_heads = 4;
+  t.kv_heads = 2;
+  t.head_dim = 8;
+  t.first_position = 10;
+  t.positions = 7;
+  t.first_decode = 14;
+  std::mt19937 rng(5);
+  t.queries.resize(size_t(3 * 7 * 4 * 8));
+  for (uint16_t& v : t.queries) v = uint16_t(rng());
+  return t;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void WriteBytes(const std::string& path, const std::string& b) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(b.data(), std::streamsize(b.size()));
+}
+
+TEST(QueryTrace, RoundTrip) {
+  const std::string dir = test::temp_dir("qtrace");
+  const QueryTrace t = SmallTrace();
+  write_query_trace(dir + "/a.asmq", t);
+  const QueryTrace r = read_query_trace(dir + "/a.asmq");
+  EXPECT_EQ(r.model, t.model);
+  EXPECT_EQ(r.layers, t.layers);
+  EXPECT_EQ(r.q_heads, t.q_heads);
+  EXPECT_EQ(r.kv_heads, t.kv_heads);
+  EXPECT_EQ(r.head_dim, t.head_dim);
+  EXPECT_EQ(r.first_position, t.first_position);
+  EXPECT_EQ(r.positions, t.positions);
+  EXPECT_EQ(r.first_decode, t.first_decode);
+  EXPECT_EQ(r.queries, t.queries);
+  // row(): layer-major, then position, head, dim.
+  EXPECT_EQ(r.row(2, 12), r.queries.data() + ((2 * 7 + 2) * 4) * 8);
+  // Only the file itself is left in the directory (the temp file was renamed).
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files += e.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(files, 1);
+}
+
+TEST(QueryTrace, BadFilesAreOneLineErrors) {
+  const std::string dir = test::temp_dir("qtrace_bad");
+  const std::string good = dir + "/good.asmq";
+  write_query_trace(good, SmallTrace());
+  const std::string bytes = ReadBytes(good);
+  const std::string p = dir + "/bad.asmq";
+
+  test::expect_error<IoError>([&] { read_query_trace(dir + "/missing.asmq"); }, {"missing.asmq", "cannot open"});
+  WriteBytes(p, "ASMQ");
+  test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq", "truncated"});
+  WriteBytes(p, "ASMDICT" + std::string(1, '\0') + bytes.substr(8));
+  test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq", "wrong magic"});
+  WriteBytes(p, bytes.substr(0, bytes.size() / 2));
+  test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq"});
+  {
+    std::string b = bytes;
+    b[b.size() - 200] = char(b[b.size() - 200] ^ 0x40);  // inside the query bytes
+    WriteBytes(p, b);
+    test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq", "checksum"});
+  }
+}
+
+TEST(QueryTrace, InvalidTracesAreNotWritten) {
+  const std::string dir = test::temp_dir("qtrace_inv");
+  QueryTrace t = SmallTrace();
+  t.queries.pop_back();
+  test::expect_error<InvalidArgument>([&] { write_query_trace(dir + "/x.asmq", t); }, {"query trace", "values"});
+  t = SmallTrace();
+  t.kv_heads = 3;
+  test::expect_error<InvalidArgument>([&] { write_query_trace(dir + "/x.asmq", t); }, {"kv_heads = 3"});
+  t = SmallTrace();
+  t.first_decode = 30;
+  test::expect_error<InvalidArgument>([&] { write_query_trace(dir + "/x.asmq", t); }, {"first_decode = 30"});
+  EXPECT_FALSE(std::filesystem::exists(dir + "/x.asmq"));
+  // A directory that does not exist: an IoError naming the path, no file anywhere.
+  test::expect_error<IoError>([&] { write_query_trace(dir + "/no/such/dir/x.asmq", SmallTrace()); }, {"x.asmq"});
+  int files = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) files += e.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(files, 0);
+}
+
+}  // namespace
+}  // namespace asmem
