@@ -105,7 +105,8 @@ class MacDecode : public AttentionHook {
   const std::vector<at::Tensor>& last_hits() const { return last_hits_; }
   // When set, sequence 0's pre-RoPE queries are kept, every layer, rounded to bf16 in host
   // memory, for a query trace: the last W prompt positions (the ones the rings are filled
-  // with), then every decode step's. reset() drops them. Set it before the prompt.
+  // with), then every decode step's (2 Hq d bytes per step and layer, kept until reset();
+  // on CUDA each layer's query is copied to the host at once). Set it before the prompt.
   void set_record_queries(bool on) { record_queries_ = on; }
   // The recorded queries as a trace (asmem/query_trace.h). Throws InvalidArgument when no
   // decode step was recorded.
