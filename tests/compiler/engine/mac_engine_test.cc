@@ -45,11 +45,10 @@ Loaded& loaded() {
   return *l;
 }
 
-// Wraps a MacDecode and checks, at every decode step and layer, its state against exact
-// attention (fp32) over the f16-rounded q and KV merged with the prefix part (f16-rounded too).
-class Checker : public AttentionHook {
+// Forwards every call to a MacDecode and shows each decode step's result to observe().
+class MacObserver : public AttentionHook {
  public:
-  explicit Checker(MacDecode* mac) : mac_(mac) {}
+  explicit MacObserver(MacDecode* mac) : mac_(mac) {}
   AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
                          const AttnState& exact_prefix) override {
     return mac_->prefix_state(layer, q_pre, q, positions, exact_prefix);
@@ -57,6 +56,23 @@ class Checker : public AttentionHook {
   AttnState decode_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, int64_t length, const AttnState& prefix) override {
     AttnState got = mac_->decode_state(layer, q_pre, q, k, v, length, prefix);
+    observe(layer, got, q, k, v, length, prefix);
+    return got;
+  }
+  virtual void observe(int64_t layer, const AttnState& got, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, int64_t length, const AttnState& prefix) = 0;
+
+ protected:
+  MacDecode* mac_;
+};
+
+// Checks, at every decode step and layer, the MacDecode's state against exact attention
+// (fp32) over the f16-rounded q and KV merged with the prefix part (f16-rounded too).
+class Checker : public MacObserver {
+ public:
+  using MacObserver::MacObserver;
+  void observe(int64_t, const AttnState& got, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               int64_t length, const AttnState& prefix) override {
     auto r16 = [](const at::Tensor& t) { return t.to(at::kHalf).to(at::kFloat); };
     const double scale = 1.0 / std::sqrt(double(q.size(3)));
     AttnState want = attention_state(r16(q), r16(k.narrow(2, 0, length)), r16(v.narrow(2, 0, length)), scale);
@@ -66,13 +82,9 @@ class Checker : public AttentionHook {
     max_o_ = std::max(max_o_, ((got.o - wo).abs() / (wo.abs() + 1.0)).max().item<double>());
     max_lse_ = std::max(max_lse_, (got.lse - want.lse.to(at::kFloat)).abs().max().item<double>());
     ++steps_;
-    return got;
   }
   double max_o_ = 0, max_lse_ = 0;
   int64_t steps_ = 0;
-
- private:
-  MacDecode* mac_;
 };
 
 void report(const char* what, const Checker* c, const MacLayerStats& t, const FidelityStats& f, double max_diff) {
@@ -284,25 +296,16 @@ TEST_F(MacEngine, InnerHookServesThePrefix) {
   EXPECT_LT(f.mean_kl(), 1e-4);
 }
 
-// Forwards to a MacDecode and keeps every decode step's hit positions, per layer.
-class HitLog : public AttentionHook {
+// Keeps every decode step's hit positions, per layer.
+class HitLog : public MacObserver {
  public:
-  explicit HitLog(MacDecode* mac) : mac_(mac) { mac_->set_record_hits(true); }
-  AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
-                         const AttnState& exact_prefix) override {
-    return mac_->prefix_state(layer, q_pre, q, positions, exact_prefix);
-  }
-  AttnState decode_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, int64_t length, const AttnState& prefix) override {
-    AttnState st = mac_->decode_state(layer, q_pre, q, k, v, length, prefix);
+  explicit HitLog(MacDecode* mac) : MacObserver(mac) { mac_->set_record_hits(true); }
+  void observe(int64_t layer, const AttnState&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+               const AttnState&) override {
     if (layer == 0) steps.emplace_back();
     steps.back().push_back(mac_->last_hits()[size_t(layer)].clone());
-    return st;
   }
   std::vector<std::vector<at::Tensor>> steps;  // [step][layer] [1, Hq] int32
-
- private:
-  MacDecode* mac_;
 };
 
 // The query trace holds what the op matched on: replaying each decode step's match from the
