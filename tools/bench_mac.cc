@@ -182,6 +182,121 @@ std::string Now() {
   return buf;
 }
 
+// The device buffers of one batch at one context, over the shared KV pools: what the full
+// attention baseline and the MAC step both read.
+struct Batch {
+  int B = 0, hq = 0, hkv = 0, d = 0;
+  const DevMem *q = nullptr, *q_pre = nullptr, *o = nullptr, *lse = nullptr, *hit = nullptr;
+  const DevMem *kpool = nullptr, *vpool = nullptr, *bt = nullptr, *lens = nullptr;
+  int64_t ppr = 0;  // pages per request (block table stride)
+};
+
+DecodeConfig FullConfig(const Batch& x, int ctx) {
+  DecodeConfig dc;
+  dc.batch = x.B;
+  dc.num_q_heads = x.hq;
+  dc.num_kv_heads = x.hkv;
+  dc.head_dim = x.d;
+  dc.dtype = KernelDType::kBF16;
+  dc.page_size = kPageSize;
+  dc.max_seq_len = ctx;
+  return dc;
+}
+
+DecodeParams FullParams(const DecodeConfig& dc, const Batch& x) {
+  DecodeParams dp;
+  dp.batch = x.B;
+  dp.q = x.q->p;
+  dp.q_stride_h = x.d;
+  dp.q_stride_b = int64_t(x.hq) * x.d;
+  dp.k_cache = x.kpool->p;
+  dp.v_cache = x.vpool->p;
+  DecodeKvStrides(dc, &dp);
+  dp.block_table = x.bt->as<int32_t>();
+  dp.block_table_stride = x.ppr;
+  dp.seq_lens = x.lens->as<int32_t>();
+  dp.o = x.o->p;
+  dp.o_stride_h = x.d;
+  dp.o_stride_b = int64_t(x.hq) * x.d;
+  dp.lse = x.lse->as<float>();
+  return dp;
+}
+
+MacDecodeConfig MacStepConfig(int B, int hq, int hkv, int d, const Options& opt) {
+  MacDecodeConfig c;
+  c.batch = B;
+  c.num_q_heads = hq;
+  c.num_kv_heads = hkv;
+  c.head_dim = d;
+  c.dtype = KernelDType::kBF16;
+  c.page_size = kPageSize;
+  c.num_slots = B;
+  c.mac = opt.mac;
+  c.programmatic_launch = opt.pdl;
+  return c;
+}
+
+MacParams MacStepParams(const MacDecodeConfig& c, const Batch& x, const DevMem& slots, const MacLayerState& state) {
+  MacParams mp;
+  mp.batch = x.B;
+  mp.q = x.q->p;
+  mp.q_stride_h = x.d;
+  mp.q_stride_b = int64_t(x.hq) * x.d;
+  mp.q_pre = x.q_pre->p;
+  mp.q_pre_stride_h = x.d;
+  mp.q_pre_stride_b = int64_t(x.hq) * x.d;
+  mp.k_cache = x.kpool->p;
+  mp.v_cache = x.vpool->p;
+  MacKvStrides(c, &mp);
+  mp.block_table = x.bt->as<int32_t>();
+  mp.block_table_stride = x.ppr;
+  mp.seq_lens = x.lens->as<int32_t>();
+  mp.slots = slots.as<MacSlot>();
+  mp.state = state;
+  mp.o = x.o->p;
+  mp.o_stride_h = x.d;
+  mp.o_stride_b = int64_t(x.hq) * x.d;
+  mp.lse = x.lse->as<float>();
+  mp.hit_pos = x.hit->as<int32_t>();
+  return mp;
+}
+
+// The op's decisions of the last step (its hit_pos output): hit rate and the fraction of the
+// KV the groups stream (MacGroupTokens).
+struct HitStats {
+  double hit_rate = 0, kv_fraction = 0;
+};
+HitStats ReadHits(const Batch& x, const MacConfig& mc, int ctx) {
+  const int64_t nh = int64_t(x.B) * x.hq, ng = int64_t(x.B) * x.hkv;
+  const int G = x.hq / x.hkv;
+  std::vector<int32_t> hp(nh);
+  ASMEM_CUDA_CHECK(cudaMemcpy(hp.data(), x.hit->p, nh * 4, cudaMemcpyDeviceToHost));
+  int64_t hits = 0, tokens = 0;
+  for (int32_t v : hp) hits += v >= 0;
+  for (int64_t g0 = 0; g0 < ng; ++g0) tokens += MacGroupTokens(mc, ctx, &hp[g0 * G], G);
+  return {double(hits) / double(nh), double(tokens) / (double(ng) * ctx)};
+}
+
+// Both pools filled with random bf16 values (a 64 MB random chunk repeated).
+void FillPools(const DevMem& kpool, const DevMem& vpool, size_t bytes, Rng& rng) {
+  DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
+  FillRandom(kpool.p, bytes, chunk);
+  FillRandom(vpool.p, bytes, chunk);
+}
+
+json MacSettingsJson(const MacConfig& mc) {
+  return {{"enable", mc.enable}, {"tau", mc.tau}, {"window", mc.window}, {"band", mc.band},
+          {"front_sink", mc.front_sink}, {"min_context", mc.min_context}};
+}
+
+void WriteJson(const json& out, const std::string& path) {
+  if (path.empty()) return;
+  std::ofstream f(path);
+  if (!f) throw IoError("cannot write " + path);
+  f << out.dump(2) << "\n";
+  std::printf("\nwrote %s\n", path.c_str());
+}
+
 // --queries: the trace's decode steps at the model's shape (see the file comment).
 int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& prop, const std::string& commit) {
   const MacConfig& mc = opt.mac;
@@ -207,11 +322,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   const size_t pool_bytes = size_t(Bmax) * ppr_max * Hkv * kPageSize * d * 2;
   DevMem kpool(pool_bytes), vpool(pool_bytes);
   Rng rng(2025);
-  {
-    DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
-    FillRandom(kpool.p, pool_bytes, chunk);
-    FillRandom(vpool.p, pool_bytes, chunk);
-  }
+  FillPools(kpool, vpool, pool_bytes, rng);
   DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -227,27 +338,15 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   out["date"] = Now();
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize}, {"dtype", "bf16"},
-                     {"flush_mb", opt.flush_mb}, {"programmatic_launch", opt.pdl},
-                     {"mac", {{"enable", mc.enable}, {"tau", mc.tau}, {"window", W}, {"band", mc.band},
-                              {"front_sink", mc.front_sink}, {"min_context", mc.min_context}}}};
+                     {"flush_mb", opt.flush_mb}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
   out["trace"] = {{"file", opt.queries}, {"model", tr.model}, {"layers", tr.layers}, {"q_heads", Hq},
                   {"kv_heads", Hkv}, {"head_dim", d}, {"first_position", tr.first_position},
                   {"positions", tr.positions}, {"first_decode", tr.first_decode}, {"steps", samples.size()}};
   out["results"] = json::array();
   std::printf("\n%-8s %3s %5s | %9s | %6s %6s | %9s %8s\n", "trace", "B", "ctx", "full_us", "hit", "kv", "mac_us",
               "speedup");
-  const int G = Hq / Hkv;
   for (int B : opt.batches) {
-    MacDecodeConfig mcfg;
-    mcfg.batch = B;
-    mcfg.num_q_heads = Hq;
-    mcfg.num_kv_heads = Hkv;
-    mcfg.head_dim = d;
-    mcfg.dtype = KernelDType::kBF16;
-    mcfg.page_size = kPageSize;
-    mcfg.num_slots = B;
-    mcfg.mac = mc;
-    mcfg.programmatic_launch = opt.pdl;
+    MacDecodeConfig mcfg = MacStepConfig(B, Hq, Hkv, d, opt);
     if (!MacSupported(mcfg)) throw UnsupportedError("the MAC op does not support the trace's shape");
     const size_t qn = size_t(B) * Hq * d;
     DevMem q = Upload(RandomBF16(qn, rng)), q_pre(qn * 2), o(qn * 2), lse(size_t(B) * Hq * 4), hit(size_t(B) * Hq * 4);
@@ -301,30 +400,10 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       std::shuffle(bt.begin(), bt.end(), shuf);
       DevMem bt_dev = Upload(bt), lens = Upload(std::vector<int32_t>(B, ctx));
       ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+      const Batch x{B, Hq, Hkv, d, &q, &q_pre, &o, &lse, &hit, &kpool, &vpool, &bt_dev, &lens, ppr};
 
-      DecodeConfig dc;
-      dc.batch = B;
-      dc.num_q_heads = Hq;
-      dc.num_kv_heads = Hkv;
-      dc.head_dim = d;
-      dc.dtype = KernelDType::kBF16;
-      dc.page_size = kPageSize;
-      dc.max_seq_len = ctx;
-      DecodeParams dp;
-      dp.batch = B;
-      dp.q = q.p;
-      dp.q_stride_h = d;
-      dp.q_stride_b = int64_t(Hq) * d;
-      dp.k_cache = kpool.p;
-      dp.v_cache = vpool.p;
-      DecodeKvStrides(dc, &dp);
-      dp.block_table = bt_dev.as<int32_t>();
-      dp.block_table_stride = ppr;
-      dp.seq_lens = lens.as<int32_t>();
-      dp.o = o.p;
-      dp.o_stride_h = d;
-      dp.o_stride_b = int64_t(Hq) * d;
-      dp.lse = lse.as<float>();
+      const DecodeConfig dc = FullConfig(x, ctx);
+      const DecodeParams dp = FullParams(dc, x);
       DevMem dws(DecodeWorkspaceBytes(dc));
       DecodeAttention(dc, dp, dws.p, dws.n, stream);
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -332,39 +411,14 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       const Timing full = TimeGraph([&](cudaStream_t st) { DecodeAttention(dc, dp, dws.p, dws.n, st); }, opt, stream,
                                     flush, spin);
 
-      MacParams mp;
-      mp.batch = B;
-      mp.q = q.p;
-      mp.q_stride_h = d;
-      mp.q_stride_b = int64_t(Hq) * d;
-      mp.q_pre = q_pre.p;
-      mp.q_pre_stride_h = d;
-      mp.q_pre_stride_b = int64_t(Hq) * d;
-      mp.k_cache = kpool.p;
-      mp.v_cache = vpool.p;
-      MacKvStrides(mcfg, &mp);
-      mp.block_table = bt_dev.as<int32_t>();
-      mp.block_table_stride = ppr;
-      mp.seq_lens = lens.as<int32_t>();
-      mp.slots = slots.as<MacSlot>();
-      mp.state = state;
-      mp.o = o.p;
-      mp.o_stride_h = d;
-      mp.o_stride_b = int64_t(Hq) * d;
-      mp.lse = lse.as<float>();
-      mp.hit_pos = hit.as<int32_t>();
+      const MacParams mp = MacStepParams(mcfg, x, slots, state);
       MacAttention(mcfg, mp, ws.p, ws.n, stream);
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       CheckFinite(o, qn, lse, size_t(B) * Hq, "MAC");
-      const int64_t nh = int64_t(B) * Hq, ng = int64_t(B) * Hkv;
-      std::vector<int32_t> hp(nh);
-      ASMEM_CUDA_CHECK(cudaMemcpy(hp.data(), hit.p, nh * 4, cudaMemcpyDeviceToHost));
-      int64_t hits = 0, tokens = 0;
-      for (int32_t x : hp) hits += x >= 0;
-      for (int64_t g0 = 0; g0 < ng; ++g0) tokens += MacGroupTokens(mc, ctx, &hp[g0 * G], G);
+      const HitStats hs = ReadHits(x, mc, ctx);
+      const double hit_rate = hs.hit_rate, kv_fraction = hs.kv_fraction;
       const Timing t = TimeGraph([&](cudaStream_t st) { MacAttention(mcfg, mp, ws.p, ws.n, st); }, opt, stream, flush,
                                  spin);
-      const double hit_rate = double(hits) / double(nh), kv_fraction = double(tokens) / (double(ng) * ctx);
       const double speedup = full.median_us / t.median_us;
       out["results"].push_back({{"B", B}, {"context", ctx}, {"hit_rate", hit_rate}, {"kv_fraction", kv_fraction},
                                 {"mac_median_us", t.median_us}, {"mac_mean_us", t.mean_us}, {"mac_min_us", t.min_us},
@@ -376,12 +430,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
     }
   }
   ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
-  if (!opt.out.empty()) {
-    std::ofstream f(opt.out);
-    if (!f) throw IoError("cannot write " + opt.out);
-    f << out.dump(2) << "\n";
-    std::printf("\nwrote %s\n", opt.out.c_str());
-  }
+  WriteJson(out, opt.out);
   return 0;
 }
 
@@ -423,11 +472,7 @@ int Run(const Options& opt) {
   std::printf("KV pools: 2 x %.2f GB\n", pool_bytes / 1e9);
   DevMem kpool(pool_bytes), vpool(pool_bytes);
   Rng rng(2024);
-  {
-    DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
-    FillRandom(kpool.p, pool_bytes, chunk);
-    FillRandom(vpool.p, pool_bytes, chunk);
-  }
+  FillPools(kpool, vpool, pool_bytes, rng);
   DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -440,8 +485,7 @@ int Run(const Options& opt) {
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
                      {"flush_mb", opt.flush_mb}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
-                     {"mac", {{"enable", mc.enable}, {"tau", mc.tau}, {"window", W}, {"band", mc.band},
-                              {"front_sink", mc.front_sink}, {"min_context", mc.min_context}}}};
+                     {"mac", MacSettingsJson(mc)}};
   out["full"] = json::array();
   out["results"] = json::array();
 
@@ -474,16 +518,7 @@ int Run(const Options& opt) {
       const size_t qn = size_t(B) * s.hq * kHeadDim;
       DevMem q = Upload(RandomBF16(qn, rng)), q_pre(qn * 2), o(qn * 2), lse(size_t(B) * s.hq * 4),
              hit(size_t(B) * s.hq * 4);
-      MacDecodeConfig mcfg;
-      mcfg.batch = B;
-      mcfg.num_q_heads = s.hq;
-      mcfg.num_kv_heads = s.hkv;
-      mcfg.head_dim = kHeadDim;
-      mcfg.dtype = KernelDType::kBF16;
-      mcfg.page_size = kPageSize;
-      mcfg.num_slots = B;
-      mcfg.mac = mc;
-      mcfg.programmatic_launch = opt.pdl;
+      MacDecodeConfig mcfg = MacStepConfig(B, s.hq, s.hkv, kHeadDim, opt);
       DevMem ring(MacLayerStateBytes(mcfg)), ws(MacWorkspaceBytes(mcfg));
       const MacLayerState state = MacBindLayerState(mcfg, ring.p);
       MacInitLayerState(mcfg, state, stream);
@@ -522,29 +557,9 @@ int Run(const Options& opt) {
         ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
 
         // Baseline: full attention through DecodeAttention.
-        DecodeConfig dc;
-        dc.batch = B;
-        dc.num_q_heads = s.hq;
-        dc.num_kv_heads = s.hkv;
-        dc.head_dim = kHeadDim;
-        dc.dtype = KernelDType::kBF16;
-        dc.page_size = kPageSize;
-        dc.max_seq_len = ctx;
-        DecodeParams dp;
-        dp.batch = B;
-        dp.q = q.p;
-        dp.q_stride_h = kHeadDim;
-        dp.q_stride_b = int64_t(s.hq) * kHeadDim;
-        dp.k_cache = kpool.p;
-        dp.v_cache = vpool.p;
-        DecodeKvStrides(dc, &dp);
-        dp.block_table = bt_dev.as<int32_t>();
-        dp.block_table_stride = ppr;
-        dp.seq_lens = lens.as<int32_t>();
-        dp.o = o.p;
-        dp.o_stride_h = kHeadDim;
-        dp.o_stride_b = int64_t(s.hq) * kHeadDim;
-        dp.lse = lse.as<float>();
+        const Batch x{B, s.hq, s.hkv, kHeadDim, &q, &q_pre, &o, &lse, &hit, &kpool, &vpool, &bt_dev, &lens, ppr};
+        const DecodeConfig dc = FullConfig(x, ctx);
+        const DecodeParams dp = FullParams(dc, x);
         if (ddec_ws.n < DecodeWorkspaceBytes(dc)) ddec_ws = DevMem(DecodeWorkspaceBytes(dc));
         ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
         ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
@@ -559,27 +574,7 @@ int Run(const Options& opt) {
                                {"iters", full.iters}, {"kv_bytes", kv_bytes},
                                {"tbps", kv_bytes / (full.median_us * 1e-6) / 1e12}});
 
-        MacParams mp;
-        mp.batch = B;
-        mp.q = q.p;
-        mp.q_stride_h = kHeadDim;
-        mp.q_stride_b = int64_t(s.hq) * kHeadDim;
-        mp.q_pre = q_pre.p;
-        mp.q_pre_stride_h = kHeadDim;
-        mp.q_pre_stride_b = int64_t(s.hq) * kHeadDim;
-        mp.k_cache = kpool.p;
-        mp.v_cache = vpool.p;
-        MacKvStrides(mcfg, &mp);
-        mp.block_table = bt_dev.as<int32_t>();
-        mp.block_table_stride = ppr;
-        mp.seq_lens = lens.as<int32_t>();
-        mp.slots = slots.as<MacSlot>();
-        mp.state = state;
-        mp.o = o.p;
-        mp.o_stride_h = kHeadDim;
-        mp.o_stride_b = int64_t(s.hq) * kHeadDim;
-        mp.lse = lse.as<float>();
-        mp.hit_pos = hit.as<int32_t>();
+        const MacParams mp = MacStepParams(mcfg, x, slots, state);
 
         for (double rate : opt.hit_rates) {
           for (const std::string& layout : opt.layouts) {
@@ -620,13 +615,8 @@ int Run(const Options& opt) {
             MacAttention(mcfg, mp, ws.p, ws.n, stream);
             ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
             CheckFinite(o, qn, lse, size_t(nh), s.name + " MAC");
-            std::vector<int32_t> hp(nh);
-            ASMEM_CUDA_CHECK(cudaMemcpy(hp.data(), hit.p, nh * 4, cudaMemcpyDeviceToHost));
-            int64_t hits = 0, tokens = 0;
-            for (int32_t x : hp) hits += x >= 0;
-            for (int64_t g0 = 0; g0 < ng; ++g0) tokens += MacGroupTokens(mc, ctx, &hp[g0 * G], G);
-            const double hit_rate = double(hits) / double(nh);
-            const double kv_fraction = double(tokens) / (double(ng) * ctx);
+            const HitStats hs = ReadHits(x, mc, ctx);
+            const double hit_rate = hs.hit_rate, kv_fraction = hs.kv_fraction;
             const Timing t = TimeGraph([&](cudaStream_t st) { MacAttention(mcfg, mp, ws.p, ws.n, st); }, opt,
                                        stream, flush, spin);
             const double speedup = full.median_us / t.median_us;
@@ -690,12 +680,7 @@ int Run(const Options& opt) {
                 t["target"].get<std::string>().c_str(), t.value("shape", std::string("")).c_str(),
                 t["value"].get<double>(), t["goal"].get<double>());
   }
-  if (!opt.out.empty()) {
-    std::ofstream f(opt.out);
-    if (!f) throw IoError("cannot write " + opt.out);
-    f << out.dump(2) << "\n";
-    std::printf("\nwrote %s\n", opt.out.c_str());
-  }
+  WriteJson(out, opt.out);
   return 0;
 }
 
