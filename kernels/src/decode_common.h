@@ -81,6 +81,7 @@ struct WorkspaceLayout {
   size_t pbest = 0;     // [B, Hkv, lookup_width] LookupPartial (use_dictionaries only)
   size_t pscore = 0;    // [B, Hkv, parent_width] f32 parent scores (use_dictionaries)
   size_t whitened = 0;  // [B, Hkv, G*d] f32 whitened lookup keys (config.whitening)
+  size_t lookup_sync = 0;  // uint32 [2]: finished lookup CTAs, lookup done (use_dictionaries)
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);

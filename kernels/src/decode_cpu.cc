@@ -187,6 +187,8 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.parent_width) * sizeof(float));
   w.whitened = off;
   if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.lookup_sync = off;
+  if (dicts) off = AlignUp(off + 2 * sizeof(uint32_t));
   w.total = off;
   return w;
 }

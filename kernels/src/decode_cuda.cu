@@ -83,6 +83,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.lookup_width = plan.lookup_width;
     a.pbest = reinterpret_cast<LookupPartial*>(ws + L.pbest);
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
+    a.lookup_sync = reinterpret_cast<uint32_t*>(ws + L.lookup_sync);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
     a.lookup_reps = std::min(p.batch, lookup_reps);
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
@@ -104,7 +105,11 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
     if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
-    if (a.lookup) LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
+    if (a.lookup) {
+      // The lookup's done count and flag (the combine picks the entries once it is done).
+      ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
+      LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
+    }
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::Bytes(a.attn_stages),
                                              a.lookup && !no_pdl, stream);
     LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);

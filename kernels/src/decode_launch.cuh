@@ -39,6 +39,7 @@ struct LaunchArgs {
   float* part_lse = nullptr;  // workspace: [B, Hq, kv_splits]
   LookupPartial* pbest = nullptr;  // workspace: [B, Hkv, lookup_width] best of each segment
   float* pscore = nullptr;    // workspace: [B, Hkv, parent_width] parent scores
+  uint32_t* lookup_sync = nullptr;  // workspace: [0] lookup CTAs finished, [1] lookup done
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
                               // launch), or null
   bool lookup = false;        // dict_ids given: the lookup kernel runs
