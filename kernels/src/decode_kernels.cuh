@@ -1387,6 +1387,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
   using P = Pack<DType>;
   __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
+  __shared__ int32_t choice;  // the entry warp 0 picked for the CTA (G a multiple of 4)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   if (row >= int64_t(a.batch) * a.hq) return;
@@ -1416,27 +1417,37 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     if (id < -1 || id >= p.num_dicts) {
       bad = true;
     } else if (id >= 0) {
-      // Every lookup CTA has started before this kernel runs (each kernel lets its dependent
-      // launch only once all its CTAs run), so the flag comes. Bounded all the same: past the
-      // bound, the wait for the attention grid (which completes after the lookup) stands in.
-      bool up = a.n_lookup_ctas == 0;
-      for (int i = 0; !up && i < (1 << 22); ++i) {
-        up = __shfl_sync(0xffffffffu, lane == 0 ? *reinterpret_cast<volatile const uint32_t*>(a.lookup_sync + 1) : 0u, 0) != 0u;
-        if (!up) __nanosleep(64);
-      }
-      if (!up) GridDependencyWait();
-      __threadfence();
-      const int64_t bh = int64_t(b) * a.hkv + h;
-      const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+      // With G a multiple of 4 the CTA's four rows are heads of one (request, KV head): warp 0
+      // picks their entry (the same for all) and shares it; otherwise every warp picks its own.
+      const bool one_choice = a.group % kWarps == 0;
       Best best{-INFINITY, -1};
-      if (LookupViewOk(v, a) && v.C1 > 0) {
-        best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
-      } else if (LookupViewOk(v, a)) {
-        for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
-          const LookupPartial x = LoadPartial(pb + q);
-          if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+      if (!one_choice || warp == 0) {
+        // Every lookup CTA has started before this kernel runs (each kernel lets its dependent
+        // launch only once all its CTAs run), so the flag comes. Bounded all the same: past the
+        // bound, the wait for the attention grid (which completes after the lookup) stands in.
+        bool up = a.n_lookup_ctas == 0;
+        for (int i = 0; !up && i < (1 << 22); ++i) {
+          up = __shfl_sync(0xffffffffu, lane == 0 ? *reinterpret_cast<volatile const uint32_t*>(a.lookup_sync + 1) : 0u, 0) != 0u;
+          if (!up) __nanosleep(64);
         }
-        WarpArgmax(best);
+        if (!up) GridDependencyWait();
+        __threadfence();
+        const int64_t bh = int64_t(b) * a.hkv + h;
+        const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+        if (LookupViewOk(v, a) && v.C1 > 0) {
+          best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
+        } else if (LookupViewOk(v, a)) {
+          for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
+            const LookupPartial x = LoadPartial(pb + q);
+            if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+          }
+          WarpArgmax(best);
+        }
+        if (one_choice && lane == 0) choice = best.index;
+      }
+      if (one_choice) {
+        __syncthreads();  // the CTA's rows share (request, KV head): uniform here
+        best.index = choice;
       }
       if (best.index < 0 || best.index >= v.K) {
         bad = true;  // the view was unusable
