@@ -65,6 +65,18 @@
 //  * More attention chunks per step (kTargetChunks 528 / 1056 instead of 264): B = 32 99%
 //    clustered 32K 113.3 -> 113.6 / 129.9 us, B = 1 all-miss 32K 71.2 -> 79.8 / 96.2 us
 //    (the combine then merges up to 128 partials per head).
+//  * Three attention CTAs per SM with two stages and a plan target of 3 x 132 (branch
+//    mac-attend3, session 8; one session, LLaMA-8B 32K, us): B = 32 99% clustered 104.8 ->
+//    97.6, but all-hit 78.0 -> 89.2, all-miss 1032 -> 1335 (a long chunk needs three stages),
+//    B = 64 99% 162.0 -> 170.6; GQA-8 B = 64 99% 135.5 -> 129.6. Not merged.
+//  * Per-CTA %globaltimer stamps (branch wip/timeline, session 8; LLaMA-8B 32K, us from the
+//    step's first CTA): B = 1 all-hit: match 0-5.3, plan (last CTA) 5.4-8.4, attend 9.1-17.1
+//    (44 chunks of up to 128 tokens), combine 17.9-25.9. B = 32 all-hit: match 0-28, plan 4.7 us,
+//    attend 34-66 (256 chunks of 512 tokens, 27 us each), combine 66.4-74.3. B = 32 99%
+//    clustered: match 0-29.6, plan 29.6-36.1, attend 37.0-91.5 (349 chunks; the last start
+//    at 65.7), combine 92.6-104.3. A 512-token hit chunk takes about 27 us, while decode
+//    attention's CTA of 1088 tokens takes 36 us at the same B: per CTA the attend streams
+//    about 9.5 GB/s against about 15.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
