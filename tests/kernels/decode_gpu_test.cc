@@ -133,6 +133,9 @@ struct DeviceProblem {
     ASMEM_CUDA_CHECK(cudaMemsetAsync(o.p, 0xff, o.n, s));       // NaN in bf16 and f16
     ASMEM_CUDA_CHECK(cudaMemsetAsync(lse.p, 0xff, lse.n, s));   // NaN
     ASMEM_CUDA_CHECK(cudaMemsetAsync(index.p, 0x7f, index.n, s));
+    // The workspace is scratch: the op must not depend on what it held before (the lookup's
+    // done count and flag included, which the op zeroes itself).
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(workspace.p, 0xff, workspace.n, s));
   }
   void Run(const DecodeConfig& config, cudaStream_t s) {
     DecodeAttention(config, params, workspace.p, workspace.n, s);
