@@ -1279,15 +1279,30 @@ __device__ __forceinline__ LookupPartial LoadPartial(const LookupPartial* p) {
   return LookupPartial{__int_as_float(x.x), x.y};
 }
 
+// Parents lane and lane + 32 of a hierarchical view: their pieces (from the child offsets,
+// static dictionary data), known before the lookup is done, so that once it is the bests of
+// their first two pieces load in the same round trip as the parent scores.
+struct FirstParents {
+  PieceChunk pc0, pc1;
+  __device__ FirstParents(const DictLayerView& v, int R)
+      : pc0(Lo(v, 0), Lo(v, 1), Valid(v, 0), 0, R), pc1(Lo(v, 32), Lo(v, 33), Valid(v, 32), pc0.total, R) {}
+  static __device__ bool Valid(const DictLayerView& v, int q0) { return int((threadIdx.x & 31) + q0) < v.C1; }
+  static __device__ int Lo(const DictLayerView& v, int k) {  // child_offsets[lane + k]
+    const int q0 = k & ~1, q = int(threadIdx.x & 31) + k;
+    return Valid(v, q0) ? __ldg(v.child_offsets + q) : 0;
+  }
+};
+
 // The entry of a hierarchical view for (b, h) = bh, by one warp: the probed parents are
 // the top_m by score (desc, index asc) among the C1 parent scores (pscore): the m-th
 // largest score by bitwise radix selection, then the ties at it in index order. The entry
 // is the best child of the probed parents, or of all parents when every probed parent is
 // childless; a parent's best child is the best of its pieces' pbest slots (SegList: the
-// pieces follow from the child offsets and PieceRows). `keys`: the warp's shared scratch
-// of kDecodeMaxParents words (the scores' ordered keys, read once from global memory).
+// pieces follow from the child offsets and PieceRows; `fp` holds those of the first 64
+// parents). The first 64 parents' score keys stay in registers; `keys`: the warp's shared
+// scratch of kDecodeMaxParents words for the others (read once from global memory).
 __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh,
-                                                   uint32_t* keys) {
+                                                   const FirstParents& fp, uint32_t* keys) {
   const LookupPartial kNone{-INFINITY, -1};
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
@@ -1296,39 +1311,35 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   const float* ps = a.pscore + bh * a.parent_width;
   const LookupPartial* pb = a.pbest + bh * a.lookup_width;
   const int32_t* off = v.child_offsets;
-  // Parents lane and lane + 32: child offsets and scores in one round trip, then the loads of
-  // their first two pieces' bests, in flight during the selection.
+  const PieceChunk& pc0 = fp.pc0;
+  const PieceChunk& pc1 = fp.pc1;
+  // One round trip: the scores of parents lane and lane + 32 and their first two pieces' bests.
   const bool ok0 = lane < C1, ok1 = lane + 32 < C1;
-  const int lo0 = ok0 ? __ldg(off + lane) : 0, hi0 = ok0 ? __ldg(off + lane + 1) : 0;
-  const int lo1 = ok1 ? __ldg(off + lane + 32) : 0, hi1 = ok1 ? __ldg(off + lane + 33) : 0;
   const float sc0 = ok0 ? __ldcg(ps + lane) : 0.f, sc1 = ok1 ? __ldcg(ps + lane + 32) : 0.f;
-  const PieceChunk pc0(lo0, hi0, ok0, 0, R);
-  const PieceChunk pc1(lo1, hi1, ok1, pc0.total, R);
   const LookupPartial x00 = pc0.n > 0 ? LoadPartial(pb + pc0.start) : kNone;
   const LookupPartial x01 = pc0.n > 1 ? LoadPartial(pb + pc0.start + 1) : kNone;
   const LookupPartial x10 = pc1.n > 0 ? LoadPartial(pb + pc1.start) : kNone;
   const LookupPartial x11 = pc1.n > 1 ? LoadPartial(pb + pc1.start + 1) : kNone;
-  if (ok0) keys[lane] = OrderedKey(sc0);
-  if (ok1) keys[lane + 32] = OrderedKey(sc1);
+  const uint32_t k0 = OrderedKey(sc0), k1 = OrderedKey(sc1);
   for (int q = lane + 64; q < C1; q += 32) keys[q] = OrderedKey(__ldcg(ps + q));
   __syncwarp();
   uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
   if (m < C1) {
     for (int bit = 31; bit >= 0; --bit) {
       const uint32_t cand = thr | (1u << bit);
-      unsigned cnt = 0;
-      for (int q = lane; q < C1; q += 32) cnt += keys[q] >= cand ? 1u : 0u;
+      unsigned cnt = (ok0 && k0 >= cand ? 1u : 0u) + (ok1 && k1 >= cand ? 1u : 0u);
+      for (int q = lane + 64; q < C1; q += 32) cnt += keys[q] >= cand ? 1u : 0u;
       if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
     }
   }
-  unsigned gt = 0;
-  for (int q = lane; q < C1; q += 32) gt += keys[q] > thr ? 1u : 0u;
+  unsigned gt = (ok0 && k0 > thr ? 1u : 0u) + (ok1 && k1 > thr ? 1u : 0u);
+  for (int q = lane + 64; q < C1; q += 32) gt += keys[q] > thr ? 1u : 0u;
   int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
   Best best{-INFINITY, -1}, any{-INFINITY, -1};
   int f0 = pc0.total + pc1.total;  // pieces before parent 64
   for (int base = 0; base < C1; base += 32) {
     const int q = base + lane;
-    const uint32_t k = q < C1 ? keys[q] : 0u;
+    const uint32_t k = q >= C1 ? 0u : base == 0 ? k0 : base == 32 ? k1 : keys[q];
     const bool eq = q < C1 && k == thr;
     const unsigned eqm = __ballot_sync(0xffffffffu, eq);
     const int before = __popc(eqm & ((1u << lane) - 1u));
@@ -1377,7 +1388,11 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 // K = 4096 hierarchical, T = 1K; per-CTA %globaltimer stamps, session 8) the lookup ended
 // about 11 us before the attention, and a combine that picked the entry after its wait
 // ended 12.6-14.3 us after the attention's last CTA (3.2 us without a dictionary); picking
-// it before the wait took the op from 76.8 to 73.5-74.1 us.
+// it before the wait took the op from 76.8 to 73.5-74.1 us. The same stamps at eb3ff93 put
+// about 10 us between the flag and the picked entry (hierarchical; 7 us linear), with the
+// attention ending meanwhile: a hierarchical view's child offsets are therefore read before
+// the flag, leaving the parent scores and the piece bests for one round trip after it
+// (op 75.7-76.1 -> 73.1-74.2 us; B = 1 42.0-42.4 -> 38.7-39.8 us).
 // ---------------------------------------------------------------------------------------
 
 template <typename DType, int HEAD_DIM>
@@ -1422,6 +1437,8 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       const bool one_choice = a.group % kWarps == 0;
       Best best{-INFINITY, -1};
       if (!one_choice || warp == 0) {
+        const bool hier = LookupViewOk(v, a) && v.C1 > 0;
+        const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
         // Every lookup CTA has started before this kernel runs (each kernel lets its dependent
         // launch only once all its CTAs run), so the flag comes. Bounded all the same: past the
         // bound, the wait for the attention grid (which completes after the lookup) stands in.
@@ -1434,8 +1451,8 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         __threadfence();
         const int64_t bh = int64_t(b) * a.hkv + h;
         const LookupPartial* pb = a.pbest + bh * a.lookup_width;
-        if (LookupViewOk(v, a) && v.C1 > 0) {
-          best = HierarchicalChoice(a, v, bh, parent_keys[warp]);
+        if (hier) {
+          best = HierarchicalChoice(a, v, bh, fp, parent_keys[warp]);
         } else if (LookupViewOk(v, a)) {
           for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
             const LookupPartial x = LoadPartial(pb + q);
