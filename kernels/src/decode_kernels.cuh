@@ -1313,13 +1313,22 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   const int32_t* off = v.child_offsets;
   const PieceChunk& pc0 = fp.pc0;
   const PieceChunk& pc1 = fp.pc1;
-  // One round trip: the scores of parents lane and lane + 32 and their first two pieces' bests.
+  // One round trip: the scores of parents lane and lane + 32 and their first kFirstPieces
+  // pieces' bests (a parent of up to kFirstPieces R children: 4x the mean at K = 4096, C1 = 64).
+  constexpr int kFirstPieces = 4;
   const bool ok0 = lane < C1, ok1 = lane + 32 < C1;
   const float sc0 = ok0 ? __ldcg(ps + lane) : 0.f, sc1 = ok1 ? __ldcg(ps + lane + 32) : 0.f;
-  const LookupPartial x00 = pc0.n > 0 ? LoadPartial(pb + pc0.start) : kNone;
-  const LookupPartial x01 = pc0.n > 1 ? LoadPartial(pb + pc0.start + 1) : kNone;
-  const LookupPartial x10 = pc1.n > 0 ? LoadPartial(pb + pc1.start) : kNone;
-  const LookupPartial x11 = pc1.n > 1 ? LoadPartial(pb + pc1.start + 1) : kNone;
+  LookupPartial x0[kFirstPieces], x1[kFirstPieces];
+#pragma unroll
+  for (int j = 0; j < kFirstPieces; ++j) {
+    x0[j] = pc0.n > j ? LoadPartial(pb + pc0.start + j) : kNone;
+    x1[j] = pc1.n > j ? LoadPartial(pb + pc1.start + j) : kNone;
+  }
+#pragma unroll
+  for (int j = 1; j < kFirstPieces; ++j) {
+    if (Beats(x0[j].score, x0[j].index, x0[0].score, x0[0].index)) x0[0] = x0[j];
+    if (Beats(x1[j].score, x1[j].index, x1[0].score, x1[0].index)) x1[0] = x1[j];
+  }
   const uint32_t k0 = OrderedKey(sc0), k1 = OrderedKey(sc1);
   for (int q = lane + 64; q < C1; q += 32) keys[q] = OrderedKey(__ldcg(ps + q));
   __syncwarp();
@@ -1350,12 +1359,10 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
     int start, n, j0;
     if (base < 64) {  // (values selected, not referenced: they stay in registers)
       const bool first = base == 0;
-      x = first ? x00 : x10;
-      const LookupPartial y1 = first ? x01 : x11;
-      if (Beats(y1.score, y1.index, x.score, x.index)) x = y1;
+      x = first ? x0[0] : x1[0];
       start = first ? pc0.start : pc1.start;
       n = first ? pc0.n : pc1.n;
-      j0 = 2;
+      j0 = kFirstPieces;
     } else {
       const PieceChunk pc = LoadPieceChunk(off, C1, base, f0, R);
       f0 += pc.total;
