@@ -77,6 +77,13 @@
 //    at 65.7), combine 92.6-104.3. A 512-token hit chunk takes about 27 us, while decode
 //    attention's CTA of 1088 tokens takes 36 us at the same B: per CTA the attend streams
 //    about 9.5 GB/s against about 15.
+//  * Session 9 (one machine session, two runs each, 32K, clustered, us; not merged): a plan
+//    step that keeps a thread's two groups in registers and puts their loads and key
+//    exchanges in flight together (branch mac-plan2): LLaMA-8B B = 32 99% 105.1 -> 104.0-104.6,
+//    GQA-8 B = 32 99% 94.6-94.8 -> 96.0-96.5 and B = 1 all-hit 31.5 -> 32.8-32.9. 16-row combine
+//    batches for grids of at most 2 x 132 CTAs (branch mac-combine16, 177 registers): B = 1
+//    all-hit 32.1-32.2 -> 40.9-41.2 (LLaMA-8B), 31.5 -> 40.3-40.4 (GQA-8); GQA-8 B = 1
+//    all-miss 57.6-57.7 -> 64.0-64.1.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
