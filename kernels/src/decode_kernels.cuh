@@ -1281,7 +1281,8 @@ __device__ __forceinline__ LookupPartial LoadPartial(const LookupPartial* p) {
 
 // Parents lane and lane + 32 of a hierarchical view: their pieces (from the child offsets,
 // static dictionary data), known before the lookup is done, so that once it is the bests of
-// their first two pieces load in the same round trip as the parent scores.
+// their first pieces (HierarchicalChoice's kFirstPieces) load in the same round trip as the
+// parent scores.
 struct FirstParents {
   PieceChunk pc0, pc1;
   __device__ FirstParents(const DictLayerView& v, int R)
