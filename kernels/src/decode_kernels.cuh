@@ -1282,16 +1282,12 @@ __device__ __forceinline__ LookupPartial LoadPartial(const LookupPartial* p) {
 // Parents lane and lane + 32 of a hierarchical view: their pieces (from the child offsets,
 // static dictionary data), known before the lookup is done, so that once it is the bests of
 // their first pieces (HierarchicalChoice's kFirstPieces) load in the same round trip as the
-// parent scores.
+// parent scores. A view without parents (C1 = 0) reads nothing.
 struct FirstParents {
   PieceChunk pc0, pc1;
   __device__ FirstParents(const DictLayerView& v, int R)
-      : pc0(Lo(v, 0), Lo(v, 1), Valid(v, 0), 0, R), pc1(Lo(v, 32), Lo(v, 33), Valid(v, 32), pc0.total, R) {}
-  static __device__ bool Valid(const DictLayerView& v, int q0) { return int((threadIdx.x & 31) + q0) < v.C1; }
-  static __device__ int Lo(const DictLayerView& v, int k) {  // child_offsets[lane + k]
-    const int q0 = k & ~1, q = int(threadIdx.x & 31) + k;
-    return Valid(v, q0) ? __ldg(v.child_offsets + q) : 0;
-  }
+      : pc0(LoadPieceChunk(v.child_offsets, int(v.C1), 0, 0, R)),
+        pc1(LoadPieceChunk(v.child_offsets, int(v.C1), 32, pc0.total, R)) {}
 };
 
 // The entry of a hierarchical view for (b, h) = bh, by one warp: the probed parents are
