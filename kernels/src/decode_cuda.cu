@@ -57,10 +57,17 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const int r = e != nullptr ? std::atoi(e) : 0;
     return r >= 1 ? r : int(kLookupReps);
   }();
-  // Attention stages beside the lookup: ASMEM_DECODE_ATTN_STAGES=2 or 3 forces them.
+  // Attention stages: ASMEM_DECODE_ATTN_STAGES=2 or 3 forces them.
   static const int forced_attn_stages = [] {
     const char* e = std::getenv("ASMEM_DECODE_ATTN_STAGES");
     return e != nullptr && (e[0] == '2' || e[0] == '3') ? e[0] - '0' : 0;
+  }();
+  // Without a dictionary the attention CTAs write the output themselves (one split) or merge
+  // their splits in a thread block cluster (two splits); ASMEM_DECODE_SPLIT_COMBINE=1 keeps
+  // the partials and the combine kernel instead.
+  static const bool split_combine = [] {
+    const char* e = std::getenv("ASMEM_DECODE_SPLIT_COMBINE");
+    return e != nullptr && e[0] == '1';
   }();
 
   LaunchArgs a;
@@ -96,10 +103,13 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   // B = 32 (1K-token splits) 93.4 vs 83.3 us with two.
   constexpr int32_t kShortSplitTokens = 512;
   const bool short_splits = SplitTokens(c.max_seq_len, plan.kv_splits) <= kShortSplitTokens;
-  a.attn_stages = !a.lookup                  ? kAttnStages
-                  : forced_attn_stages != 0 ? forced_attn_stages
-                  : short_splits            ? kAttnLookupStages
-                                            : kAttnStages;
+  a.attn_stages = forced_attn_stages != 0 ? forced_attn_stages
+                  : !a.lookup             ? kAttnStages
+                  : short_splits          ? kAttnLookupStages
+                                          : kAttnStages;
+  a.split_out = a.lookup || split_combine || plan.kv_splits > kMaxClusterSplits ? kSplitOutPartials
+                : plan.kv_splits == 1                                          ? kSplitOutDirect
+                                                                               : kSplitOutCluster;
   kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
@@ -112,7 +122,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     }
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::Bytes(a.attn_stages),
                                              a.lookup && !no_pdl, stream);
-    LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
+    if (a.split_out == kSplitOutPartials) LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
   });
 }
 

@@ -25,6 +25,7 @@
 // Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -1007,6 +1008,62 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
 // K/V tiles stream through a 3-stage cp.async pipeline (16-byte chunks swizzled by row).
 // ---------------------------------------------------------------------------------------
 
+// Writes four output elements of query head hq (columns c .. c + 3) and, from the thread
+// holding column 0, the head's lse: the final result of a step without a dictionary.
+template <typename DType>
+__device__ __forceinline__ void StoreOutput4(const LaunchArgs& a, int b, int hq, int c, float4 o,
+                                             float lse) {
+  using P = Pack<DType>;
+  const DecodeParams& p = a.p;
+  DType* dst = static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c;
+  reinterpret_cast<uint32_t*>(dst)[0] = P::FromFloat2(o.x, o.y);  // 4-byte stores: the
+  reinterpret_cast<uint32_t*>(dst)[1] = P::FromFloat2(o.z, o.w);  // combine's alignment
+  if (c == 0 && p.lse != nullptr) p.lse[int64_t(b) * a.hq + hq] = lse;
+}
+
+// The splits of one (request, KV head) without a dictionary run as one thread block cluster
+// (CTA rank = split): each CTA leaves its state in shared memory (sm_res, and the lse per
+// head beside the merge tables), and after the cluster barrier every CTA merges its share of
+// the output columns from all the CTAs' shared memory. No partials go through global memory
+// and no combine kernel runs.
+template <typename DType, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, int rank,
+                                             float* sm_res, float* sm_lse) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int S = a.kv_splits;  // the cluster size
+  const int tid = threadIdx.x;
+  float* sm_cw = sm_res + GROUP * HEAD_DIM;  // [GROUP][kMaxClusterSplits] merge weights
+  float* sm_clse = sm_cw + GROUP * kMaxClusterSplits;  // [GROUP] merged lse
+  cluster.sync();  // every split's state is in its shared memory
+  if (tid < GROUP) {
+    LseSum sum = lse_sum_empty();
+    for (int r = 0; r < S; ++r) sum = lse_sum_add(sum, *cluster.map_shared_rank(sm_lse + tid, r));
+    for (int r = 0; r < S; ++r) {
+      sm_cw[tid * kMaxClusterSplits + r] = lse_sum_weight(sum, *cluster.map_shared_rank(sm_lse + tid, r));
+    }
+    sm_clse[tid] = lse_sum_lse(sum);
+  }
+  __syncthreads();
+  constexpr int kQuads = GROUP * HEAD_DIM / 4;
+  const int share = (kQuads + S - 1) / S;
+  const int q_end = min(kQuads, (rank + 1) * share);
+  for (int q = rank * share + tid; q < q_end; q += kThreads) {
+    const int hh = 4 * q / HEAD_DIM, c = 4 * q % HEAD_DIM;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = 0; r < S; ++r) {
+      const float w = sm_cw[hh * kMaxClusterSplits + r];
+      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(sm_res + 4 * q, r));
+      o.x = fmaf(w, x.x, o.x);
+      o.y = fmaf(w, x.y, o.y);
+      o.z = fmaf(w, x.z, o.z);
+      o.w = fmaf(w, x.w, o.w);
+    }
+    StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, sm_clse[hh]);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
 template <typename DType, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
   using Cfg = AttnTile<HEAD_DIM>;
@@ -1028,9 +1085,12 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const int b = rest / a.hkv;
   const int T = p.seq_lens[b];
   const int per = SplitTokens(T, a.kv_splits);
-  if (T <= 0 || int64_t(split) * per >= T) return;
-  const int t0 = split * per;
-  const int t1 = min(T, t0 + per);
+  // An empty split (past the request's end) writes no partial; when the CTA writes the output
+  // itself (kSplitOutDirect / kSplitOutCluster) it runs on with no tokens and an empty state.
+  const bool empty = T <= 0 || int64_t(split) * per >= T;
+  if (empty && a.split_out == kSplitOutPartials) return;
+  const int t0 = empty ? 0 : split * per;
+  const int t1 = empty ? 0 : min(T, t0 + per);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -1213,6 +1273,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     sm_lse[tid] = lse_sum_lse(sum);
   }
   __syncthreads();
+  // The split's state: [GROUP][HEAD_DIM] f32 beside the merge tables, for the cluster merge.
+  float* sm_res = sm_o + kWarps * GROUP * HEAD_DIM + 128;
   for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
     const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1225,10 +1287,19 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       o.z = fmaf(wt, x.z, o.z);
       o.w = fmaf(wt, x.w, o.w);
     }
-    const int64_t row = (int64_t(b) * a.hq + h * GROUP + hh) * a.kv_splits + split;
-    *reinterpret_cast<float4*>(&a.part_o[row * HEAD_DIM + c]) = o;
-    if (c == 0) a.part_lse[row] = sm_lse[hh];
+    if (a.split_out == kSplitOutPartials) {
+      const int64_t row = (int64_t(b) * a.hq + h * GROUP + hh) * a.kv_splits + split;
+      *reinterpret_cast<float4*>(&a.part_o[row * HEAD_DIM + c]) = o;
+      if (c == 0) a.part_lse[row] = sm_lse[hh];
+    } else if (a.split_out == kSplitOutDirect) {
+      StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, sm_lse[hh]);
+    } else {
+      *reinterpret_cast<float4*>(&sm_res[e]) = o;
+    }
   }
+  if (a.split_out == kSplitOutPartials) return;
+  if (tid == 0 && p.lookup_index != nullptr) p.lookup_index[int64_t(b) * a.hkv + h] = -1;
+  if (a.split_out == kSplitOutCluster) ClusterMerge<DType, HEAD_DIM, GROUP>(a, b, h, split, sm_res, sm_lse);
 }
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; 64 KB with kAttnLookupStages,
@@ -1584,20 +1655,30 @@ void AllowDynamicSmem(Kernel kernel, size_t bytes, bool prefer_shared) {
 }
 
 // Launches kernel(args) on `stream`, with programmatic dependent launch after the previous
-// kernel in the stream when `pdl` (the kernel waits with GridDependencyWait where needed).
+// kernel in the stream when `pdl` (the kernel waits with GridDependencyWait where needed),
+// in thread block clusters of `cluster` CTAs when it is above 1 (grid a multiple of it).
 template <typename Kernel, typename Args>
 void LaunchMaybePdl(Kernel kernel, unsigned grid, unsigned block, size_t smem, bool pdl,
-                    const Args& args, cudaStream_t stream) {
+                    const Args& args, cudaStream_t stream, unsigned cluster = 1) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(block);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
 }
 
@@ -1618,7 +1699,8 @@ void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
   if (ctas == 0) return;
   auto kernel = DecodeMainKernel<DType, HEAD_DIM, GROUP>;
   AllowDynamicSmem(kernel, smem_bytes, true);
-  LaunchMaybePdl(kernel, unsigned(ctas), kThreads, smem_bytes, after_lookup, a, stream);
+  const unsigned cluster = a.split_out == kSplitOutCluster ? unsigned(a.kv_splits) : 1u;
+  LaunchMaybePdl(kernel, unsigned(ctas), kThreads, smem_bytes, after_lookup, a, stream, cluster);
 }
 
 // Makes the kernels of one (dtype, head dim, group) resident in the current context: with

@@ -22,6 +22,25 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kAttnStages = 3;
 constexpr int kAttnLookupStages = 2;
 
+// Where the attention CTAs leave their split's state: partials in the workspace for the
+// combine kernel (with a dictionary, or more than kMaxClusterSplits splits), the output itself
+// (one split, no dictionary), or their cluster's shared memory, merged into the output by the
+// cluster (2 .. kMaxClusterSplits splits, no dictionary; decode_kernels.cuh ClusterMerge).
+// H200, bench_decode, T = 1K, no dictionary, P = 8K / 32K, us, two runs each, against the
+// partials and the combine kernel for every split count (the build before, same session):
+// - one split, direct: LLaMA-3.1-8B B = 32 282.2, 280.8 / 1000.1, 1001.4 vs 285.4, 285.1 /
+//   1002.5, 1002.4; gqa-8 B = 64 281.8, 281.2 / 1000.3, 999.3 vs 285.1, 285.3 / 1004.0,
+//   1003.5.
+// - two splits, a cluster of 2: gqa-8 B = 32 150.1, 149.8 / 508.4, 509.1 vs 152.6, 152.1 /
+//   509.8, 510.1.
+// - four and eight splits: clusters of 4 / 8 (B = 8, 256 CTAs of 96 KB) leave SMs idle, as
+//   clusters must fit in one GPC: LLaMA-3.1-8B 115.0 / 373.0 vs 80.8 / 261.1, gqa-8 70.7 /
+//   197.8 vs 48.5 / 139.1. The cluster therefore stops at two.
+constexpr int32_t kSplitOutPartials = 0;
+constexpr int32_t kSplitOutDirect = 1;
+constexpr int32_t kSplitOutCluster = 2;
+constexpr int32_t kMaxClusterSplits = 2;
+
 // One step's arguments as the kernels see them (passed by value as a kernel parameter).
 struct LaunchArgs {
   DecodeParams p;
@@ -29,6 +48,7 @@ struct LaunchArgs {
   int32_t hq = 0, hkv = 0, group = 0, head_dim = 0;
   int32_t kv_splits = 1;
   int32_t attn_stages = kAttnStages;  // attention cp.async stages (2 or 3)
+  int32_t split_out = kSplitOutPartials;  // kSplitOut*: where the attention CTAs write
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
   int32_t parent_width = 0;   // pscore row length: the most parents a view may have

@@ -272,6 +272,40 @@ TEST(DecodeGpu, SweepMatchesCpuReference) {
   }
 }
 
+// Without dictionaries the attention CTAs finish the step themselves: one split writes the
+// output directly, two splits merge in a thread block cluster, more go through the partials
+// and the combine kernel. Every way must match the reference, with empty splits
+// (short and empty requests) inside a cluster.
+TEST(DecodeGpu, NoDictionaryDirectClusterAndCombinedSplits) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(209);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+    for (int d : {64, 128}) {
+      for (int G : {1, 3, 4, 8}) {
+        CaseSpec s;
+        s.dtype = dt;
+        s.d = d;
+        s.Hkv = 2;
+        s.Hq = 2 * G;
+        s.page_size = G == 3 ? 32 : 16;
+        s.T = {1, 77, 300, 4096, 0, 2000};
+        Problem pb;
+        BuildProblem(s, seed + n++, &pb);
+        CheckAgainstReference(pb, pb.config, "planned");
+        const int32_t units = int32_t(pb.B() * s.Hkv);
+        for (int32_t splits : {1, 2, 3, 5, 8, 9, 16}) {
+          DecodeConfig c = pb.config;
+          c.plan_ctas = units * splits;
+          ASSERT_EQ(PlanDecode(c).kv_splits, splits);
+          CheckAgainstReference(pb, c, ("splits " + std::to_string(splits)).c_str());
+        }
+      }
+    }
+  }
+}
+
 TEST(DecodeGpu, OtherGroupSizesAndLayouts) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(202);
