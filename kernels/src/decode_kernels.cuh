@@ -1637,6 +1637,98 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   }
 }
 
+// Without a dictionary, past kMaxClusterSplits splits: one CTA per (request, query head) row.
+// Its four warps take every fourth split, so the partials of up to 32 splits load in one
+// round trip (the combine above walks a row's splits in one warp, eight at a time), and the
+// lse of up to 128 splits sit one per thread.
+template <typename DType, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const LaunchArgs a) {
+  constexpr int kPer = HEAD_DIM / 32;
+  constexpr int kBatch = 8;  // splits per warp in flight
+  static_assert(kMaxKvSplits <= kThreads, "one split lse per thread");
+  using P = Pack<DType>;
+  __shared__ float sm_l[kThreads];
+  __shared__ LseSum sm_sum[kWarps];
+  __shared__ __align__(16) float sm_o[kWarps][HEAD_DIM];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t row = blockIdx.x;
+  const int b = int(row / a.hq), hq = int(row % a.hq);
+  const DecodeParams& p = a.p;
+  const int c0 = lane * kPer;
+  const int n = NumActiveSplits(p.seq_lens[b], a.kv_splits);  // an input: before the wait
+  const int64_t row0 = row * a.kv_splits;
+  GridDependencyWait();  // the attention's partials
+  const float l = tid < n ? a.part_lse[row0 + tid] : -INFINITY;
+  auto load_batch = [&](int j0, float (&o2)[kBatch][kPer]) {
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = warp + kWarps * (j0 + j);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
+      if (s < n) {
+        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
+        if constexpr (kPer == 4) {
+          const float4 x = *reinterpret_cast<const float4*>(src);
+          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
+        } else {
+          const float2 x = *reinterpret_cast<const float2*>(src);
+          o2[j][0] = x.x; o2[j][1] = x.y;
+        }
+      }
+    }
+  };
+  float o2[kBatch][kPer];
+  load_batch(0, o2);
+  LseSum sum = lse_sum_add(lse_sum_empty(), l);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  if (lane == 0) sm_sum[warp] = sum;
+  sm_l[tid] = l;
+  __syncthreads();
+  sum = sm_sum[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sum = lse_sum_combine(sum, sm_sum[w]);
+  float o[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) o[i] = 0.f;
+  for (int j0 = 0; warp + kWarps * j0 < n; j0 += kBatch) {
+    if (j0 > 0) load_batch(j0, o2);
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = warp + kWarps * (j0 + j);
+      const float w = s < n ? lse_sum_weight(sum, sm_l[s]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) o[i] = fmaf(w, o2[j][i], o[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) sm_o[warp][c0 + i] = o[i];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    o[i] = sm_o[0][c0 + i];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) o[i] += sm_o[w][c0 + i];
+  }
+  DType* dst = static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0;
+  if constexpr (kPer == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(P::FromFloat2(o[0], o[1]), P::FromFloat2(o[2], o[3]));
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = P::FromFloat2(o[0], o[1]);
+  }
+  if (lane == 0) {
+    if (p.lse) p.lse[row] = lse_sum_lse(sum);
+    if (p.lookup_index && hq % a.group == 0) p.lookup_index[int64_t(b) * a.hkv + hq / a.group] = -1;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Launch functions (instantiated in decode_attn_*.cu), and the two host helpers the decode
 // and MAC launchers share.
@@ -1739,6 +1831,7 @@ void LoadDecodeKernels() {
   LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, HEAD_DIM * GROUP>));
   LoadKernel(reinterpret_cast<const void*>(DecodeMainKernel<DType, HEAD_DIM, GROUP>));
   LoadKernel(reinterpret_cast<const void*>(DecodeCombineKernel<DType, HEAD_DIM>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeSplitCombineKernel<DType, HEAD_DIM>));
   LoadKernel(reinterpret_cast<const void*>(DecodeWhitenKernel<DType>));
 }
 
@@ -1746,8 +1839,12 @@ template <typename DType, int HEAD_DIM>
 void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t rows = int64_t(a.batch) * a.hq;
   // Programmatic dependent launch after the attention kernel.
-  LaunchMaybePdl(DecodeCombineKernel<DType, HEAD_DIM>, unsigned((rows + kWarps - 1) / kWarps), kThreads, 0,
-                 true, a, stream);
+  if (a.lookup) {
+    LaunchMaybePdl(DecodeCombineKernel<DType, HEAD_DIM>, unsigned((rows + kWarps - 1) / kWarps), kThreads,
+                   0, true, a, stream);
+  } else {
+    LaunchMaybePdl(DecodeSplitCombineKernel<DType, HEAD_DIM>, unsigned(rows), kThreads, 0, true, a, stream);
+  }
 }
 
 template <typename DType>

@@ -111,7 +111,8 @@ void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream);
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
                       cudaStream_t stream);
-// Merges the prefix state and the splits; writes o, lse, lookup_index.
+// Merges the prefix state and the splits; writes o, lse, lookup_index (without a dictionary
+// a kernel with one CTA per row, decode_kernels.cuh DecodeSplitCombineKernel).
 template <typename DType, int HEAD_DIM>
 void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream);
 // Whitened lookup keys of every (request, KV head) whose view has whitening.

@@ -304,6 +304,20 @@ TEST(DecodeGpu, NoDictionaryDirectClusterAndCombinedSplits) {
       }
     }
   }
+  // The combine's row kernel past 32 splits (several loads per warp) up to kMaxKvSplits.
+  CaseSpec s;
+  s.d = 128;
+  s.Hkv = 2;
+  s.Hq = 8;
+  s.T = {32768, 5000, 0, 129};
+  Problem pb;
+  BuildProblem(s, seed + n++, &pb);
+  for (int32_t splits : {33, 100, 128}) {
+    DecodeConfig c = pb.config;
+    c.plan_ctas = int32_t(pb.B() * s.Hkv) * splits;
+    ASSERT_EQ(PlanDecode(c).kv_splits, splits);
+    CheckAgainstReference(pb, c, ("splits " + std::to_string(splits)).c_str());
+  }
 }
 
 TEST(DecodeGpu, OtherGroupSizesAndLayouts) {
