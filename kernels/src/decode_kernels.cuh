@@ -14,13 +14,16 @@
 //    lookup CTAs: CTAs (request, KV head, KV split) stream K/V tiles through a 3-stage
 //    cp.async pipeline (2 stages for short splits beside a lookup; page ids loaded one
 //    step ahead), Q K^T and P V on tensor cores for all G heads of the group, fp32
-//    online softmax; write the split's normalized state.
+//    online softmax; write the split's normalized state. Without a dictionary, a plan of
+//    one split writes the output itself, and one of two splits merges each request's pair
+//    in a thread block cluster (ClusterMerge); no combine runs then.
 //  * combine (programmatic dependent launch after the attention), one warp per (request,
 //    query head): once the lookup's flag is up, and while the attention still runs, the
 //    entry (the top_m parents by radix selection over the parent scores, the best child
 //    among them, or of all rows when they are childless; linear: the best slice) and its
 //    (o, lse); then, after the attention grid, the n-way merge (state.cuh LseSum) with every
-//    KV split.
+//    KV split. Without a dictionary: one CTA per row merges the splits
+//    (DecodeSplitCombineKernel).
 //
 // Measured numbers: tools/results/bench_decode_h200.json, decode_h200_diagnostics.md.
 #pragma once

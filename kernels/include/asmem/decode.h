@@ -58,7 +58,9 @@
 // GPU. Launches: [whitening], with dictionaries the lookup kernel (scores every row of each
 // request's view for all requests sharing it, on tensor cores for bf16 / f16 keys), the
 // attention kernel (split-KV over the paged KV; started beside the lookup with
-// programmatic dependent launch), the combine (entry choice, prefix state, merge).
+// programmatic dependent launch), the combine (entry choice, prefix state, merge; without a
+// dictionary it runs only for plans of more than two KV splits, the attention CTAs finishing
+// the others themselves). Thread block clusters need compute capability 9.0.
 #pragma once
 
 #include <cstddef>
