@@ -278,7 +278,7 @@ TEST(DecodeGpu, SweepMatchesCpuReference) {
 // (short and empty requests) inside a cluster.
 TEST(DecodeGpu, NoDictionaryDirectClusterAndCombinedSplits) {
   ASMEM_SKIP_WITHOUT_GPU();
-  const uint64_t seed = test::test_seed(209);
+  const uint64_t seed = test::test_seed(210);
   SCOPED_TRACE(test::seed_trace(seed));
   uint64_t n = 0;
   for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
@@ -597,6 +597,66 @@ TEST(DecodeGpu, CudaGraphCaptureAndReplay) {
   ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
   ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
   ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Without dictionaries, each way a step ends (one split writing the output, a cluster of
+// two, the combine) captured in a CUDA graph: replays follow new q and shorter sequences.
+TEST(DecodeGpu, CudaGraphWithoutDictionaries) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(211);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 8;
+  s.Hkv = 2;
+  s.d = 128;
+  s.T = {1500, 3, 800, 0};
+  for (int32_t splits : {1, 2, 6}) {
+    SCOPED_TRACE("splits " + std::to_string(splits));
+    Problem pb;
+    BuildProblem(s, seed + uint64_t(splits), &pb);
+    DecodeConfig c = pb.config;
+    c.plan_ctas = int32_t(pb.B() * s.Hkv) * splits;
+    ASSERT_EQ(PlanDecode(c).kv_splits, splits);
+    DeviceProblem dev;
+    dev.Upload(pb, c);
+    cudaStream_t stream;
+    ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    dev.Run(c, stream);
+    ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    auto replay_and_check = [&](const char* tag) {
+      SCOPED_TRACE(tag);
+      dev.Poison(stream);
+      ASMEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const DeviceProblem::Out gpu = dev.Download(pb);
+      DecodeAttentionCpu(pb.config, pb.params);
+      ++g_counts.runs;
+      g_counts.rows += pb.B() * s.Hq;
+      g_counts.elements += pb.B() * s.Hq * s.d;
+      EXPECT_EQ(gpu.index, pb.lookup_index);
+      EXPECT_TRUE(test::AllClose(
+          "o", pb.o.size(), [&](int64_t i) { return double(gpu.o.get(i)); },
+          [&](int64_t i) { return double(pb.o.get(i)); }, test::OutputTolerance(s.dtype)));
+      EXPECT_TRUE(test::AllClose(
+          "lse", int64_t(pb.lse.size()), [&](int64_t i) { return double(gpu.lse[i]); },
+          [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
+    };
+    replay_and_check("first replay");
+    std::mt19937_64 rng(seed + 100 + uint64_t(splits));
+    std::normal_distribution<float> nd;
+    for (int64_t i = 0; i < pb.q.size(); ++i) pb.q.set(i, nd(rng));
+    pb.seq_lens = {1499, 1, 17, 0};  // within each request's pages
+    ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<void*>(dev.params.q), pb.q.data(), pb.q.nbytes(), cudaMemcpyHostToDevice));
+    ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.seq_lens), pb.seq_lens.data(), 4 * pb.seq_lens.size(), cudaMemcpyHostToDevice));
+    replay_and_check("replay with new inputs");
+    ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
 }
 
 TEST(DecodeGpu, RejectsBadWorkspaceAndUnsupportedConfigs) {
