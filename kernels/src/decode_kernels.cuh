@@ -376,6 +376,51 @@ __device__ __forceinline__ void GridDependencyWait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
+// One lane's kPer consecutive f32 values of a row (16- or 8-byte accesses), and kPer output
+// values as DType; the decode and MAC combines share them.
+template <int kPer>
+__device__ __forceinline__ void LoadRow(const float* src, float* dst) {
+  if constexpr (kPer == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(src);
+    dst[0] = x.x; dst[1] = x.y; dst[2] = x.z; dst[3] = x.w;
+  } else {
+    const float2 x = *reinterpret_cast<const float2*>(src);
+    dst[0] = x.x; dst[1] = x.y;
+  }
+}
+
+template <int kPer>
+__device__ __forceinline__ void StoreRow(float* dst, const float* src) {
+  if constexpr (kPer == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
+  } else {
+    *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
+  }
+}
+
+template <typename DType, int kPer>
+__device__ __forceinline__ void StoreOut(DType* dst, const float* o) {
+  using P = Pack<DType>;
+  if constexpr (kPer == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(P::FromFloat2(o[0], o[1]), P::FromFloat2(o[2], o[3]));
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = P::FromFloat2(o[0], o[1]);
+  }
+}
+
+// The LseSum (state.cuh) of all 32 lanes' sums, in every lane.
+__device__ __forceinline__ LseSum WarpLseSum(LseSum sum) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  return sum;
+}
+
 // ---------------------------------------------------------------------------------------
 // Lookup kernel (dictionaries only), launched before the attention kernel, which starts
 // beside it (programmatic dependent launch: it reads nothing the lookup writes). CTA (rep r,
@@ -1016,11 +1061,11 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
 template <typename DType>
 __device__ __forceinline__ void StoreOutput4(const LaunchArgs& a, int b, int hq, int c, float4 o,
                                              float lse) {
-  using P = Pack<DType>;
   const DecodeParams& p = a.p;
   DType* dst = static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c;
-  reinterpret_cast<uint32_t*>(dst)[0] = P::FromFloat2(o.x, o.y);  // 4-byte stores: the
-  reinterpret_cast<uint32_t*>(dst)[1] = P::FromFloat2(o.z, o.w);  // combine's alignment
+  const float v[4] = {o.x, o.y, o.z, o.w};
+  StoreOut<DType, 2>(dst, v);  // 4-byte stores: the alignment the combine asks of o at d 64
+  StoreOut<DType, 2>(dst + 2, v + 2);
   if (c == 0 && p.lse != nullptr) p.lse[int64_t(b) * a.hq + hq] = lse;
 }
 
@@ -1479,7 +1524,6 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   constexpr int kBatch = 8;
   constexpr int kLaneSplits = kMaxKvSplits / 32;
   static_assert(kMaxKvSplits % 32 == 0, "splits per lane");
-  using P = Pack<DType>;
   __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
   __shared__ int32_t choice;  // the entry warp 0 picked for the CTA (G a multiple of 4)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1561,14 +1605,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     for (int j = 0; j < kBatch; ++j) {
       const int s = s0 + j;
       if (s < n) {
-        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
-        if constexpr (kPer == 4) {
-          const float4 x = *reinterpret_cast<const float4*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
-        } else {
-          const float2 x = *reinterpret_cast<const float2*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y;
-        }
+        LoadRow<kPer>(a.part_o + (row0 + s) * HEAD_DIM + c0, o2[j]);
       } else {
 #pragma unroll
         for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
@@ -1587,14 +1624,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
 #pragma unroll
   for (int k = 0; k < kLaneSplits; ++k) sum = lse_sum_add(sum, ls[k]);
   if (lane == 0) sum = lse_sum_add(sum, plse);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    LseSum other;
-    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
-    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
-    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
-    sum = lse_sum_combine(sum, other);
-  }
+  sum = WarpLseSum(sum);
   float o[kPer];
   const float wp = lse_sum_weight(sum, plse);
 #pragma unroll
@@ -1628,12 +1658,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     for (int i = 0; i < kPer; ++i) o[i] = __int_as_float(0x7fc00000);
     lse = __int_as_float(0x7fc00000);
   }
-  DType* dst = static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0;
-  if constexpr (kPer == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(P::FromFloat2(o[0], o[1]), P::FromFloat2(o[2], o[3]));
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = P::FromFloat2(o[0], o[1]);
-  }
+  StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, o);
   if (lane == 0) {
     if (p.lse) p.lse[int64_t(b) * a.hq + hq] = lse;
     if (p.lookup_index && g == 0) p.lookup_index[int64_t(b) * a.hkv + h] = idx;
@@ -1649,7 +1674,6 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const Launc
   constexpr int kPer = HEAD_DIM / 32;
   constexpr int kBatch = 8;  // splits per warp in flight
   static_assert(kMaxKvSplits <= kThreads, "one split lse per thread");
-  using P = Pack<DType>;
   __shared__ float sm_l[kThreads];
   __shared__ LseSum sm_sum[kWarps];
   __shared__ __align__(16) float sm_o[kWarps][HEAD_DIM];
@@ -1666,31 +1690,17 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const Launc
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int s = warp + kWarps * (j0 + j);
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
       if (s < n) {
-        const float* src = a.part_o + (row0 + s) * HEAD_DIM + c0;
-        if constexpr (kPer == 4) {
-          const float4 x = *reinterpret_cast<const float4*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y; o2[j][2] = x.z; o2[j][3] = x.w;
-        } else {
-          const float2 x = *reinterpret_cast<const float2*>(src);
-          o2[j][0] = x.x; o2[j][1] = x.y;
-        }
+        LoadRow<kPer>(a.part_o + (row0 + s) * HEAD_DIM + c0, o2[j]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) o2[j][i] = 0.f;
       }
     }
   };
   float o2[kBatch][kPer];
   load_batch(0, o2);
-  LseSum sum = lse_sum_add(lse_sum_empty(), l);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    LseSum other;
-    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
-    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
-    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
-    sum = lse_sum_combine(sum, other);
-  }
+  LseSum sum = WarpLseSum(lse_sum_add(lse_sum_empty(), l));
   if (lane == 0) sm_sum[warp] = sum;
   sm_l[tid] = l;
   __syncthreads();
@@ -1720,12 +1730,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const Launc
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) o[i] += sm_o[w][c0 + i];
   }
-  DType* dst = static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0;
-  if constexpr (kPer == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(P::FromFloat2(o[0], o[1]), P::FromFloat2(o[2], o[3]));
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = P::FromFloat2(o[0], o[1]);
-  }
+  StoreOut<DType, kPer>(static_cast<DType*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h + c0, o);
   if (lane == 0) {
     if (p.lse) p.lse[row] = lse_sum_lse(sum);
     if (p.lookup_index && hq % a.group == 0) p.lookup_index[int64_t(b) * a.hkv + hq / a.group] = -1;

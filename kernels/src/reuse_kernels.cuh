@@ -107,7 +107,10 @@ namespace mac {
 using decode::CpAsync16;
 using decode::CpAsyncCommit;
 using decode::CpAsyncWait;
+using decode::LoadRow;
 using decode::Pack;
+using decode::StoreOut;
+using decode::StoreRow;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -825,36 +828,6 @@ struct LaneState {
   }
   __device__ __forceinline__ void merge(const float* o2, float l2) { merge_state_inplace(o, &lse, o2, l2, kPer); }
 };
-
-template <int kPer>
-__device__ __forceinline__ void LoadRow(const float* src, float* dst) {
-  if constexpr (kPer == 4) {
-    const float4 x = *reinterpret_cast<const float4*>(src);
-    dst[0] = x.x; dst[1] = x.y; dst[2] = x.z; dst[3] = x.w;
-  } else {
-    const float2 x = *reinterpret_cast<const float2*>(src);
-    dst[0] = x.x; dst[1] = x.y;
-  }
-}
-
-template <int kPer>
-__device__ __forceinline__ void StoreRow(float* dst, const float* src) {
-  if constexpr (kPer == 4) {
-    *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
-  } else {
-    *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
-  }
-}
-
-template <typename DType, int kPer>
-__device__ __forceinline__ void StoreOut(DType* dst, const float* o) {
-  using P = Pack<DType>;
-  if constexpr (kPer == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(P::FromFloat2(o[0], o[1]), P::FromFloat2(o[2], o[3]));
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = P::FromFloat2(o[0], o[1]);
-  }
-}
 
 // Cross-warp merge of two lane states per warp through shared memory; warp 0 ends with the
 // merged states. sm_o: [2][kWarps][HEAD_DIM], sm_l: [2][kWarps].

@@ -525,6 +525,53 @@ TEST(DecodeGpu, BatchSmallerThanConfigAndBadDictId) {
   for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
 }
 
+// One step of `dev` captured in a CUDA graph on its own stream. Replay() poisons the
+// outputs and workspace, replays, and checks the outputs (lookup indices exactly) against
+// the CPU reference over pb's current host inputs.
+class CapturedStep {
+ public:
+  CapturedStep(DeviceProblem& dev, const DecodeConfig& config) : dev_(dev) {
+    ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+    dev_.Run(config, stream_);
+    ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph_));
+    ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CapturedStep() {  // no throwing from a destructor: failures are test failures
+    EXPECT_EQ(cudaGraphExecDestroy(exec_), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph_), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream_), cudaSuccess);
+  }
+  CapturedStep(const CapturedStep&) = delete;
+  CapturedStep& operator=(const CapturedStep&) = delete;
+
+  DeviceProblem::Out Replay(Problem& pb, const char* tag) {
+    SCOPED_TRACE(tag);
+    dev_.Poison(stream_);
+    ASMEM_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const DeviceProblem::Out gpu = dev_.Download(pb);
+    DecodeAttentionCpu(pb.config, pb.params);
+    ++g_counts.runs;
+    g_counts.rows += pb.B() * pb.spec.Hq;
+    g_counts.elements += pb.B() * pb.spec.Hq * pb.spec.d;
+    EXPECT_EQ(gpu.index, pb.lookup_index);
+    EXPECT_TRUE(test::AllClose(
+        "o", pb.o.size(), [&](int64_t i) { return double(gpu.o.get(i)); },
+        [&](int64_t i) { return double(pb.o.get(i)); }, test::OutputTolerance(pb.spec.dtype)));
+    EXPECT_TRUE(test::AllClose(
+        "lse", int64_t(pb.lse.size()), [&](int64_t i) { return double(gpu.lse[i]); },
+        [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
+    return gpu;
+  }
+
+ private:
+  DeviceProblem& dev_;
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // One step captured in a CUDA graph: replays give the reference, also after the device
 // inputs (q, seq_lens, dict ids, block table) change between replays.
 TEST(DecodeGpu, CudaGraphCaptureAndReplay) {
@@ -542,36 +589,9 @@ TEST(DecodeGpu, CudaGraphCaptureAndReplay) {
   BuildProblem(s, seed, &pb);
   DeviceProblem dev;
   dev.Upload(pb, pb.config);
-  cudaStream_t stream;
-  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  dev.Run(pb.config, stream);
-  ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-
-  auto replay_and_check = [&](const char* tag) {
-    dev.Poison(stream);
-    ASMEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const DeviceProblem::Out gpu = dev.Download(pb);
-    DecodeAttentionCpu(pb.config, pb.params);
-    SCOPED_TRACE(tag);
-    ++g_counts.runs;
-    g_counts.rows += pb.B() * s.Hq;
-    g_counts.elements += pb.B() * s.Hq * s.d;
-    EXPECT_EQ(gpu.index, pb.lookup_index);
-    EXPECT_TRUE(test::AllClose(
-        "o", pb.o.size(), [&](int64_t i) { return double(gpu.o.get(i)); },
-        [&](int64_t i) { return double(pb.o.get(i)); }, test::OutputTolerance(s.dtype)));
-    EXPECT_TRUE(test::AllClose(
-        "lse", int64_t(pb.lse.size()), [&](int64_t i) { return double(gpu.lse[i]); },
-        [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
-    return gpu;
-  };
-  const DeviceProblem::Out first = replay_and_check("first replay");
-  const DeviceProblem::Out second = replay_and_check("second replay");
+  CapturedStep step(dev, pb.config);
+  const DeviceProblem::Out first = step.Replay(pb, "first replay");
+  const DeviceProblem::Out second = step.Replay(pb, "second replay");
   EXPECT_EQ(0, std::memcmp(first.o.data(), second.o.data(), first.o.nbytes()));
 
   // New device inputs, same graph: other q, shorter/longer sequences, other dictionaries.
@@ -592,11 +612,7 @@ TEST(DecodeGpu, CudaGraphCaptureAndReplay) {
   ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.seq_lens), pb.seq_lens.data(), 4 * pb.seq_lens.size(), cudaMemcpyHostToDevice));
   ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.dict_ids), pb.dict_ids.data(), 4 * pb.dict_ids.size(), cudaMemcpyHostToDevice));
   ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.block_table), pb.block_table.data(), 4 * pb.block_table.size(), cudaMemcpyHostToDevice));
-  replay_and_check("replay with new inputs");
-
-  ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
-  ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+  step.Replay(pb, "replay with new inputs");
 }
 
 // Without dictionaries, each way a step ends (one split writing the output, a cluster of
@@ -619,43 +635,15 @@ TEST(DecodeGpu, CudaGraphWithoutDictionaries) {
     ASSERT_EQ(PlanDecode(c).kv_splits, splits);
     DeviceProblem dev;
     dev.Upload(pb, c);
-    cudaStream_t stream;
-    ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    dev.Run(c, stream);
-    ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    ASMEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    auto replay_and_check = [&](const char* tag) {
-      SCOPED_TRACE(tag);
-      dev.Poison(stream);
-      ASMEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const DeviceProblem::Out gpu = dev.Download(pb);
-      DecodeAttentionCpu(pb.config, pb.params);
-      ++g_counts.runs;
-      g_counts.rows += pb.B() * s.Hq;
-      g_counts.elements += pb.B() * s.Hq * s.d;
-      EXPECT_EQ(gpu.index, pb.lookup_index);
-      EXPECT_TRUE(test::AllClose(
-          "o", pb.o.size(), [&](int64_t i) { return double(gpu.o.get(i)); },
-          [&](int64_t i) { return double(pb.o.get(i)); }, test::OutputTolerance(s.dtype)));
-      EXPECT_TRUE(test::AllClose(
-          "lse", int64_t(pb.lse.size()), [&](int64_t i) { return double(gpu.lse[i]); },
-          [&](int64_t i) { return double(pb.lse[i]); }, test::LseTolerance()));
-    };
-    replay_and_check("first replay");
+    CapturedStep step(dev, c);
+    step.Replay(pb, "first replay");
     std::mt19937_64 rng(seed + 100 + uint64_t(splits));
     std::normal_distribution<float> nd;
     for (int64_t i = 0; i < pb.q.size(); ++i) pb.q.set(i, nd(rng));
     pb.seq_lens = {1499, 1, 17, 0};  // within each request's pages
     ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<void*>(dev.params.q), pb.q.data(), pb.q.nbytes(), cudaMemcpyHostToDevice));
     ASMEM_CUDA_CHECK(cudaMemcpy(const_cast<int32_t*>(dev.params.seq_lens), pb.seq_lens.data(), 4 * pb.seq_lens.size(), cudaMemcpyHostToDevice));
-    replay_and_check("replay with new inputs");
-    ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
-    ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
+    step.Replay(pb, "replay with new inputs");
   }
 }
 
