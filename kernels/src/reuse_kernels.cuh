@@ -852,13 +852,112 @@ __device__ __forceinline__ void MergeWarps(LaneState<kPer>* st, float* sm_o, flo
   }
 }
 
+// The N-way merge of a head's partial rows, spread over the CTA: the rows' lse first (one
+// or two per thread: at most 2 kMaxGroupChunks rows), the two states' LseSum (state.cuh)
+// from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
+// summed with their weights (no merge waits on the one before). Per chunk j the band row is
+// 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
+static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
+template <int HEAD_DIM, int kPer, int BATCH>
+__device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
+                                              int group, int g, LaneState<kPer>* st) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c0 = lane * kPer;
+  __shared__ float sm_w[2 * kThreads];
+  __shared__ int32_t sm_j[2 * kThreads];
+  __shared__ LseSum sm_sum[kWarps][2];
+  __shared__ int32_t sm_scan[kWarps];
+  __shared__ __align__(16) float sm_o[kWarps][2][HEAD_DIM];
+  // Rows tid and tid + kThreads: both of state tid & 1 (kThreads is even).
+  const float l0 = tid < n_all ? part_lse[(row0 + tid) * group + g] : -INFINITY;
+  const float l1 = tid + kThreads < n_all ? part_lse[(row0 + tid + kThreads) * group + g] : -INFINITY;
+  LseSum sum = lse_sum_add(lse_sum_add(lse_sum_empty(), l0), l1);
+  // Over the lanes of this lane's parity (offsets 16 .. 2 keep the parity).
+#pragma unroll
+  for (int off = 16; off > 1; off >>= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  if (lane < 2) sm_sum[warp][lane] = sum;
+  __syncthreads();
+  LseSum tot[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    tot[k] = sm_sum[0][k];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) tot[k] = lse_sum_combine(tot[k], sm_sum[w][k]);
+  }
+  // Compact the rows of nonzero weight (empty states weigh 0 and are not loaded).
+  const float w0 = lse_sum_weight(tot[tid & 1], l0), w1 = lse_sum_weight(tot[tid & 1], l1);
+  const int cnt = int(w0 > 0.f) + int(w1 > 0.f);
+  int32_t n = 0;
+  int32_t pos = BlockExclusiveScan(cnt, &n, sm_scan);
+  if (w0 > 0.f) {
+    sm_w[pos] = w0;
+    sm_j[pos++] = tid;
+  }
+  if (w1 > 0.f) {
+    sm_w[pos] = w1;
+    sm_j[pos] = tid + kThreads;
+  }
+  __syncthreads();
+  float acc[2][kPer];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[k][i] = 0.f;
+  }
+  for (int i0 = warp; i0 < n; i0 += kWarps * BATCH) {
+    float o2[BATCH][kPer];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      const int i = i0 + k * kWarps;
+      if (i < n) {
+        LoadRow<kPer>(part_o + ((row0 + sm_j[i]) * group + g) * HEAD_DIM + c0, o2[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) o2[k][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      const int i = i0 + k * kWarps;
+      if (i < n) {
+        const float w = sm_w[i];
+        if (sm_j[i] & 1) {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) acc[1][e] = fmaf(w, o2[k][e], acc[1][e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) acc[0][e] = fmaf(w, o2[k][e], acc[0][e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) StoreRow<kPer>(&sm_o[warp][k][c0], acc[k]);
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      float x = sm_o[0][k][c0 + e];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) x += sm_o[w][k][c0 + e];
+      st[k].o[e] = x;
+    }
+    st[k].lse = lse_sum_lse(tot[k]);
+  }
+}
+
 // BATCH: partial rows per warp in flight; MIN_BLOCKS: the launch bound (LaunchCombine).
 template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
-  constexpr int kBatch = BATCH;
-  __shared__ __align__(16) float sm_o[2 * kWarps * HEAD_DIM];
-  __shared__ float sm_l[2 * kWarps];
   GridDependencyWait();  // the attend partials (and the plan before them) are visible
   const MacParams& p = a.p;
   const int bhq = int(blockIdx.x);
@@ -871,54 +970,19 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   const int32_t W = a.window;
   const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
 
-  // Warp 0's decision is loaded before the partials are merged and its other inputs (the
-  // reused entry, the prefix state, the query and epoch for the ring writes) right after, so
-  // their round trips overlap the merge instead of following it one after another (holding
-  // them across the partial loop would cost the registers of a sixth CTA per SM). Same
-  // values, same merge order.
+  // Warp 0's decision and its other inputs (the reused entry, the prefix state, the query
+  // and epoch for the ring writes). In grids of one wave they load before the partials are
+  // merged; a grid bounded to 8 CTAs per SM (64 registers) loads them after (held across
+  // the merge they would spill).
+  constexpr bool kEarly = MIN_BLOCKS == 1;
   HeadDecision dec{-1, 0};
   if (warp == 0) dec = a.heads[bhq];
-
-  LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-  st[0].init();
-  st[1].init();
-  {
-    // The plan holds zero chunks for T == 0, so the group's plan is read alongside T. Each
-    // chunk has two partials: [band state, sink-and-tail state].
-    const UnitPlan up = a.units[b * a.hkv + h];
-    const int n_all = 2 * up.n_chunks;
-    const int64_t row0 = int64_t(up.first_chunk) * 2;
-    for (int j0 = warp; j0 < n_all; j0 += kWarps * kBatch) {
-      float o2[kBatch][kPer], l2[kBatch];
-      bool band[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int j = j0 + k * kWarps;
-        band[k] = (j & 1) == 0;
-        if (j < n_all) {
-          const int64_t row = (row0 + j) * a.group + g;
-          LoadRow<kPer>(a.part_o + row * HEAD_DIM + c0, o2[k]);
-          l2[k] = a.part_lse[row];
-        } else {
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) o2[k][i] = 0.f;
-          l2[k] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (band[k]) {
-          st[0].merge(o2[k], l2[k]);
-        } else {
-          st[1].merge(o2[k], l2[k]);
-        }
-      }
-    }
-  }
+  // The plan holds zero chunks for T == 0, so the group's plan is read alongside T.
+  const UnitPlan up = a.units[b * a.hkv + h];
   float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
   float qv[kPer] = {};
   int32_t epoch = 0;
-  if (warp == 0) {
+  auto load_inputs = [&] {
     if (T > 0 && dec.hit_pos >= 0) {
       const int64_t row = ring_row0 + dec.hit_pos % W;
       LoadRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, eo);
@@ -936,9 +1000,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
       for (int i = 0; i < kPer; ++i) qv[i] = Pack<DType>::One(src[i]);
       if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
     }
-  }
-  MergeWarps<HEAD_DIM, kPer>(st, sm_o, sm_l);
+  };
+  if (kEarly && warp == 0) load_inputs();
+  LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
+  MergePartials<HEAD_DIM, kPer, BATCH>(a.part_o, a.part_lse, int64_t(up.first_chunk) * 2, 2 * up.n_chunks, a.group,
+                                       g, st);
   if (warp != 0) return;
+  if (!kEarly) load_inputs();
 
   if (T > 0 && dec.hit_pos >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
   LaneState<kPer> out;
