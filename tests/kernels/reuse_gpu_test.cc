@@ -303,6 +303,20 @@ std::vector<MacCase> GpuCases() {
   c.clustered = true;
   v.push_back(c);
 
+  // More KV groups (320) than the plan's threads (128: three passes of its per-group loop),
+  // long and short groups interleaved.
+  c = MacCase{};
+  c.name = "many-groups-d64";
+  c.Hq = 16;
+  c.Hkv = 8;
+  c.d = 64;
+  c.mac = MakeMac(24, 8, 1, 0);
+  c.T0.clear();
+  for (int b = 0; b < 40; ++b) c.T0.push_back(b % 7 == 3 ? 700 + 50 * b : 20 + 9 * b);
+  c.steps = 12;
+  c.p_hit = 0.7;
+  v.push_back(c);
+
   c = v[0];  // programmatic dependent launches instead of plain stream order
   c.name = "base-pdl";
   c.programmatic_launch = true;
