@@ -84,6 +84,28 @@
 //    batches for grids of at most 2 x 132 CTAs (branch mac-combine16, 177 registers): B = 1
 //    all-hit 32.1-32.2 -> 40.9-41.2 (LLaMA-8B), 31.5 -> 40.3-40.4 (GQA-8); GQA-8 B = 1
 //    all-miss 57.6-57.7 -> 64.0-64.1.
+//  * Session 11 (32K, 99% hits per group unless said, us, each A/B in one machine session,
+//    two runs each). Timeline before: LLaMA-8B B = 1 all-miss match 0-5.4, plan 5.7-9.2,
+//    attend 9.9-54.2, combine 54.9-64.6; GQA-8 attend 10.6-39.1, combine 39.9-53.5 (the
+//    pairwise merges of 128 partial rows per head). The N-way combine (MergePartials,
+//    01925aa): LLaMA-8B B = 1 all-miss / all-hit 70.8 / 31.9 -> 67.0 / 29.2, B = 32 99% 102.6
+//    -> 98.4, B = 64 99% 162.3 -> 157.0; GQA-8 B = 1 all-miss 57.9 -> 51.0, B = 32 99% 93.8 ->
+//    84.5; all-miss B >= 32 unchanged. Not merged:
+//    - Every attention CTA planning the step from the match keys (no plan CTA, the combine
+//      resetting the keys): with 48 bytes of static shared memory in the attend kernel,
+//      LLaMA-8B B = 32 all-miss 1012 -> 1296 (as with the earlier 16-byte flag); without
+//      it, B = 1 all-hit 29.1 -> 30.0, B = 64 all-hit 133 -> 151, GQA-8 B = 64 99% 130 -> 140.
+//    - The match reading the second half of a ring row only where a Cauchy-Schwarz bound on
+//      its part of the dot product cannot keep the distance at or above the threshold (same
+//      decisions): B = 16 -2.5, B = 64 -1.5, B = 32 +0.5 to +1 (so the match at B = 32 is not
+//      bound by ring bytes), B = 1 +1.5 (the second half's round trip).
+//    - The whole step as one cooperative launch (match, grid barrier, per-CTA plan and
+//      attend, grid barrier, combine; GPU tests passed both ways): B = 1 all-hit 29.2 -> 38.9,
+//      B = 8 41.1 -> 53.4, B = 16 57.1 -> 81.5. Two barriers over 264 CTAs cost more than two
+//      kernel boundaries in a graph.
+//    - kTargetChunks 528: B = 32 all-hit 78.2 -> 83.4, B = 1 all-miss 67.7 -> 72.8;
+//      kMinChunk 64: GQA-8 B = 1 all-hit 29.2 -> 27.9, LLaMA-8B 29.0 -> 28.5, the rest
+//      within noise; programmatic launch: within 1 us either way.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
