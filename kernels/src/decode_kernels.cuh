@@ -408,10 +408,12 @@ __device__ __forceinline__ void StoreOut(DType* dst, const float* o) {
   }
 }
 
-// The LseSum (state.cuh) of all 32 lanes' sums, in every lane.
+// The LseSum (state.cuh) of all 32 lanes' sums, in every lane; with kLast = 2, of the
+// lanes of this lane's parity only (the xor offsets stop at kLast).
+template <int kLast = 1>
 __device__ __forceinline__ LseSum WarpLseSum(LseSum sum) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
+  for (int off = 16; off >= kLast; off >>= 1) {
     LseSum other;
     other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
     other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);

@@ -896,16 +896,8 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
   // Rows tid and tid + kThreads: both of state tid & 1 (kThreads is even).
   const float l0 = tid < n_all ? part_lse[(row0 + tid) * group + g] : -INFINITY;
   const float l1 = tid + kThreads < n_all ? part_lse[(row0 + tid + kThreads) * group + g] : -INFINITY;
-  LseSum sum = lse_sum_add(lse_sum_add(lse_sum_empty(), l0), l1);
-  // Over the lanes of this lane's parity (offsets 16 .. 2 keep the parity).
-#pragma unroll
-  for (int off = 16; off > 1; off >>= 1) {
-    LseSum other;
-    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
-    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
-    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
-    sum = lse_sum_combine(sum, other);
-  }
+  // Over the lanes of this lane's parity (the rows of one state).
+  const LseSum sum = decode::WarpLseSum<2>(lse_sum_add(lse_sum_add(lse_sum_empty(), l0), l1));
   if (lane < 2) sm_sum[warp][lane] = sum;
   __syncthreads();
   LseSum tot[2];
