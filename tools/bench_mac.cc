@@ -361,7 +361,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       // Rings and queries of the B replayed steps.
       const size_t rows = size_t(B) * Hq * W;
-      std::vector<int8_t> r8(rows * d, 0);
+      std::vector<int8_t> r8(rows * d, 0), q8(static_cast<size_t>(d));  // r8: the device ring layout
       std::vector<MacQueryScale> rs(rows);
       std::vector<float> ro(rows * d), rl(rows);
       for (auto& x : ro) x = 0.5f * rng.normal();
@@ -384,7 +384,8 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
           for (int hq = 0; hq < Hq; ++hq) {
             for (int i = 0; i < d; ++i) row[size_t(i)] = BF16BitsToFloat(src[size_t(hq) * d + i]);
             const size_t r = (size_t(b) * Hq + hq) * W + w;
-            rs[r] = MacQuantizeQuery(row.data(), d, &r8[r * d]);
+            rs[r] = MacQuantizeQuery(row.data(), d, q8.data());
+            MacWriteRingQuery(d, W, r8.data(), int64_t(b) * Hq + hq, w, q8.data());
           }
         }
       }
@@ -502,13 +503,15 @@ int Run(const Options& opt) {
     // One slot's ring content, shared by every slot: random queries, entries, lse.
     const size_t ring_rows = size_t(s.hq) * W;
     const std::vector<uint16_t> ring_q_host = RandomBF16(ring_rows * kHeadDim, rng);
-    // Their 8-bit copies, as the ring keeps them (reuse.h).
+    // Their 8-bit copies, laid out as the ring keeps them (reuse.h).
     std::vector<int8_t> ring_q8(ring_rows * kHeadDim);
     std::vector<MacQueryScale> ring_qs_host(ring_rows);
     for (size_t r = 0; r < ring_rows; ++r) {
       float row[kHeadDim];
+      int8_t q8[kHeadDim];
       for (int i = 0; i < kHeadDim; ++i) row[i] = BF16BitsToFloat(ring_q_host[r * kHeadDim + i]);
-      ring_qs_host[r] = MacQuantizeQuery(row, kHeadDim, &ring_q8[r * kHeadDim]);
+      ring_qs_host[r] = MacQuantizeQuery(row, kHeadDim, q8);
+      MacWriteRingQuery(kHeadDim, W, ring_q8.data(), int64_t(r / W), int32_t(r % W), q8);
     }
     std::vector<float> ring_o_host(ring_rows * kHeadDim), ring_lse_host(ring_rows);
     for (auto& x : ring_o_host) x = 0.5f * rng.normal();

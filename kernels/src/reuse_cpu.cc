@@ -18,6 +18,14 @@ float MacThreshold(const MacConfig& mac, int32_t head_dim) {
   return float(2.0 * double(head_dim) * t * t);
 }
 
+void MacReadRingQuery(int32_t d, int32_t W, const int8_t* ring_q, int64_t sh, int32_t w, int8_t* values) {
+  for (int32_t i = 0; i < d; ++i) values[i] = ring_q[MacRingQueryIndex(d, W, sh, w, i)];
+}
+
+void MacWriteRingQuery(int32_t d, int32_t W, int8_t* ring_q, int64_t sh, int32_t w, const int8_t* values) {
+  for (int32_t i = 0; i < d; ++i) ring_q[MacRingQueryIndex(d, W, sh, w, i)] = values[i];
+}
+
 MacQueryScale MacQuantizeQuery(const float* x, int32_t d, int8_t* out) {
   if (d < 1 || d > kMacMaxHeadDim) {
     throw InvalidArgument("MacQuantizeQuery: d must be in [1, " + std::to_string(kMacMaxHeadDim) + "], got " +
@@ -203,7 +211,8 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
                d = size_t(c.head_dim);
   size_t off = 0;
   L.ring_q = off;
-  off = AlignUp(off + S * Hq * W * d);
+  const size_t blocks = (d + kMacRingBlock - 1) / kMacRingBlock;
+  off = AlignUp(off + S * Hq * blocks * W * kMacRingBlock);
   L.ring_qs = off;
   off = AlignUp(off + S * Hq * W * sizeof(MacQueryScale));
   L.ring_o = off;
@@ -443,6 +452,7 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
   std::vector<float> out(static_cast<size_t>(d)), part(static_cast<size_t>(d)), xf(static_cast<size_t>(d));
   std::vector<float> new_o(static_cast<size_t>(Hq * d)), new_lse(static_cast<size_t>(Hq));
   std::vector<int8_t> q8(static_cast<size_t>(Hq * d));  // the request's queries, 8-bit
+  std::vector<int8_t> r8(static_cast<size_t>(d));       // a ring row's
   std::vector<MacQueryScale> qs(static_cast<size_t>(Hq));
 
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -472,8 +482,9 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
           const MacTag tag = tags[x % W];
           if (tag.position != x || tag.epoch != st.epoch) continue;
           const int64_t row = ring_row0 + x % W;
+          MacReadRingQuery(int32_t(d), int32_t(W), p.state.ring_q, int64_t(slot) * Hq + hq, int32_t(x % W), r8.data());
           const float dist = MacQueryDistance(qs[size_t(hq)], &q8[size_t(hq * d)], p.state.ring_qs[row],
-                                              p.state.ring_q + row * d, int32_t(d));
+                                              r8.data(), int32_t(d));
           if (dist < best) {  // ascending x: ties keep the earlier position; NaN never
             best = dist;
             best_p = x;
@@ -523,7 +534,8 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
       const int64_t w = m % W;
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const int64_t row = (int64_t(slot) * Hq + hq) * W + w;
-        std::copy_n(&q8[size_t(hq * d)], d, p.state.ring_q + row * d);
+        MacWriteRingQuery(int32_t(d), int32_t(W), p.state.ring_q, int64_t(slot) * Hq + hq, int32_t(w),
+                          &q8[size_t(hq * d)]);
         p.state.ring_qs[row] = qs[size_t(hq)];
         for (int64_t i = 0; i < d; ++i) p.state.ring_o[row * d + i] = new_o[size_t(hq * d + i)];
         p.state.ring_lse[row] = new_lse[size_t(hq)];
@@ -547,6 +559,7 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
                        p.block_table, p.block_table_stride, c.page_size, dt};
   std::vector<double> q(static_cast<size_t>(d));
   std::vector<float> xf(static_cast<size_t>(d));
+  std::vector<int8_t> q8(static_cast<size_t>(d));
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t T = p.seq_lens[b];
     const int32_t slot = mac::SlotOf(p.slot_ids, b, c.num_slots, fn);
@@ -574,7 +587,8 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
         mac::ExactRange(kv, b, h, q, scale, mac::SinkEnd(F, x), mac::EntryEnd(F, r, x), d,
                         p.state.ring_o + row * d, p.state.ring_lse + row, fn);
         for (int64_t i = 0; i < d; ++i) xf[size_t(i)] = LoadAsFloat(p.q_pre, dt, poff + i);
-        p.state.ring_qs[row] = MacQuantizeQuery(xf.data(), int32_t(d), p.state.ring_q + row * d);
+        p.state.ring_qs[row] = MacQuantizeQuery(xf.data(), int32_t(d), q8.data());
+        MacWriteRingQuery(int32_t(d), int32_t(W), p.state.ring_q, int64_t(slot) * Hq + hq, int32_t(w), q8.data());
       }
       p.state.ring_tag[int64_t(slot) * W + w] = MacTag{x, epoch};
     }

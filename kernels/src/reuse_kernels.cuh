@@ -2,9 +2,10 @@
 //
 // A step is three kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query quantized to
-//    8 bits in registers (16 dims per lane), the split's candidate rows of the 8-bit query
-//    ring streamed with 16-byte loads (d/16 lanes per row, 4 or 8 rows per lane in flight)
-//    beside their scales and tags, dot products by dp4a, the distance by QueryDistance
+//    8 bits (16 dims per lane, then the whole row gathered into every lane), one candidate
+//    row per thread (two in flight): the row's 16-dim blocks of the 8-bit query ring (a
+//    warp load reads one block of 32 consecutive rows: reuse.h's blocked layout) beside its
+//    scale and tag, the dot product by dp4a with no shuffles, the distance by QueryDistance
 //    (reuse_common.h, the CPU reference's sequence), the best candidate by the tie rule
 //    folded into a per-head u64 with one
 //    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
@@ -109,6 +110,16 @@
 //    - The heads' band starts in the chunk descriptor (64 bytes; no load of the decisions
 //      after it): B = 1 unchanged, B = 32 99% 97.8 -> 104.2, all-hit 78.0 -> 84.0, B = 64
 //      all-hit 135 -> 146 (the plan step writes twice the bytes and holds more registers).
+//  * Session 12 (32K, clustered, us, one machine session, two runs each): the match over
+//    the blocked ring layout, one row per thread (before: row-major rows, d / 16 lanes per
+//    row and three shuffles per row). LLaMA-8B B = 16 99% / all-hit 71.8-72.1 / 56.7-56.9
+//    -> 68.7-68.9 / 53.4-53.7, B = 1 all-hit 29.1-29.3 -> 28.5-28.8, B = 64 99% 155.8-156.5
+//    -> 153.0-153.2; GQA-8 B = 16 99% 59.6 -> 56.1-56.4, B = 64 all-hit 107.7-108.0 ->
+//    104.7-105.4; B = 32 within 0.5. ncu, LLaMA-8B B = 32 99%: match 33.9 -> 31.9 us with
+//    about a third of the issued instructions, the SMs active 68% of it either way (the
+//    plan in the last CTA, about 7 us, runs alone). With one row per thread (84
+//    registers, 5 CTAs per SM) for grids past 528 CTAs: B = 64 2-3 us slower; bounded to 6
+//    CTAs per SM (80 registers, 24 bytes spilled): slower still.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -332,28 +343,34 @@ struct LaneQuery8 {
 };
 
 // Warp-wide: the 8-bit copy of a query row, kPer values per lane (lane l holds values
-// l kPer ..), into a ring row: values at `dst` (the row's first byte), scale and sum at `qs`.
+// l kPer ..), into ring row w of `ring` (the first block of the row's (slot, head): reuse.h's
+// layout, W rows per 16-dim block), its scale and sum at `qs`.
 template <int kPer>
-__device__ __forceinline__ void StoreRingQuery(int8_t* dst, MacQueryScale* qs, const float (&x)[kPer]) {
+__device__ __forceinline__ void StoreRingQuery(int8_t* ring, int32_t W, int32_t w, MacQueryScale* qs,
+                                               const float (&x)[kPer]) {
   static_assert(kPer == 2 || kPer == 4, "head dims 64 and 128");
   const int lane = threadIdx.x & 31;
   const LaneQuery8<32, kPer> q8(x);
+  const int c0 = lane * kPer;
+  int8_t* dst = ring + (int64_t(c0 / kMacRingBlock) * W + w) * kMacRingBlock + c0 % kMacRingBlock;
   if (kPer == 4) {
-    *reinterpret_cast<uint32_t*>(dst + lane * 4) = q8.v[0];
+    *reinterpret_cast<uint32_t*>(dst) = q8.v[0];
   } else {
-    *reinterpret_cast<uint16_t*>(dst + lane * 2) = uint16_t(q8.v[0]);
+    *reinterpret_cast<uint16_t*>(dst) = uint16_t(q8.v[0]);
   }
   if (lane == 0) *reinterpret_cast<int2*>(qs) = make_int2(__float_as_int(q8.scale), q8.sum_sq);
 }
 
-// UNROLL: rows per lane group in flight (8 for grids that stay resident; LaunchMatch).
+// One candidate row per thread: the thread reads the row's HEAD_DIM / 16 blocks of 16 bytes
+// (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its scale and
+// tag, and sums the dot product with the whole 8-bit query (every lane holds it) by dp4a; no
+// shuffles per row. UNROLL: rows per thread in flight.
 template <typename DType, int HEAD_DIM, int UNROLL>
 __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
-  constexpr int kVec = 16;                 // int8 values per lane: one 16-byte load per row
-  constexpr int kLanes = HEAD_DIM / kVec;  // lanes per candidate row: 8 or 4
-  constexpr int kRows = 32 / kLanes;       // rows a warp reads at once: 4 or 8
-  constexpr int kUnroll = UNROLL;
-  constexpr int kStep = kWarps * kRows;    // rows the CTA reads at once
+  constexpr int kVec = 16;                 // query values each lane quantizes
+  constexpr int kBlocks = HEAD_DIM / kVec; // 16-byte blocks per ring row: 8 or 4
+  constexpr int kLanes = kBlocks;          // lanes that quantize one copy of the query
+  static_assert(kVec == kMacRingBlock, "a lane's query values are one ring block");
   using P = Pack<DType>;
   GridLaunchDependents();  // the attend CTAs may launch once every match CTA runs
   const MacParams& p = a.p;
@@ -363,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   const int bhq = cta / S;
   const int b = bhq / a.hq, hq = bhq % a.hq;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int sub = lane % kLanes, grp = lane / kLanes;
+  const int sub = lane % kLanes;
   __shared__ float sm_d[kWarps];
   __shared__ int32_t sm_p[kWarps];
   __shared__ bool sm_last;
@@ -380,48 +397,56 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
     float qf[kVec];
     P::ToFloat(qa, qf);
     P::ToFloat(qb, qf + 8);
-    const LaneQuery8<kLanes, kVec> q8(qf);
+    const LaneQuery8<kLanes, kVec> q8(qf);  // every group of kLanes lanes holds the row
+    uint32_t qw[kBlocks][4];                // the whole row in every lane: block k from lane k
+#pragma unroll
+    for (int k = 0; k < kBlocks; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qw[k][i] = __shfl_sync(0xffffffffu, q8.v[i], k);
+    }
     // The slot's epoch and ready flag are loaded alongside the first batch of ring rows (the
     // ring of any slot is readable); a slot that is not ready stops after that batch.
     const MacSlot st = p.slots[slot];
     const int32_t m = T - 1, W = a.window;
     const int32_t lo = max(0, m - W), n = m - lo;
     const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
-    const int64_t row0 = (int64_t(slot) * a.hq + hq) * W;
-    const int8_t* ring = p.state.ring_q + row0 * HEAD_DIM + sub * kVec;
-    const int2* scales = reinterpret_cast<const int2*>(p.state.ring_qs + row0);
+    const int64_t sh = int64_t(slot) * a.hq + hq;
+    const uint4* ring = reinterpret_cast<const uint4*>(p.state.ring_q) + sh * kBlocks * W;  // block k, row w: + k W + w
+    const int2* scales = reinterpret_cast<const int2*>(p.state.ring_qs + sh * W);
     const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
-    // The loop bound is uniform over the warp (the shuffles below need every lane).
-    for (int32_t xw = x0 + warp * kRows; xw < x1; xw += kStep * kUnroll) {
-      const int32_t xb = xw + grp;
-      uint4 u[kUnroll];
-      int2 sc[kUnroll];
-      MacTag tg[kUnroll];
+    for (int32_t xb = x0 + tid; xb - tid < x1; xb += kThreads * UNROLL) {  // uniform over the CTA
+      uint4 u[UNROLL][kBlocks];
+      int2 sc[UNROLL];
+      MacTag tg[UNROLL];
 #pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int32_t x = xb + j * kStep;
+      for (int j = 0; j < UNROLL; ++j) {
+        const int32_t x = xb + j * kThreads;
         if (x < x1) {
           const int32_t w = x % W;
-          u[j] = __ldg(reinterpret_cast<const uint4*>(ring + int64_t(w) * HEAD_DIM));
+#pragma unroll
+          for (int k = 0; k < kBlocks; ++k) u[j][k] = __ldg(ring + int64_t(k) * W + w);
           sc[j] = __ldg(scales + w);
           tg[j] = tags[w];
         } else {
-          u[j] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int k = 0; k < kBlocks; ++k) u[j][k] = make_uint4(0, 0, 0, 0);
           sc[j] = make_int2(0, 0);
           tg[j] = MacTag{-1, -1};
         }
       }
       if (!st.ready) break;  // uniform over the CTA
 #pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        int32_t c = __dp4a(int(u[j].x), int(q8.v[0]), 0);
-        c = __dp4a(int(u[j].y), int(q8.v[1]), c);
-        c = __dp4a(int(u[j].z), int(q8.v[2]), c);
-        c = __dp4a(int(u[j].w), int(q8.v[3]), c);
+      for (int j = 0; j < UNROLL; ++j) {
+        int32_t c = 0;
 #pragma unroll
-        for (int o = kLanes / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+        for (int k = 0; k < kBlocks; ++k) {
+          c = __dp4a(int(u[j][k].x), int(qw[k][0]), c);
+          c = __dp4a(int(u[j][k].y), int(qw[k][1]), c);
+          c = __dp4a(int(u[j][k].z), int(qw[k][2]), c);
+          c = __dp4a(int(u[j][k].w), int(qw[k][3]), c);
+        }
         const float dist = QueryDistance(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, c);
-        const int32_t x = xb + j * kStep;
+        const int32_t x = xb + j * kThreads;
         const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
         if (valid && Better(dist, x, bd, bp)) {
           bd = dist;
@@ -430,9 +455,9 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
       }
     }
   }
-  // Best over the lane groups, then over the warps.
+  // Best over the warp's lanes, then over the warps.
 #pragma unroll
-  for (int o = kLanes; o < 32; o <<= 1) {
+  for (int o = 1; o < 32; o <<= 1) {
     const float d2 = __shfl_xor_sync(0xffffffffu, bd, o);
     const int32_t p2 = __shfl_xor_sync(0xffffffffu, bp, o);
     if (Better(d2, p2, bd, bp)) {
@@ -1041,7 +1066,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   const int32_t m = T - 1;
   const int64_t row = ring_row0 + m % W;
   StoreRow<kPer>(p.state.ring_o + row * HEAD_DIM + c0, st[0].o);
-  StoreRingQuery<kPer>(p.state.ring_q + row * HEAD_DIM, p.state.ring_qs + row, qv);
+  StoreRingQuery<kPer>(p.state.ring_q + ring_row0 * HEAD_DIM, W, m % W, p.state.ring_qs + row, qv);
   if (lane == 0) {
     p.state.ring_lse[row] = st[0].lse;
     if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
@@ -1100,7 +1125,7 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
                      hq * f.q_pre_stride_h + c0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) qv[i] = Pack<DType>::One(src[i]);
-  StoreRingQuery<kPer>(f.state.ring_q + row * HEAD_DIM, f.state.ring_qs + row, qv);
+  StoreRingQuery<kPer>(f.state.ring_q + (row - x % W) * HEAD_DIM, W, x % W, f.state.ring_qs + row, qv);
   if (lane == 0) {
     f.state.ring_lse[row] = st[0].lse;
     if (hq == 0) f.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{x, f.slots[slot].epoch};
@@ -1111,19 +1136,14 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Launch functions (instantiated in reuse_attn_*.cu)
 // ---------------------------------------------------------------------------------------
 
-// Match grids of at most this many CTAs take the 8-row batches (all resident on a 132-SM
-// H200 at 7 CTAs per SM, d = 128, or 5, d = 64: B = 1 and B = 16 at LLaMA-8B heads; B = 32
-// keeps 4-row batches).
-constexpr int64_t kMatchWideCtas = 2 * kMatchTargetCtas;
+// Two rows per thread in flight at every grid size: one (84 registers instead of 121 at
+// d = 128) was no faster at B = 32 and 2-3 us slower at B = 64 (session 12).
+constexpr int kMatchRowsInFlight = 2;
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
-  if (ctas <= kMatchWideCtas) {
-    MacMatchKernel<DType, HEAD_DIM, 8><<<unsigned(ctas), kThreads, 0, stream>>>(a);
-  } else {
-    MacMatchKernel<DType, HEAD_DIM, 4><<<unsigned(ctas), kThreads, 0, stream>>>(a);
-  }
+  MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 

@@ -149,7 +149,9 @@ struct Tiny {
       qrow[i] = val + (i < n_delta ? delta : 0.f);  // the tests' values are exact in bf16
       ring.state.ring_o[row * 64 + i] = 0.25f;
     }
-    ring.state.ring_qs[row] = MacQuantizeQuery(qrow, 64, ring.state.ring_q + row * 64);
+    int8_t q8[64];
+    ring.state.ring_qs[row] = MacQuantizeQuery(qrow, 64, q8);
+    MacWriteRingQuery(64, int32_t(W), ring.state.ring_q, slot, int32_t(x % W), q8);
     ring.state.ring_lse[row] = 1.f;
     ring.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{tag_pos == -2 ? x : tag_pos, epoch};
   }
@@ -331,7 +333,9 @@ TEST(MacCpuDecision, HitOutputAndAmendByHand) {
   EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].position, 20);
   EXPECT_EQ(t.ring.state.ring_tag[1 * 8 + 4].epoch, 5);
   // The query 0.5 everywhere, 8-bit: values 127, scale 0.5 / 127.
-  for (int i = 0; i < d; ++i) EXPECT_EQ(t.ring.state.ring_q[(1 * 8 + 4) * 64 + i], 127);
+  int8_t q8[64];
+  MacReadRingQuery(64, 8, t.ring.state.ring_q, 1, 4, q8);
+  for (int i = 0; i < d; ++i) EXPECT_EQ(q8[i], 127);
   EXPECT_EQ(t.ring.state.ring_qs[1 * 8 + 4].scale, 0.5f / 127.f);
   EXPECT_EQ(t.ring.state.ring_qs[1 * 8 + 4].sum_sq, 64 * 127 * 127);
 }
@@ -498,7 +502,9 @@ TEST(MacCpu, FillWritesExactEntries) {
         std::vector<float> xf(qq_pre[hq].begin(), qq_pre[hq].end());
         std::vector<int8_t> q8(static_cast<size_t>(d));
         const MacQueryScale qs = MacQuantizeQuery(xf.data(), int32_t(d), q8.data());
-        EXPECT_EQ(0, std::memcmp(q8.data(), ring.state.ring_q + row * d, size_t(d)));
+        std::vector<int8_t> r8(static_cast<size_t>(d));
+        MacReadRingQuery(int32_t(d), 8, ring.state.ring_q, int64_t(slot) * Hq + hq, x % 8, r8.data());
+        EXPECT_EQ(q8, r8);
         EXPECT_EQ(qs.scale, ring.state.ring_qs[row].scale);
         EXPECT_EQ(qs.sum_sq, ring.state.ring_qs[row].sum_sq);
       }
@@ -596,6 +602,46 @@ TEST(MacQuery8, ZeroTinyAndNonFiniteRows) {
     EXPECT_TRUE(std::isnan(MacQueryDistance(qs, qv.data(), s, v.data(), 8))) << bad;
   }
   test::expect_error<InvalidArgument>([&] { MacQuantizeQuery(q.data(), 0, qv.data()); }, {"MacQuantizeQuery", "d"});
+}
+
+TEST(MacQuery8, RingLayoutPutsBlocksOfSixteenDimsOfConsecutiveRowsTogether) {
+  // d = 40: blocks of dims 0-15, 16-31 and 32-39 (padded to 16 bytes); W = 3 rows each.
+  const int32_t d = 40, W = 3;
+  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 0, 0), 0);
+  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 1, 0), 16);         // the next row's block 0
+  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 2, 15), 2 * 16 + 15);
+  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 0, 16), 3 * 16);    // block 1 after block 0's W rows
+  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 1, 39), (2 * 3 + 1) * 16 + 7);
+  EXPECT_EQ(MacRingQueryIndex(d, W, 2, 0, 0), 2 * 3 * 3 * 16);  // (slot, head) 2: 3 blocks of 3 rows each
+  const MacDecodeConfig c = [] {
+    MacDecodeConfig x;
+    x.batch = 1;
+    x.num_q_heads = 2;
+    x.num_kv_heads = 1;
+    x.head_dim = 40;
+    x.page_size = 16;
+    x.num_slots = 2;
+    x.mac.window = 3;
+    return x;
+  }();
+  test::HostRing ring;
+  ring.Init(c);
+  // Every (slot, head, row) written, read back whole, and no two rows share a byte.
+  std::vector<int8_t> seen(MacLayerStateBytes(c), 0);
+  for (int64_t sh = 0; sh < 4; ++sh) {
+    for (int32_t w = 0; w < W; ++w) {
+      std::vector<int8_t> v(d), back(d);
+      for (int32_t i = 0; i < d; ++i) v[size_t(i)] = int8_t(sh * 31 + w * 7 + i - 64);
+      MacWriteRingQuery(d, W, ring.state.ring_q, sh, w, v.data());
+      for (int32_t i = 0; i < d; ++i) {
+        const int64_t at = MacRingQueryIndex(d, W, sh, w, i);
+        ASSERT_LT(size_t(at), size_t(reinterpret_cast<const uint8_t*>(ring.state.ring_qs) - ring.base()));
+        EXPECT_EQ(seen[size_t(at)]++, 0) << sh << " " << w << " " << i;
+      }
+      MacReadRingQuery(d, W, ring.state.ring_q, sh, w, back.data());
+      EXPECT_EQ(v, back);
+    }
+  }
 }
 
 TEST(MacQuery8, DistanceIsTheDequantizedRowsAndNearTheRawOne) {

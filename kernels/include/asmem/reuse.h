@@ -69,7 +69,9 @@
 //   o            [B, Hq, d] DType with strides; lse [B, Hq] f32 (may be null);
 //   hit_pos      [B, Hq] int32: the reused position p, or -1 on a miss (may be null).
 // Ring (MacLayerState, one per layer; MacLayerStateBytes / MacBindLayerState lay it out):
-//   ring_q [num_slots, Hq, W, d] int8, ring_qs [num_slots, Hq, W] MacQueryScale,
+//   ring_q [num_slots, Hq, ceil(d / 16), W, 16] int8 (each row's values in blocks of 16
+//   dims, a block's W rows side by side: MacRingQueryIndex; MacReadRingQuery and
+//   MacWriteRingQuery move one row), ring_qs [num_slots, Hq, W] MacQueryScale,
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
 //   own bookkeeping: match_best [num_slots, Hq] u64, match_done [1] u32 (left initialized
@@ -149,6 +151,20 @@ float MacQueryDistance(MacQueryScale q, const int8_t* qv, MacQueryScale r, const
 // MAC head dims (the CUDA op: 64 and 128): at most this, so the match's integer sums stay
 // exact in fp32.
 constexpr int32_t kMacMaxHeadDim = 1024;
+
+// Where value i of the 8-bit query of ring row (sh, w) lies in ring_q, sh = slot * Hq + hq:
+// the values go in blocks of 16 dims (the last block padded), and a block's W rows lie side
+// by side, so that the match reads one 16-byte block of 32 consecutive rows per warp load.
+constexpr int32_t kMacRingBlock = 16;
+inline int64_t MacRingQueryIndex(int32_t head_dim, int32_t window, int64_t sh, int32_t w, int32_t i) {
+  const int64_t blocks = (int64_t(head_dim) + kMacRingBlock - 1) / kMacRingBlock;
+  return ((sh * blocks + i / kMacRingBlock) * window + w) * kMacRingBlock + i % kMacRingBlock;
+}
+// Copies the head_dim values of ring row (sh, w) out of / into ring_q (host memory).
+void MacReadRingQuery(int32_t head_dim, int32_t window, const int8_t* ring_q, int64_t sh, int32_t w,
+                      int8_t* values);
+void MacWriteRingQuery(int32_t head_dim, int32_t window, int8_t* ring_q, int64_t sh, int32_t w,
+                       const int8_t* values);
 
 // One layer's rings (see the layout above).
 struct MacLayerState {
