@@ -119,7 +119,12 @@
 //    about a third of the issued instructions, the SMs active 68% of it either way (the
 //    plan in the last CTA, about 7 us, runs alone). With one row per thread (84
 //    registers, 5 CTAs per SM) for grids past 528 CTAs: B = 64 2-3 us slower; bounded to 6
-//    CTAs per SM (80 registers, 24 bytes spilled): slower still.
+//    CTAs per SM (80 registers, 24 bytes spilled): slower still. Not merged: the plan
+//    numbering groups by chunk length in four passes, longest first (instead of two: at
+//    least half a base chunk, then the rest): GQA-8 B = 32 99% 83.5-83.7 -> 81.5-81.6 and
+//    LLaMA-8B B = 16 99% per head 86.5-86.9 -> 83.1-83.2, but B = 1 all-hit 28.5-28.7 ->
+//    30.0-30.1, LLaMA-8B B = 32 all-hit 77.2-77.4 -> 81.1-81.2, B = 64 99% 153.3 -> 159.3-159.6
+//    (the two extra passes' scans and unit reads in the plan CTA).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
