@@ -115,9 +115,10 @@
 //    row and three shuffles per row). LLaMA-8B B = 16 99% / all-hit 71.8-72.1 / 56.7-56.9
 //    -> 68.7-68.9 / 53.4-53.7, B = 1 all-hit 29.1-29.3 -> 28.5-28.8, B = 64 99% 155.8-156.5
 //    -> 153.0-153.2; GQA-8 B = 16 99% 59.6 -> 56.1-56.4, B = 64 all-hit 107.7-108.0 ->
-//    104.7-105.4; B = 32 within 0.5. ncu, LLaMA-8B B = 32 99%: match 33.9 -> 31.9 us with
-//    about a third of the issued instructions, the SMs active 68% of it either way (the
-//    plan in the last CTA, about 7 us, runs alone). With one row per thread (84
+//    104.7-105.4; B = 32 within 0.5. ncu, LLaMA-8B B = 32 99% (the build with one row in
+//    flight at B = 32): match 33.9 -> 31.9 us with about a third of the issued
+//    instructions, the SMs active 68% of it either way (the plan in the last CTA, about
+//    7 us, runs alone). With one row per thread (84
 //    registers, 5 CTAs per SM) for grids past 528 CTAs: B = 64 2-3 us slower; bounded to 6
 //    CTAs per SM (80 registers, 24 bytes spilled): slower still. Not merged: the plan
 //    numbering groups by chunk length in four passes, longest first (instead of two: at
