@@ -125,7 +125,13 @@
 //    least half a base chunk, then the rest): GQA-8 B = 32 99% 83.5-83.7 -> 81.5-81.6 and
 //    LLaMA-8B B = 16 99% per head 86.5-86.9 -> 83.1-83.2, but B = 1 all-hit 28.5-28.7 ->
 //    30.0-30.1, LLaMA-8B B = 32 all-hit 77.2-77.4 -> 81.1-81.2, B = 64 99% 153.3 -> 159.3-159.6
-//    (the two extra passes' scans and unit reads in the plan CTA).
+//    (the two extra passes' scans and unit reads in the plan CTA). Also not merged: 264
+//    resident attention CTAs taking the chunks from a queue (an atomic counter in the
+//    workspace), thread 0 claiming the next chunk and loading its descriptor while the
+//    current one streams (GPU tests passed): LLaMA-8B B = 32 99% 100.8-100.9 -> 109.0-109.9,
+//    per head 126.8-127.1 -> 130.6-131.2, B = 16 99% 63.2-63.6 -> 66.3-66.4; GQA-8 B = 32 99%
+//    83.7-84.0 -> 90.6-91.8, B = 64 128K 99% 161.9-164.7 -> 176.8-179.2; B = 1 and all-miss
+//    unchanged. One CTA per chunk, placed by the hardware, stays.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
