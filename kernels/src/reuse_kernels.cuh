@@ -131,7 +131,21 @@
 //    current one streams (GPU tests passed): LLaMA-8B B = 32 99% 100.8-100.9 -> 109.0-109.9,
 //    per head 126.8-127.1 -> 130.6-131.2, B = 16 99% 63.2-63.6 -> 66.3-66.4; GQA-8 B = 32 99%
 //    83.7-84.0 -> 90.6-91.8, B = 64 128K 99% 161.9-164.7 -> 176.8-179.2; B = 1 and all-miss
-//    unchanged. One CTA per chunk, placed by the hardware, stays.
+//    unchanged. One CTA per chunk, placed by the hardware, stays. Per-CTA timeline at
+//    b816f72 (%globaltimer stamps, LLaMA-8B, 32K, us from the first match CTA): B = 32 99%
+//    per group: match CTAs 0-29.4 in two waves (121 registers: 4 CTAs per SM; 13.5 us each
+//    for two round trips of 32 KB per CTA), plan 29.5-35.7, attend 36.7-90.4 (349 chunks,
+//    28.3 us each at the median, the last starting at 65.1), combine 91.4-98.9; all-hit:
+//    attend 34.1-65.6 (256 chunks in one wave, 28 us each for about 512 tokens: about 9 GB/s
+//    per CTA against about 16 for decode attention's long splits in the same two-per-SM
+//    layout). B = 64 99%: match 0-47.8 (four waves), plan 47.8-58.3, attend 59.3-138.1 (592
+//    chunks), combine 139-152. B = 1 all-miss: match 0-4.9, plan 4.9-8.4, attend 9.1-54.5
+//    (256 chunks), combine 55.2-61.1. Also not merged: the plan split per request (the
+//    last match CTA of each request decides its heads and ranges, the last request's
+//    finisher only numbers the chunks; a counter per slot; GPU tests passed): B = 32 and
+//    LLaMA-8B B = 64 unchanged (100.2-100.7 -> 100.6-100.8, 152.7-152.9 -> 153.3), GQA-8
+//    B = 64 99% 126.3-126.5 -> 124.1-124.4, but B = 1 all-hit 28.3-28.6 -> 29.0-29.2 and
+//    B = 16 99% 63.1-63.4 -> 64.0-64.8.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
