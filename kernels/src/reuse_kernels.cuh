@@ -145,7 +145,13 @@
 //    finisher only numbers the chunks; a counter per slot; GPU tests passed): B = 32 and
 //    LLaMA-8B B = 64 unchanged (100.2-100.7 -> 100.6-100.8, 152.7-152.9 -> 153.3), GQA-8
 //    B = 64 99% 126.3-126.5 -> 124.1-124.4, but B = 1 all-hit 28.3-28.6 -> 29.0-29.2 and
-//    B = 16 99% 63.1-63.4 -> 64.0-64.8.
+//    B = 16 99% 63.1-63.4 -> 64.0-64.8. Nor is the short chunks' fixed cost a matter of
+//    tiles in flight: every stage filled before the first tile (the first three tiles' page
+//    ids in one round trip) and each stage refilled right after its tile is scored, so three
+//    tiles are in flight instead of two (GPU tests passed): LLaMA-8B B = 32 99% 100.5-101.0
+//    -> 100.8-101.0, all-hit 77.7-78.0 -> 78.6-78.8, B = 1 all-miss 67.0 -> 67.6; the
+//    SmolLM2 trace at B = 1 25.5-25.8 -> 25.0-25.5. Where a 512-token chunk's 28 us go is
+//    still to be profiled (ncu source counters of the attend kernel).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
