@@ -117,8 +117,8 @@
 //    -> 153.0-153.2; GQA-8 B = 16 99% 59.6 -> 56.1-56.4, B = 64 all-hit 107.7-108.0 ->
 //    104.7-105.4; B = 32 within 0.5. ncu, LLaMA-8B B = 32 99% (the build with one row in
 //    flight at B = 32): match 33.9 -> 31.9 us with about a third of the issued
-//    instructions, the SMs active 68% of it either way (the plan in the last CTA, about
-//    7 us, runs alone). With one row per thread (84
+//    instructions, the SMs active 68% of it either way (the plan in the last CTA, 6.3-6.6
+//    us in the timeline below, runs alone). With one row per thread (84
 //    registers, 5 CTAs per SM) for grids past 528 CTAs: B = 64 2-3 us slower; bounded to 6
 //    CTAs per SM (80 registers, 24 bytes spilled): slower still. Not merged: the plan
 //    numbering groups by chunk length in four passes, longest first (instead of two: at
@@ -1150,14 +1150,15 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
   if (warp != 0) return;
   const int32_t slot = SlotOfDev(f.slot_ids, b);
   const int32_t W = a.window;
-  const int64_t row = (int64_t(slot) * a.hq + hq) * W + x % W;
+  const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;  // ring slot 0 of (slot, head)
+  const int64_t row = ring_row0 + x % W;
   StoreRow<kPer>(f.state.ring_o + row * HEAD_DIM + c0, st[0].o);
   float qv[kPer];
   const DType* src = static_cast<const DType*>(f.q_pre) + b * f.q_pre_stride_b + n * f.q_pre_stride_n +
                      hq * f.q_pre_stride_h + c0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) qv[i] = Pack<DType>::One(src[i]);
-  StoreRingQuery<kPer>(f.state.ring_q + (row - x % W) * HEAD_DIM, W, x % W, f.state.ring_qs + row, qv);
+  StoreRingQuery<kPer>(f.state.ring_q + ring_row0 * HEAD_DIM, W, x % W, f.state.ring_qs + row, qv);
   if (lane == 0) {
     f.state.ring_lse[row] = st[0].lse;
     if (hq == 0) f.state.ring_tag[int64_t(slot) * W + x % W] = MacTag{x, f.slots[slot].epoch};
