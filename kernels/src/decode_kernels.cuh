@@ -312,6 +312,11 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
 }
+// cp.async of 4 bytes into shared memory (through L1: cp.async.cg takes 16 bytes only).
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {

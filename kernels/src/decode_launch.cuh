@@ -75,6 +75,10 @@ struct AttnTile {
   static constexpr int kStages = kAttnStages;
   static constexpr size_t Bytes(int stages) { return size_t(stages) * 2 * kBlockN * HEAD_DIM * 2; }
   static constexpr size_t kBytes = Bytes(kStages);  // 16-bit K, V
+  // Page-id slots after the tiles (MAC attention): the page id of every row of a tile, for
+  // 2 (kStages - 1) tiles.
+  static constexpr int kPageSlots = 2 * (kStages - 1);
+  static constexpr size_t kPageBytes = size_t(kPageSlots) * kBlockN * 4;
 };
 
 // Lookup CTA shared memory: the member keys (kQueryBytes), each warp's ring of key chunks

@@ -173,6 +173,7 @@ namespace asmem {
 namespace mac {
 
 using decode::CpAsync16;
+using decode::CpAsync4;
 using decode::CpAsyncCommit;
 using decode::CpAsyncWait;
 using decode::LoadRow;
@@ -653,20 +654,25 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (w1 - w0 + kBlockN - 1) / kBlockN;
-  // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
-  // ahead so the block-table round trip never sits between a barrier and the copies.
-  int32_t pages[kLoads];
-  auto load_pages = [&](int tile) {
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int w = w0 + tile * kBlockN + (tid + i * kThreads) / kRowChunks;
-      pages[i] = (tile < n_tiles && w < w1) ? __ldg(bt + (token(w) >> shift)) : 0;
+  // The page id of every row of a tile comes into shared memory by cp.async (slot tile %
+  // kPageSlots after the tiles), in the copy group of the tile kStages - 1 before it: the
+  // wait for that tile's data covers them, and no global load sits between a barrier and
+  // a tile's copies. (ncu, B = 32 all-hit: with the ids loaded into registers one step
+  // ahead, a fifth of the warps' stall samples waited for them there.) A slot is rewritten
+  // only after the barrier that follows its last read.
+  constexpr int kPageSlots = Cfg::kPageSlots;
+  int32_t* pg = reinterpret_cast<int32_t*>(smem + Cfg::kBytes);
+  auto fetch_pages = [&](int tile) {
+    if (tid < kBlockN && tile < n_tiles) {
+      const int w = w0 + tile * kBlockN + tid;
+      if (w < w1) CpAsync4(pg + (tile % kPageSlots) * kBlockN + tid, bt + (token(w) >> shift));
     }
   };
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
       DType* kt = tiles + (tile % kStages) * 2 * kTile;
       DType* vt = kt + kTile;
+      const int32_t* tp = pg + (tile % kPageSlots) * kBlockN;
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int c = tid + i * kThreads;
@@ -675,15 +681,15 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
         const bool valid = w < w1;
         int64_t off = 0;
         if (valid) {
-          off = int64_t(pages[i]) * a.kv_stride_page + int64_t(token(w) & slot_mask) * a.kv_stride_token + piece * 8;
+          off = int64_t(tp[j]) * a.kv_stride_page + int64_t(token(w) & slot_mask) * a.kv_stride_token + piece * 8;
         }
         const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
         CpAsync16(kt + sw, kb + off, valid);
         CpAsync16(vt + sw, vb + off, valid);
       }
     }
+    fetch_pages(tile + kStages - 1);
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
-    load_pages(tile + 1);
   };
   // One 16-token piece's scores (rows g, g + 8; heads hd0, hd1) into state st.
   auto update = [&](TcState<kKSteps>& st, const float (&s)[4], const DType* vt, int r0) {
@@ -729,7 +735,12 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     }
   };
 
-  load_pages(0);
+  // The first kStages - 1 tiles' page ids in a group of their own, waited for at once.
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) fetch_pages(i);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
 
@@ -1186,7 +1197,8 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
-  constexpr size_t kSmem = decode::AttnTile<HEAD_DIM>::kBytes;
+  using Cfg = decode::AttnTile<HEAD_DIM>;
+  constexpr size_t kSmem = Cfg::kBytes + Cfg::kPageBytes;
   if (a.fill) {
     decode::AllowDynamicSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
     MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, kSmem, stream>>>(a);
