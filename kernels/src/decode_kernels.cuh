@@ -837,22 +837,32 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
       // The tile's scores: rows g and g + 8, members 8 nt + 2 t4 + e.
       const int r_lo = row + g, r_hi = r_lo + 8;
       const bool ok_lo = r_lo < hi, ok_hi = r_hi < hi;
+      if (parents) {
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        if (nt >= nnt) continue;
+        for (int nt = 0; nt < kNt; ++nt) {
+          if (nt >= nnt) continue;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 8 * nt + 2 * t4 + e;
-          const float s_lo = acc[nt][0][e] + acc[nt][1][e];
-          const float s_hi = acc[nt][0][2 + e] + acc[nt][1][2 + e];
-          if (i >= n) continue;
-          if (parents) {
+          for (int e = 0; e < 2; ++e) {
+            const int i = 8 * nt + 2 * t4 + e;
+            if (i >= n) continue;
             float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
-            if (ok_lo) ps[r_lo] = s_lo;
-            if (ok_hi) ps[r_hi] = s_hi;
-          } else {
-            if (ok_lo && Beats(s_lo, r_lo, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s_lo, r_lo};
-            if (ok_hi && Beats(s_hi, r_hi, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s_hi, r_hi};
+            if (ok_lo) ps[r_lo] = acc[nt][0][e] + acc[nt][1][e];
+            if (ok_hi) ps[r_hi] = acc[nt][0][2 + e] + acc[nt][1][2 + e];
+          }
+        }
+      } else {
+        // A lane's rows come in increasing order, so a later row beats its best only with a
+        // larger score (Beats: ties go to the smaller row); members past n are never written.
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+          if (nt >= nnt) continue;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float s_lo = acc[nt][0][e] + acc[nt][1][e];
+            const float s_hi = acc[nt][0][2 + e] + acc[nt][1][2 + e];
+            Best& bb = best[nt][e];
+            if (ok_lo && (bb.index < 0 || s_lo > bb.score)) bb = {s_lo, r_lo};
+            if (ok_hi && (bb.index < 0 || s_hi > bb.score)) bb = {s_hi, r_hi};
           }
         }
       }
