@@ -948,7 +948,17 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
   const int r = cta / S / a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int cached = min(a.batch, L::kIdCache);
-  for (int i = tid; i < cached; i += kThreads) sm.ids[i] = p.dict_ids[i];
+  for (int i = tid; i < cached; i += kThreads) {
+    const int32_t id = p.dict_ids[i];
+    sm.ids[i] = id;
+    // Request r opens this rep's first candidate dictionary: its view goes into L1 now, while
+    // the first requests are found (the view's load is the next round trip of the chain).
+    if (i == r && id >= 0 && id < p.num_dicts) {
+      const char* view = reinterpret_cast<const char*>(p.dict_views + int64_t(id) * a.hkv + h);
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(view));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(view + sizeof(DictLayerView) - 1));
+    }
+  }
   __syncthreads();
   // first[b]: request b is its dictionary's first (b < kIdCache; later ones are checked in
   // the loop), so a rep skips the other requests without a barrier each. Thread b compares
@@ -958,7 +968,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
     const int32_t id = tid < cached ? sm.ids[tid] : INT32_MIN;
     const unsigned same = __match_any_sync(0xffffffffu, id);
     bool first = (same & ((1u << lane) - 1u)) == 0u;
-    const int earlier = min(tid & ~31, cached);
+    const int earlier = tid < cached ? min(tid & ~31, cached) : 0;  // no ids past the cache
     for (int bb = 0; bb < earlier; ++bb) first &= sm.ids[bb] != id;
     if (tid < cached) sm.first[tid] = first ? 1 : 0;
   }
