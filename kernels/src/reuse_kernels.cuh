@@ -16,7 +16,8 @@
 //    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
 //    band and tail), streamed once for the G heads exactly as decode attention streams a
 //    split (decode_kernels.cuh AttentionBlock: 64-token K/V tiles at d = 128, a 3-stage
-//    cp.async pipeline with page ids loaded one step ahead, Q K^T and P V on tensor cores
+//    cp.async pipeline, Q K^T and P V on tensor cores; the page ids come into shared memory
+//    by cp.async with the copies of the tile two before,
 //    with the G heads as the mma N dimension, 96 KB of shared memory, two CTAs per SM).
 //    Two online-softmax states per lane: the band (each head from its own band start:
 //    the new entry) and the sink and tail (the output); a 16-token piece of a warp updates
@@ -152,6 +153,20 @@
 //    -> 100.8-101.0, all-hit 77.7-78.0 -> 78.6-78.8, B = 1 all-miss 67.0 -> 67.6; the
 //    SmolLM2 trace at B = 1 25.5-25.8 -> 25.0-25.5. Where a 512-token chunk's 28 us go is
 //    still to be profiled (ncu source counters of the attend kernel).
+//  * Session 13 (ncu stall sampling, `--page source`, LLaMA-8B 32K). The attend kernel at
+//    B = 32 all-hit (31.9 us alone, 59% of DRAM bandwidth): a fifth of the warps' samples
+//    waited at the first use of a page id (loaded into registers one step ahead, queued
+//    behind the tile copies), 13% at the barrier of the tile loop. With the ids through
+//    shared memory (4043831; each tile's ids in the copy group of the tile two before):
+//    30.2 us, the largest stall then the wait for the tile's data (14%). bench_mac, two
+//    runs each: B = 32 all-hit 77.7 -> 77.1-77.2, 128K 99% 135.4-136.0 -> 133.5-133.8,
+//    B = 64 99% 152.9-153.0 -> 150.9-151.3, GQA-8 B = 16 all-hit 47.3-47.4 -> 45.9-46.1, B = 1
+//    all-miss 66.7-66.8 -> 65.7-66.0. The same ids in decode attention's three-stage
+//    splits (no lookup) lost: LLaMA-8B B = 32 at 32K 979.7 -> 999.9-1000.7, B = 64 1945-1946 ->
+//    1971-1976, GQA-8 B = 32 at 8K 147.0 -> 149.2 (those splits stream near the bandwidth bound;
+//    not merged). The match at B = 32 99% (31.9 us, 49% of DRAM bandwidth): half its samples
+//    wait for ring rows (two batches of 32 KB per CTA in turn), 9% at the barrier behind
+//    thread 0's key and count atomics.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -601,7 +616,7 @@ struct TcState {
 
 // Exact attention of the group's heads over the chunk: decode attention's tensor-core CTA
 // (decode_kernels.cuh AttentionBlock: 64- (d 128) or 128-token (d 64) K/V tiles through a
-// 3-stage cp.async pipeline with swizzled rows, page ids loaded one step ahead, S^T = K Q^T
+// 3-stage cp.async pipeline with swizzled rows, S^T = K Q^T
 // and O^T += V^T P^T with mma m16n8k16, P as hi + lo 16-bit terms) with two states per
 // lane: each 16-token piece of a warp updates the band state and / or the output state,
 // masking per head the tokens that are not theirs (a piece that lies wholly in one state
