@@ -161,7 +161,7 @@ inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
   return s < 1 ? 1 : int32_t(s);
 }
 
-// The plan of one group (written by the match kernel's last CTA).
+// The plan of one group (written by the plan kernel).
 struct UnitPlan {
   int32_t first_chunk;  // global index of its first chunk
   int32_t n_chunks;     // its chunks, each `per` work tokens (the last shorter)
@@ -211,8 +211,7 @@ void CheckParams(const MacDecodeConfig& config, const MacParams& params, const c
 void CheckFillParams(const MacDecodeConfig& config, const MacFillParams& params, const char* fn);
 // Ring byte offsets inside one layer's state block.
 struct StateLayout {
-  size_t ring_q = 0, ring_qs = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, match_done = 0,
-         total = 0;
+  size_t ring_q = 0, ring_qs = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, total = 0;
 };
 StateLayout LayoutState(const MacDecodeConfig& config);
 

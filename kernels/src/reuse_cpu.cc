@@ -223,8 +223,6 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
   off = AlignUp(off + S * W * sizeof(MacTag));
   L.match_best = off;
   off = AlignUp(off + S * Hq * sizeof(unsigned long long));
-  L.match_done = off;
-  off = AlignUp(off + sizeof(uint32_t));
   L.total = off;
   return L;
 }
@@ -354,7 +352,6 @@ MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base) {
   s.ring_lse = reinterpret_cast<float*>(p + L.ring_lse);
   s.ring_tag = reinterpret_cast<MacTag*>(p + L.ring_tag);
   s.match_best = reinterpret_cast<unsigned long long*>(p + L.match_best);
-  s.match_done = reinterpret_cast<uint32_t*>(p + L.match_done);
   return s;
 }
 
@@ -367,7 +364,6 @@ void MacInitLayerStateCpu(const MacDecodeConfig& config, const MacLayerState& st
     const int64_t nb = int64_t(config.num_slots) * config.num_q_heads;
     for (int64_t i = 0; i < nb; ++i) state.match_best[i] = mac::kNoCandidate;
   }
-  if (state.match_done) *state.match_done = 0;
 }
 
 void MacUpdateSlotsCpu(MacSlot* slots, int32_t num_slots, const int32_t* slot_ids, int32_t n,

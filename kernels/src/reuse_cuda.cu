@@ -65,8 +65,8 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   const WorkspaceLayout L = LayoutWorkspace(c);
   CheckWorkspace(workspace, workspace_bytes, L.total, fn, "MacWorkspaceBytes");
   char* ws = static_cast<char*>(workspace);
-  if (p.state.match_best == nullptr || p.state.match_done == nullptr) {
-    throw InvalidArgument(std::string(fn) + ": state.match_best / match_done are null (lay the state out with "
+  if (p.state.match_best == nullptr) {
+    throw InvalidArgument(std::string(fn) + ": state.match_best is null (lay the state out with "
                           "MacBindLayerState and initialize it with MacInitLayerState)");
   }
   LaunchArgs a = CommonArgs(c, p.sm_scale);
@@ -147,7 +147,6 @@ void MacInitLayerState(const MacDecodeConfig& c, const MacLayerState& state, cud
     ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_best, 0xff,
                                      size_t(c.num_slots) * size_t(c.num_q_heads) * sizeof(unsigned long long), stream));
   }
-  if (state.match_done) ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_done, 0, sizeof(uint32_t), stream));
 }
 
 void MacUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch, int32_t ready,

@@ -1,6 +1,6 @@
 // MAC reuse device code (contracts: asmem/reuse.h; ranges and plan: reuse_common.h).
 //
-// A step is three kernels:
+// A step is four kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query quantized to
 //    8 bits (16 dims per lane, then the whole row gathered into every lane), one candidate
 //    row per thread (two in flight): the row's 16-dim blocks of the 8-bit query ring (a
@@ -8,10 +8,18 @@
 //    scale and tag, the dot product by dp4a with no shuffles, the distance by QueryDistance
 //    (reuse_common.h, the CPU reference's sequence), the best candidate by the tie rule
 //    folded into a per-head u64 with one
-//    atomicMin (CandidateKey). The last CTA to finish (a counter in the layer state) turns
-//    the keys into per-head decisions (resetting them) and plans the KV work: per-group
-//    ranges, the chunks of each group (about one wave of two CTAs per SM over the step's
-//    total work), one descriptor per chunk (reuse_common.h).
+//    atomicMin (CandidateKey), after which the CTA ends.
+//  * Plan, one CTA launched with programmatic dependent launch after the match (resident
+//    while the match's last CTAs run; griddepcontrol.wait): turns the keys into per-head
+//    decisions (resetting them) and plans the KV work: per-group ranges, the chunks of each
+//    group (about one wave of two CTAs per SM over the step's total work), one descriptor
+//    per chunk (reuse_common.h). Until 6157657 the match's last CTA ran it (a done count in
+//    the layer state): every match CTA then waited for its key atomic, a fence and the
+//    count's round trip before it ended. The plan kernel, one machine session, two runs
+//    each, us, 32K unless said: LLaMA-8B B = 1 all-hit 28.2 -> 27.0-27.1, all-miss 66.0-66.2
+//    -> 64.9-65.1, B = 32 99% per group 96.7-96.8 -> 95.1-95.2 (128K 133.5-133.6 ->
+//    131.8-132.0), all-hit 76.9-77.1 -> 75.0, B = 64 99% 150.9-151.3 -> 148.5-148.8; GQA-8
+//    B = 32 99% 80.5-80.7 -> 78.4-78.6, B = 64 99% 126.0-126.1 -> 122.6-122.8.
 //  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
 //    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
 //    band and tail), streamed once for the G heads exactly as decode attention streams a
@@ -210,7 +218,7 @@ __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Plan (run by the match kernel's last CTA)
+// Plan (MacPlanKernel, one CTA after the match grid)
 // ---------------------------------------------------------------------------------------
 
 // Exclusive scan of one int per thread over the CTA; *total gets the sum. Ends synced.
@@ -341,7 +349,6 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   if (tid == 0) {
     a.plan_info[0] = uint32_t(base);
     a.plan_info[1] = uint32_t(carry);
-    *p.state.match_done = 0;  // every match CTA has counted: ready for the next step
   }
 }
 
@@ -431,7 +438,6 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   const int sub = lane % kLanes;
   __shared__ float sm_d[kWarps];
   __shared__ int32_t sm_p[kWarps];
-  __shared__ bool sm_last;
 
   float bd = INFINITY;
   int32_t bp = -1;
@@ -525,13 +531,17 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
         bp = sm_p[w];
       }
     }
+    // No result needed: the plan kernel reads the keys once this grid is complete.
     if (bp >= 0) atomicMin(p.state.match_best + int64_t(slot) * a.hq + hq, CandidateKey(__float_as_uint(bd), bp));
-    __threadfence();  // the key is in place before the count says so
-    sm_last = atomicAdd(p.state.match_done, 1u) == gridDim.x - 1;
   }
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
+}
+
+// The plan of the step, one CTA launched with programmatic dependent launch after the match
+// grid: resident while the match's last CTAs run, it starts once the grid is complete and
+// its keys are visible (griddepcontrol.wait).
+template <typename DType>
+__global__ void __launch_bounds__(kThreads) MacPlanKernel(const LaunchArgs a) {
+  GridDependencyWait();
   PlanStep(a);
 }
 
@@ -1204,6 +1214,7 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
   MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
+  decode::LaunchMaybePdl(MacPlanKernel<DType>, 1u, kThreads, 0, true, a, stream);
 }
 
 // Fill: one CTA per static split. Decode: `ctas` = the most chunks a plan can have, so every

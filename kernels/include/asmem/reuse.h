@@ -74,16 +74,16 @@
 //   MacWriteRingQuery move one row), ring_qs [num_slots, Hq, W] MacQueryScale,
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
-//   own bookkeeping: match_best [num_slots, Hq] u64, match_done [1] u32 (left initialized
-//   after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
+//   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
 //   state serves one step at a time.
 // Outputs must not alias inputs. Only the first params.batch requests are read or written.
 //
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
-// epochs, ready flags, prefix states). Three launches: match (+ the plan, in its last CTA),
-// attention over the planned KV chunks (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two are launched as
-// programmatic dependents (Hopper PDL).
+// epochs, ready flags, prefix states). Four launches: match, the plan (one CTA, a
+// programmatic dependent of the match: Hopper PDL), attention over the planned KV chunks
+// (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two
+// are launched as programmatic dependents too.
 #pragma once
 
 #include <cstddef>
@@ -174,7 +174,6 @@ struct MacLayerState {
   float* ring_lse = nullptr;
   MacTag* ring_tag = nullptr;
   unsigned long long* match_best = nullptr;  // CUDA op only
-  uint32_t* match_done = nullptr;            // CUDA op only
 };
 
 // Bytes of one layer's rings laid out by MacBindLayerState (each array 256-byte aligned).
