@@ -24,9 +24,9 @@
 //    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
 //    band and tail), streamed once for the G heads exactly as decode attention streams a
 //    split (decode_kernels.cuh AttentionBlock: 64-token K/V tiles at d = 128, a 3-stage
-//    cp.async pipeline, Q K^T and P V on tensor cores; the page ids come into shared memory
-//    by cp.async with the copies of the tile two before,
-//    with the G heads as the mma N dimension, 96 KB of shared memory, two CTAs per SM).
+//    cp.async pipeline, Q K^T and P V on tensor cores with the G heads as the mma N
+//    dimension, two CTAs per SM), but with the page ids coming into shared memory by
+//    cp.async with the copies of the tile two before (97 KB of shared memory at d = 128).
 //    Two online-softmax states per lane: the band (each head from its own band start:
 //    the new entry) and the sink and tail (the output); a 16-token piece of a warp updates
 //    only the states it touches. Two normalized partial states per chunk and head.
@@ -890,8 +890,9 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   }
 }
 
-// Two CTAs per SM (96 KB of shared memory each), as decode attention's kernel: the register
-// budget (up to 255 per thread) holds both states without spilling.
+// Two CTAs per SM (96 KB of tiles and 1 KB of page ids each at d = 128), as decode
+// attention's kernel: the register budget (up to 255 per thread) holds both states without
+// spilling.
 constexpr int kAttendMinBlocks = 2;
 
 // MacFill: one chunk per CTA.

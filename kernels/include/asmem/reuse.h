@@ -74,8 +74,9 @@
 //   MacWriteRingQuery move one row), ring_qs [num_slots, Hq, W] MacQueryScale,
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
-//   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step). Initialize once with MacInitLayerState (every tag empty). A layer's
-//   state serves one step at a time.
+//   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step).
+//   Initialize once with MacInitLayerState (every tag empty). A layer's state serves one
+//   step at a time.
 // Outputs must not alias inputs. Only the first params.batch requests are read or written.
 //
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
