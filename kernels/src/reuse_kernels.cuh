@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   constexpr int kLanes = kBlocks;          // lanes that quantize one copy of the query
   static_assert(kVec == kMacRingBlock, "a lane's query values are one ring block");
   using P = Pack<DType>;
-  GridLaunchDependents();  // the attend CTAs may launch once every match CTA runs
+  GridLaunchDependents();  // the plan CTA may launch once every match CTA runs
   const MacParams& p = a.p;
   const int S = a.match_splits;
   const int cta = int(blockIdx.x);
@@ -686,6 +686,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   // ahead, a fifth of the warps' stall samples waited for them there.) A slot is rewritten
   // only after the barrier that follows its last read.
   constexpr int kPageSlots = Cfg::kPageSlots;
+  static_assert(kBlockN <= kThreads, "one thread per row copies the tile's page ids");
   int32_t* pg = reinterpret_cast<int32_t*>(smem + Cfg::kBytes);
   auto fetch_pages = [&](int tile) {
     if (tid < kBlockN && tile < n_tiles) {
