@@ -45,7 +45,12 @@
 //  * Programmatic dependent launch made the B=1 all-hit step slower (43.2 vs 38.9 us) and
 //    did not change B=32 (140 vs 138 us): early-launched CTAs sit on SMs waiting. With the
 //    tensor-core attend (a752665) it changed nothing either: 32.2 vs 31.9 us at B = 1 and
-//    128.5 vs 128.7 us at B = 32 (99% clustered hits, 32K).
+//    128.5 vs 128.7 us at B = 32 (99% clustered hits, 32K). With the plan in its own kernel
+//    (afa17de; asmem_bench_mac --pdl against --no-pdl, one machine session, two runs each,
+//    clustered, us): B = 1 all-hit LLaMA-8B 27.0-27.2 -> 26.0-26.1, GQA-8 27.9-28.1 ->
+//    26.3-26.5 (128K: LLaMA-8B 26.5-26.6 -> 25.8-25.9), B = 16 0.3-1 us faster, B = 32 and
+//    all-miss within 0.5 us (LLaMA-8B B = 32 99% 95.7-96.0 vs 95.8-96.1), B = 64 99% at 128K
+//    212.0-212.9 vs 211.0 and 218.9. Still off by default: the committed grids ran without it.
 //  * All-hit cost: ~38 us at B=1 (three dependent kernels of little work each) plus ~4 us
 //    per request at W = 512 for ~7 MB read (the 4 MB query ring scan of 32 heads and
 //    ~2.7 MB of band and tail KV): ~1.7 TB/s, well under HBM speed.
