@@ -49,7 +49,7 @@
 //    (afa17de; asmem_bench_mac --pdl against --no-pdl, one machine session, two runs each,
 //    clustered, us): B = 1 all-hit LLaMA-8B 27.0-27.2 -> 26.0-26.1, GQA-8 27.9-28.1 ->
 //    26.3-26.5 (128K: LLaMA-8B 26.5-26.6 -> 25.8-25.9), B = 16 0.3-1 us faster, B = 32 and
-//    all-miss within 0.5 us (LLaMA-8B B = 32 99% 95.7-96.0 vs 95.8-96.1), B = 64 99% at 128K
+//    all-miss within 0.7 us (LLaMA-8B B = 32 99% 95.7-96.0 vs 95.8-96.1), B = 64 99% at 128K
 //    212.0-212.9 vs 211.0 and 218.9. Still off by default: the committed grids ran without it.
 //  * All-hit cost: ~38 us at B=1 (three dependent kernels of little work each) plus ~4 us
 //    per request at W = 512 for ~7 MB read (the 4 MB query ring scan of 32 heads and
