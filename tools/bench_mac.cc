@@ -58,6 +58,7 @@ namespace {
 using json = nlohmann::json;
 
 constexpr int kHeadDim = 128;
+static_assert(kHeadDim % kMacRingBlock == 0, "ring rows of whole 16-dim blocks: rows * kHeadDim bytes per ring");
 constexpr int kPageSize = 16;
 
 struct Shape {
@@ -361,7 +362,9 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       // Rings and queries of the B replayed steps.
       const size_t rows = size_t(B) * Hq * W;
-      std::vector<int8_t> r8(rows * d, 0), q8(static_cast<size_t>(d));  // r8: the device ring layout
+      // r8: the device ring layout (rows in 16-dim blocks, the last one padded: reuse.h).
+      const size_t row_bytes = size_t(d + kMacRingBlock - 1) / kMacRingBlock * kMacRingBlock;
+      std::vector<int8_t> r8(rows * row_bytes, 0), q8(static_cast<size_t>(d));
       std::vector<MacQueryScale> rs(rows);
       std::vector<float> ro(rows * d), rl(rows);
       for (auto& x : ro) x = 0.5f * rng.normal();
