@@ -68,7 +68,7 @@ struct Shape {
 
 struct Options {
   bool quick = false;
-  bool pdl = false;
+  bool pdl = MacDecodeConfig{}.programmatic_launch;
   std::string out, commit;
   int iters = 30, warmup = 10;
   int max_offset = -1;  // -1: W - 2
@@ -708,7 +708,7 @@ int main(int argc, char** argv) {
   app.add_option("--layouts", opt.layouts, "independent (per head) and/or clustered (per KV group)");
   app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
   app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
-  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default off)");
+  app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
   app.add_option("--queries", opt.queries,
                  "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "
                  "shape instead of constructed hit rates (uses --batches, --contexts)");

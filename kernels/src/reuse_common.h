@@ -112,8 +112,11 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
 // kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
 // CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).
 // ---------------------------------------------------------------------------------------
+// kMinChunk 64 (128 before session 14; H200, asmem_bench_mac, clustered, two runs each, us):
+// B = 1 all-hit LLaMA-8B 32K 24.8-25.0 -> 24.5-24.8, 128K 24.0-25.0 -> 24.3-24.5, GQA-8 32K
+// 24.2-25.4 -> 24.1-24.9, 128K 25.5-25.7 -> 24.3-25.0; B >= 16 within run-to-run spread.
 constexpr int32_t kTargetChunks = 2 * 132;
-constexpr int32_t kMinChunk = 128;
+constexpr int32_t kMinChunk = 64;
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),

@@ -33,8 +33,10 @@
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
 //    then the ring writes (query, entry, tag). Every merge is state.cuh's.
-// With programmatic launch (off by default), attend and combine start while their
-// predecessor drains and wait (griddepcontrol.wait) before reading anything it wrote.
+// With programmatic launch (MacDecodeConfig::programmatic_launch, on by default since
+// session 14), attend and combine start while their predecessor drains and wait
+// (griddepcontrol.wait) before reading anything it wrote; the combine loads its other
+// inputs before that wait.
 //
 // Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json) with the
 // earlier attend kernel (CUDA cores, 32-token tiles, four CTAs per SM, about eight chunks
@@ -180,6 +182,15 @@
 //    not merged). The match at B = 32 99% (31.9 us, 49% of DRAM bandwidth): half its samples
 //    wait for ring rows (two batches of 32 KB per CTA in turn), 9% at the barrier behind
 //    thread 0's key and count atomics.
+//  * Session 14 (one machine session, bench_mac, clustered, two runs each, us; base =
+//    90c88d9 with --no-pdl / --pdl): the combine's loads of everything but the partials
+//    before its wait for the attend grid, a head's partial rows (at most kWarps x BATCH) in
+//    the same round trip as their lse, and programmatic launch by default. LLaMA-8B B = 1
+//    all-hit 32K 26.7-27.2 / 26.1-26.3 -> 24.8-25.0, 128K 25.8-26.7 / 25.2-26.0 -> 24.0-25.0;
+//    GQA-8 26.1-27.7 / 25.3-26.7 -> 24.2-25.4; B = 1 all-miss LLaMA-8B 64.9-65.5 / 64.7-65.8
+//    -> 63.5-64.4, GQA-8 49.4-49.8 / 50.0-50.1 -> 48.2-48.4; B = 16 all-hit 1-2 us faster
+//    (LLaMA-8B 51.3-52.3 -> 49.3-50.0); B >= 32 within about 1 us. Then kMinChunk 64
+//    (reuse_common.h): B = 1 all-hit 24.1-25.0 in every cell.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -982,8 +993,21 @@ __device__ __forceinline__ void MergeWarps(LaneState<kPer>* st, float* sm_o, flo
 // from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
 // summed with their weights (no merge waits on the one before). Per chunk j the band row is
 // 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
+// EAGER (grids of one wave, registers to spare): when the head has at most kWarps BATCH
+// rows, warp w loads rows w, w + kWarps, ... (o and lse) together with the lse of the whole
+// set, in one round trip, and weighs them once the sums are known: no compaction and no
+// second round trip (B = 1 all-hit: about a dozen rows per head).
+// tot[second], field by field (an indexed pick puts the pair on the stack).
+__device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
+  LseSum t;
+  t.max = second ? tot[1].max : tot[0].max;
+  t.sum = second ? tot[1].sum : tot[0].sum;
+  t.inf = second ? tot[1].inf : tot[0].inf;
+  return t;
+}
+
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
-template <int HEAD_DIM, int kPer, int BATCH>
+template <int HEAD_DIM, int kPer, int BATCH, bool EAGER>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
                                               int group, int g, LaneState<kPer>* st) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -996,6 +1020,24 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
   // Rows tid and tid + kThreads: both of state tid & 1 (kThreads is even).
   const float l0 = tid < n_all ? part_lse[(row0 + tid) * group + g] : -INFINITY;
   const float l1 = tid + kThreads < n_all ? part_lse[(row0 + tid + kThreads) * group + g] : -INFINITY;
+  const bool eager = EAGER && n_all <= kWarps * BATCH;  // uniform over the CTA
+  float eo[EAGER ? BATCH : 1][kPer];
+  float el[EAGER ? BATCH : 1];
+  if constexpr (EAGER) {
+    if (eager) {
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        const int i = warp + k * kWarps;  // of state warp & 1 (kWarps is even)
+        el[k] = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) eo[k][e] = 0.f;
+        if (i < n_all) {
+          el[k] = part_lse[(row0 + i) * group + g];
+          LoadRow<kPer>(part_o + ((row0 + i) * group + g) * HEAD_DIM + c0, eo[k]);
+        }
+      }
+    }
+  }
   // Over the lanes of this lane's parity (the rows of one state).
   const LseSum sum = decode::WarpLseSum<2>(lse_sum_add(lse_sum_add(lse_sum_empty(), l0), l1));
   if (lane < 2) sm_sum[warp][lane] = sum;
@@ -1007,49 +1049,71 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) tot[k] = lse_sum_combine(tot[k], sm_sum[w][k]);
   }
-  // Compact the rows of nonzero weight (empty states weigh 0 and are not loaded).
-  const float w0 = lse_sum_weight(tot[tid & 1], l0), w1 = lse_sum_weight(tot[tid & 1], l1);
-  const int cnt = int(w0 > 0.f) + int(w1 > 0.f);
-  int32_t n = 0;
-  int32_t pos = BlockExclusiveScan(cnt, &n, sm_scan);
-  if (w0 > 0.f) {
-    sm_w[pos] = w0;
-    sm_j[pos++] = tid;
-  }
-  if (w1 > 0.f) {
-    sm_w[pos] = w1;
-    sm_j[pos] = tid + kThreads;
-  }
-  __syncthreads();
   float acc[2][kPer];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) acc[k][i] = 0.f;
   }
-  for (int i0 = warp; i0 < n; i0 += kWarps * BATCH) {
-    float o2[BATCH][kPer];
+  if (eager) {
+    if constexpr (EAGER) {
+      const bool odd = warp & 1;
+      const LseSum t = PickSum(tot, odd);
+      float x[kPer] = {};
 #pragma unroll
-    for (int k = 0; k < BATCH; ++k) {
-      const int i = i0 + k * kWarps;
-      if (i < n) {
-        LoadRow<kPer>(part_o + ((row0 + sm_j[i]) * group + g) * HEAD_DIM + c0, o2[k]);
-      } else {
+      for (int k = 0; k < BATCH; ++k) {
+        const float w = lse_sum_weight(t, el[k]);  // 0 past n_all (lse -inf)
+        if (w > 0.f) {
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) o2[k][e] = 0.f;
+          for (int e = 0; e < kPer; ++e) x[e] = fmaf(w, eo[k][e], x[e]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        acc[0][e] = odd ? 0.f : x[e];
+        acc[1][e] = odd ? x[e] : 0.f;
       }
     }
+  } else {
+    // Compact the rows of nonzero weight (empty states weigh 0 and are not loaded).
+    const LseSum t = PickSum(tot, tid & 1);
+    const float w0 = lse_sum_weight(t, l0), w1 = lse_sum_weight(t, l1);
+    const int cnt = int(w0 > 0.f) + int(w1 > 0.f);
+    int32_t n = 0;
+    int32_t pos = BlockExclusiveScan(cnt, &n, sm_scan);
+    if (w0 > 0.f) {
+      sm_w[pos] = w0;
+      sm_j[pos++] = tid;
+    }
+    if (w1 > 0.f) {
+      sm_w[pos] = w1;
+      sm_j[pos] = tid + kThreads;
+    }
+    __syncthreads();
+    for (int i0 = warp; i0 < n; i0 += kWarps * BATCH) {
+      float o2[BATCH][kPer];
 #pragma unroll
-    for (int k = 0; k < BATCH; ++k) {
-      const int i = i0 + k * kWarps;
-      if (i < n) {
-        const float w = sm_w[i];
-        if (sm_j[i] & 1) {
-#pragma unroll
-          for (int e = 0; e < kPer; ++e) acc[1][e] = fmaf(w, o2[k][e], acc[1][e]);
+      for (int k = 0; k < BATCH; ++k) {
+        const int i = i0 + k * kWarps;
+        if (i < n) {
+          LoadRow<kPer>(part_o + ((row0 + sm_j[i]) * group + g) * HEAD_DIM + c0, o2[k]);
         } else {
 #pragma unroll
-          for (int e = 0; e < kPer; ++e) acc[0][e] = fmaf(w, o2[k][e], acc[0][e]);
+          for (int e = 0; e < kPer; ++e) o2[k][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        const int i = i0 + k * kWarps;
+        if (i < n) {
+          const float w = sm_w[i];
+          if (sm_j[i] & 1) {
+#pragma unroll
+            for (int e = 0; e < kPer; ++e) acc[1][e] = fmaf(w, o2[k][e], acc[1][e]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < kPer; ++e) acc[0][e] = fmaf(w, o2[k][e], acc[0][e]);
+          }
         }
       }
     }
@@ -1072,10 +1136,13 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 }
 
 // BATCH: partial rows per warp in flight; MIN_BLOCKS: the launch bound (LaunchCombine).
+// Everything but the partials was written before the attend grid started (the plan, the
+// previous steps' rings, the inputs), and with programmatic launch this grid starts only
+// once every attend CTA has waited for the plan: so those loads go out before the wait for
+// the attend grid, and only the partials after it.
 template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
-  GridDependencyWait();  // the attend partials (and the plan before them) are visible
   const MacParams& p = a.p;
   const int bhq = int(blockIdx.x);
   const int b = bhq / a.hq, hq = bhq % a.hq;
@@ -1088,14 +1155,19 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
 
   // Warp 0's decision and its other inputs (the reused entry, the prefix state, the query
-  // and epoch for the ring writes). In grids of one wave they load before the partials are
-  // merged; a grid bounded to 8 CTAs per SM (64 registers) loads them after (held across
-  // the merge they would spill).
+  // and epoch for the ring writes). In grids of one wave they load before the wait; a grid
+  // bounded to 8 CTAs per SM (64 registers) loads them after the merge (held across it they
+  // would spill). The plan's words are read from L2 (ld.cg): they were written by the grid
+  // before the attend grid.
   constexpr bool kEarly = MIN_BLOCKS == 1;
   HeadDecision dec{-1, 0};
-  if (warp == 0) dec = a.heads[bhq];
+  if (warp == 0) {
+    const int2 d2 = __ldcg(reinterpret_cast<const int2*>(a.heads + bhq));
+    dec = HeadDecision{d2.x, d2.y};
+  }
   // The plan holds zero chunks for T == 0, so the group's plan is read alongside T.
-  const UnitPlan up = a.units[b * a.hkv + h];
+  const UnitPlan* upp = a.units + b * a.hkv + h;
+  const int32_t first_chunk = __ldcg(&upp->first_chunk), n_chunks = __ldcg(&upp->n_chunks);
   float eo[kPer] = {}, e_lse = -INFINITY, po[kPer] = {}, p_lse = -INFINITY;
   float qv[kPer] = {};
   int32_t epoch = 0;
@@ -1119,9 +1191,10 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
     }
   };
   if (kEarly && warp == 0) load_inputs();
+  GridDependencyWait();  // the attend partials are visible
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-  MergePartials<HEAD_DIM, kPer, BATCH>(a.part_o, a.part_lse, int64_t(up.first_chunk) * 2, 2 * up.n_chunks, a.group,
-                                       g, st);
+  MergePartials<HEAD_DIM, kPer, BATCH, kEarly>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
+                                               a.group, g, st);
   if (warp != 0) return;
   if (!kEarly) load_inputs();
 

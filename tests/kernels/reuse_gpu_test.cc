@@ -317,13 +317,13 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.7;
   v.push_back(c);
 
-  c = v[0];  // programmatic dependent launches instead of plain stream order
-  c.name = "base-pdl";
-  c.programmatic_launch = true;
+  c = v[0];  // plain stream order instead of the default programmatic dependent launches
+  c.name = "base-no-pdl";
+  c.programmatic_launch = false;
   v.push_back(c);
   c = v[5];
-  c.name = "llama8b-heads-bf16-pdl";
-  c.programmatic_launch = true;
+  c.name = "llama8b-heads-bf16-no-pdl";
+  c.programmatic_launch = false;
   v.push_back(c);
   return v;
 }

@@ -56,7 +56,7 @@ struct MacCase {
   int32_t unready_from = -1, unready_to = -1;  // the last request not ready in [from, to)
   int32_t idle_from = -1, idle_to = -1;  // request 0 is an empty row (T = 0) in [from, to):
                                          // out = its prefix state, nothing written
-  bool programmatic_launch = false;  // MacDecodeConfig::programmatic_launch (CUDA op only)
+  bool programmatic_launch = MacDecodeConfig{}.programmatic_launch;  // CUDA op only
 };
 
 inline std::string DescribeMac(const MacCase& c) {
@@ -68,7 +68,7 @@ inline std::string DescribeMac(const MacCase& c) {
   for (size_t i = 0; i < c.T0.size(); ++i) os << (i ? "," : "") << c.T0[i];
   os << "} steps=" << c.steps << " p_hit=" << c.p_hit << (c.clustered ? " clustered" : "")
      << (c.with_prefix ? " prefix" : "") << (c.constant_q ? " constant-q" : "")
-     << (c.programmatic_launch ? " pdl" : "");
+     << (c.programmatic_launch ? " pdl" : " no-pdl");
   return os.str();
 }
 

@@ -122,9 +122,9 @@ struct MacDecodeConfig {
   int32_t max_seq_len = 0;   // largest T expected (sizes MacFill's split count only)
   int32_t num_slots = 0;     // request slots the rings hold, >= 1
   MacConfig mac;
-  bool programmatic_launch = false;  // CUDA op: launch attend and combine as programmatic
-                                     // dependents (Hopper PDL; same results). Off: measured
-                                     // slower at B = 1 on an H200 (see reuse_kernels.cuh)
+  bool programmatic_launch = true;  // CUDA op: launch attend and combine as programmatic
+                                    // dependents (Hopper PDL; same results); measured
+                                    // faster at B = 1 on an H200 (see reuse_kernels.cuh)
 };
 
 // Ring tag: the position held and the epoch it was written under; position -1: empty.
