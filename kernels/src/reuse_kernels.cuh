@@ -11,7 +11,8 @@
 //    atomicMin (CandidateKey), after which the CTA ends.
 //  * Plan, one CTA launched with programmatic dependent launch after the match (resident
 //    while the match's last CTAs run; griddepcontrol.wait): turns the keys into per-head
-//    decisions (resetting them) and plans the KV work: per-group ranges, the chunks of each
+//    decisions (resetting them), lets the attend grid launch (its CTAs wait for the plan),
+//    and plans the KV work: per-group ranges, the chunks of each
 //    group (about one wave of two CTAs per SM over the step's total work), one descriptor
 //    per chunk (reuse_common.h). Until 6157657 the match's last CTA ran it (a done count in
 //    the layer state): every match CTA then waited for its key atomic, a fence and the
@@ -190,7 +191,20 @@
 //    GQA-8 26.1-27.7 / 25.3-26.7 -> 24.2-25.4; B = 1 all-miss LLaMA-8B 64.9-65.5 / 64.7-65.8
 //    -> 63.5-64.4, GQA-8 49.4-49.8 / 50.0-50.1 -> 48.2-48.4; B = 16 all-hit 1-2 us faster
 //    (LLaMA-8B 51.3-52.3 -> 49.3-50.0); B >= 32 within about 1 us. Then kMinChunk 64
-//    (reuse_common.h): B = 1 all-hit 24.1-25.0 in every cell.
+//    (reuse_common.h): B = 1 all-hit 24.1-25.0 in every cell. Then (another machine
+//    session, three runs each, against 52b30d4): the plan kernel lets the attend grid
+//    launch once the match grid is done (GridLaunchDependents after its wait), so the
+//    attend CTAs come resident while the plan is made: B = 1 all-hit LLaMA-8B 24.3-24.7 ->
+//    23.7-23.9, GQA-8 24.5-24.8 -> 24.0-24.4, B = 1 all-miss 0.3-1.3 faster, B >= 16 up to
+//    1 us faster, none slower beyond the spread. Not merged: (1) the next batch of ring rows
+//    prefetched into L2 (prefetch.global.L2) in the match: 0.5-1.5 us slower at B >= 32
+//    (LLaMA-8B B = 32 all-hit 73.8-74.1 -> 74.7-75.0); (2) the misses' chunks sized to the
+//    multi-chunk work alone when the one-chunk groups (hits) fill the first wave, so that
+//    they follow the hits in short chunks instead of leaving hits to a second wave (99% per
+//    group at B = 32: about 256 chunks of 320 tokens instead of 87 of 960): slower in every
+//    cell, LLaMA-8B B = 32 99% per group 98.6-98.9 -> 101.9-102.4, GQA-8 B = 16 99% per head
+//    66.6-66.8 -> 81.2-81.8, and B = 1 all-hit 0.7-1.5 slower from the plan's extra pass
+//    and reduction.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -558,6 +572,10 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
 template <typename DType>
 __global__ void __launch_bounds__(kThreads) MacPlanKernel(const LaunchArgs a) {
   GridDependencyWait();
+  // The attend grid (a programmatic dependent with MacDecodeConfig::programmatic_launch)
+  // may launch now: its CTAs come resident while the plan is made, once the match grid,
+  // which they would crowd, is done; they wait for this grid before reading the plan.
+  GridLaunchDependents();
   PlanStep(a);
 }
 

@@ -360,8 +360,38 @@ TEST(MacGpu, CapturedGraphReplaysWithEpochsAndReady) {
   RunOnGpu(c, seed, true);
 }
 
+// More one-chunk groups of at least half a base chunk (hits: band and tail) than the plan's
+// chunk target (264), beside a few missed groups of several chunks: more chunks than one
+// wave of attention CTAs, numbered long groups first. 80 requests x 4 KV groups, about 3%
+// of groups missing per step: about 310 hit groups of about 130-160 tokens and 10 misses
+// of 600-900 tokens (base chunk about 200 tokens).
+TEST(MacGpu, ManyOneChunkGroupsBesideMisses) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(604);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "one-chunk-groups";
+  c.Hq = 16;
+  c.Hkv = 4;
+  c.d = 64;
+  c.mac = MakeMac(32, 128, 0, 0);
+  c.T0.clear();
+  for (int b = 0; b < 80; ++b) c.T0.push_back(600 + 4 * b);
+  c.steps = 4;
+  c.p_hit = 0.97;
+  c.p_exact = 0.3;
+  c.clustered = true;
+  const MacSeqStats st = RunOnGpu(c, seed);
+  std::printf("[mac gpu] one-chunk groups: %lld steps, groups all-hit %lld, mixed %lld, all-miss %lld\n",
+              static_cast<long long>(st.steps), static_cast<long long>(st.groups_all_hit),
+              static_cast<long long>(st.groups_mixed), static_cast<long long>(st.groups_all_miss));
+  EXPECT_GT(st.groups_all_miss, 0);
+  EXPECT_GT(st.groups_all_hit, 264 * c.steps);  // more one-chunk groups than the target
+}
+
 // Contexts long enough that the plan's chunk size exceeds its minimum (total tokens above
-// kTargetChunks * 128) and one group spans many chunks; few steps (the reference is slow).
+// kTargetChunks * kMinChunk) and one group spans many chunks; few steps (the reference is
+// slow).
 TEST(MacGpu, LongContextsSplitOverManyChunks) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(603);
