@@ -204,7 +204,16 @@
 //    group at B = 32: about 256 chunks of 320 tokens instead of 87 of 960): slower in every
 //    cell, LLaMA-8B B = 32 99% per group 98.6-98.9 -> 101.9-102.4, GQA-8 B = 16 99% per head
 //    66.6-66.8 -> 81.2-81.8, and B = 1 all-hit 0.7-1.5 slower from the plan's extra pass
-//    and reduction.
+//    and reduction. (3) A streaming match for B Hq > 528 (one machine session, three runs,
+//    against efd12e1 and against itself switched off; GPU tests passed): 396 resident CTAs (three per SM, 72 KB
+//    of stages) took units of 256 candidates of a head in turn, each unit's ring rows,
+//    scales and tags copied into shared memory by cp.async while the unit before was
+//    scored. Slower in every cell it served, by about the same per unit: LLaMA-8B B = 32
+//    all-hit 72.9-73.2 -> 83.6-84.3, 99% per group 96.2-96.6 -> 106.7-107.1, B = 64 99%
+//    146.4-146.8 -> 165.3-165.6; GQA-8 B = 32 all-miss 32K 529.7-532.5 -> 541.7-543.1. The
+//    per-unit fixed work (query quantization and gather, the CTA reduction, the key
+//    atomic, two barriers) runs in series in each CTA, where MacMatchKernel's four CTAs per
+//    SM overlap it; the match is not bound by the bytes in flight.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once

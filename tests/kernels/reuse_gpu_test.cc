@@ -317,6 +317,23 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.7;
   v.push_back(c);
 
+  // More heads than one wave of match CTAs (B Hq = 640 > 4 x 132) with a window of 300
+  // candidates; only request 0's rings are filled before the steps (the others fill as
+  // they decode).
+  c = MacCase{};
+  c.name = "many-heads-window300";
+  c.Hq = 32;
+  c.Hkv = 8;
+  c.d = 128;
+  c.mac = MakeMac(300, 64, 0, 0);
+  c.T0.clear();
+  for (int b = 0; b < 20; ++b) c.T0.push_back(b == 0 ? 700 : 350 + 17 * b);
+  c.fill.assign(c.T0.size(), 0);
+  c.fill[0] = 1;
+  c.steps = 10;
+  c.p_hit = 0.8;
+  v.push_back(c);
+
   c = v[0];  // plain stream order instead of the default programmatic dependent launches
   c.name = "base-no-pdl";
   c.programmatic_launch = false;
