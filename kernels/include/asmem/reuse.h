@@ -83,8 +83,8 @@
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
 // epochs, ready flags, prefix states). Four launches: match, the plan (one CTA, a
 // programmatic dependent of the match: Hopper PDL), attention over the planned KV chunks
-// (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch the last two
-// are launched as programmatic dependents too.
+// (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch (the
+// default) the last two are launched as programmatic dependents too.
 #pragma once
 
 #include <cstddef>
