@@ -205,15 +205,15 @@
 //    cell, LLaMA-8B B = 32 99% per group 98.6-98.9 -> 101.9-102.4, GQA-8 B = 16 99% per head
 //    66.6-66.8 -> 81.2-81.8, and B = 1 all-hit 0.7-1.5 slower from the plan's extra pass
 //    and reduction. (3) A streaming match for B Hq > 528 (one machine session, three runs,
-//    against efd12e1 and against itself switched off; GPU tests passed): 396 resident CTAs (three per SM, 72 KB
-//    of stages) took units of 256 candidates of a head in turn, each unit's ring rows,
-//    scales and tags copied into shared memory by cp.async while the unit before was
-//    scored. Slower in every cell it served, by about the same per unit: LLaMA-8B B = 32
-//    all-hit 72.9-73.2 -> 83.6-84.3, 99% per group 96.2-96.6 -> 106.7-107.1, B = 64 99%
-//    146.4-146.8 -> 165.3-165.6; GQA-8 B = 32 all-miss 32K 529.7-532.5 -> 541.7-543.1. The
-//    per-unit fixed work (query quantization and gather, the CTA reduction, the key
-//    atomic, two barriers) runs in series in each CTA, where MacMatchKernel's four CTAs per
-//    SM overlap it; the match is not bound by the bytes in flight.
+//    against efd12e1 and against itself switched off; GPU tests passed): 396 resident
+//    CTAs (three per SM, 72 KB of stages) took units of 256 candidates of a head in turn,
+//    each unit's ring rows, scales and tags copied into shared memory by cp.async while
+//    the unit before was scored. Slower in every cell it served: LLaMA-8B B = 32 all-hit
+//    72.9-73.2 -> 83.6-84.3, 99% per group 96.2-96.6 -> 106.7-107.1, B = 64 99% 146.4-146.8
+//    -> 165.3-165.6; GQA-8 B = 32 all-miss 32K 529.7-532.5 -> 541.7-543.1. Each unit's fixed
+//    work (query quantization and gather, the CTA reduction, the key atomic, two barriers)
+//    runs in series within a CTA, where MacMatchKernel's four CTAs per SM overlap theirs;
+//    with (1), this suggests the match is not bound by the bytes it has in flight.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -1015,15 +1015,6 @@ __device__ __forceinline__ void MergeWarps(LaneState<kPer>* st, float* sm_o, flo
   }
 }
 
-// The N-way merge of a head's partial rows, spread over the CTA: the rows' lse first (one
-// or two per thread: at most 2 kMaxGroupChunks rows), the two states' LseSum (state.cuh)
-// from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
-// summed with their weights (no merge waits on the one before). Per chunk j the band row is
-// 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
-// EAGER (grids of one wave, registers to spare): when the head has at most kWarps BATCH
-// rows, warp w loads rows w, w + kWarps, ... (o and lse) together with the lse of the whole
-// set, in one round trip, and weighs them once the sums are known: no compaction and no
-// second round trip (B = 1 all-hit: about a dozen rows per head).
 // tot[second], field by field (an indexed pick puts the pair on the stack).
 __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
   LseSum t;
@@ -1033,6 +1024,15 @@ __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
   return t;
 }
 
+// The N-way merge of a head's partial rows, spread over the CTA: the rows' lse first (one
+// or two per thread: at most 2 kMaxGroupChunks rows), the two states' LseSum (state.cuh)
+// from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
+// summed with their weights (no merge waits on the one before). Per chunk j the band row is
+// 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
+// EAGER (grids of one wave, registers to spare): when the head has at most kWarps BATCH
+// rows, warp w loads rows w, w + kWarps, ... (o and lse) together with the lse of the whole
+// set, in one round trip, and weighs them once the sums are known: no compaction and no
+// second round trip (B = 1 all-hit: about a dozen rows per head).
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
 template <int HEAD_DIM, int kPer, int BATCH, bool EAGER>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
