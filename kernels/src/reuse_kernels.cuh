@@ -213,7 +213,15 @@
 //    -> 165.3-165.6; GQA-8 B = 32 all-miss 32K 529.7-532.5 -> 541.7-543.1. Each unit's fixed
 //    work (query quantization and gather, the CTA reduction, the key atomic, two barriers)
 //    runs in series within a CTA, where MacMatchKernel's four CTAs per SM overlap theirs;
-//    with (1), this suggests the match is not bound by the bytes it has in flight.
+//    with (1), this suggests the match is not bound by the bytes it has in flight. (4) A
+//    group of one chunk finished in its attention CTA (the merges with the reused entry
+//    and the prefix state, the output and the ring writes, one warp per head; the head's
+//    combine CTA exits at once; one machine session, two runs each, 32K, against 60b4802;
+//    GPU tests passed): LLaMA-8B all-hit B = 32 73.0-73.5 -> 69.1-69.2, B = 64
+//    124.9-125.4 -> 118.5-118.7, but B = 32 99% per group 100.6-100.7 -> 102.2-102.4, per
+//    head 121.3 -> 124.6-124.7, B = 16 all-hit 48.6-48.7 -> 51.7-52.0; GQA-8 (two heads per
+//    warp) B = 32 all-hit 63.2-63.5 -> 71.9, 99% per group 82.8-83.1 -> 87.7-88.2; B = 1
+//    0.3-0.8 slower.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
