@@ -211,8 +211,7 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
                d = size_t(c.head_dim);
   size_t off = 0;
   L.ring_q = off;
-  const size_t blocks = (d + kMacRingBlock - 1) / kMacRingBlock;
-  off = AlignUp(off + S * Hq * blocks * W * kMacRingBlock);
+  off = AlignUp(off + size_t(MacRingQueryIndex(int32_t(d), int32_t(W), int64_t(S * Hq), 0, 0)));
   L.ring_qs = off;
   off = AlignUp(off + S * Hq * W * sizeof(MacQueryScale));
   L.ring_o = off;
