@@ -13,9 +13,13 @@
 // The realized hit rate and the fraction of the KV read (MacGroupTokens) come from the op's
 // own hit_pos output.
 // Timing: each op is captured once in a CUDA graph; after warm-up, every timed replay follows
-// an untimed 256 MB memset (L2 holds nothing of the step) and sits between two CUDA events;
-// median of --iters replays (mean and min too). A large memset enqueued first keeps the host
-// ahead of the GPU.
+// an untimed read of a 256 MB buffer (L2 then holds nothing of the step, and no dirty line)
+// and sits between two CUDA events; median of --iters replays (mean and min too). A large
+// memset enqueued first keeps the host ahead of the GPU. `--flush write` empties the L2 by a
+// memset of the buffer instead (before session 15): that leaves every L2 line dirty, so the
+// first ~50 MB the timed op reads also pay for writing the memset's lines back (on the H200,
+// about 8 us of a 90 us step at B = 32, 99% hits, and about as much of a full attention),
+// which a decode step after the layer's projections (clean weight lines in L2) does not.
 //
 // Real queries (--queries FILE, a query trace from `asmem generate --mac --save-queries`):
 // the model's own shape (Hq, Hkv, d from the trace) instead; request b replays one decode
@@ -46,6 +50,7 @@
 
 #include "asmem/cuda_check.cuh"
 #include "bench_util.h"
+#include "l2_flush.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
 #include "asmem/query_trace.h"
@@ -72,6 +77,7 @@ struct Options {
   int iters = 30, warmup = 10;
   int max_offset = -1;  // -1: W - 2
   size_t flush_mb = 256;
+  std::string flush = "read";  // how the L2 is emptied before a timed replay: read, or write (memset)
   std::vector<int> batches = {1, 16, 32, 64};
   std::vector<int> contexts = {32768, 65536, 131072};
   std::vector<double> hit_rates = {0.0, 0.5, 0.9, 0.99, 1.0};
@@ -83,6 +89,7 @@ struct Options {
 
 using bench::DevMem;
 using bench::ElapsedUs;
+using bench::L2FlushRead;
 using bench::Median;
 using bench::Upload;
 
@@ -145,7 +152,11 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
   for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&x));
   ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
   for (int i = 0; i < opt.iters; ++i) {
-    ASMEM_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream));
+    if (opt.flush == "read") {
+      L2FlushRead(flush.p, flush.n / 16 * 16, spin.p, stream);
+    } else {
+      ASMEM_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream));
+    }
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -324,6 +335,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   Rng rng(2025);
   FillPools(kpool, vpool, pool_bytes, rng);
   DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
+  ASMEM_CUDA_CHECK(cudaMemset(flush.p, 0x5a, flush.n));  // defined contents for the read flush
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // A fixed random order of the steps; B requests take the first B.
@@ -338,7 +350,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   out["date"] = Now();
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize}, {"dtype", "bf16"},
-                     {"flush_mb", opt.flush_mb}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
   out["trace"] = {{"file", opt.queries}, {"model", tr.model}, {"layers", tr.layers}, {"q_heads", Hq},
                   {"kv_heads", Hkv}, {"head_dim", d}, {"first_position", tr.first_position},
                   {"positions", tr.positions}, {"first_decode", tr.first_decode}, {"steps", samples.size()}};
@@ -476,6 +488,7 @@ int Run(const Options& opt) {
   Rng rng(2024);
   FillPools(kpool, vpool, pool_bytes, rng);
   DevMem spin(size_t(1) << 30), flush(opt.flush_mb << 20);
+  ASMEM_CUDA_CHECK(cudaMemset(flush.p, 0x5a, flush.n));  // defined contents for the read flush
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -486,7 +499,7 @@ int Run(const Options& opt) {
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
-                     {"flush_mb", opt.flush_mb}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
                      {"mac", MacSettingsJson(mc)}};
   out["full"] = json::array();
   out["results"] = json::array();
@@ -705,7 +718,9 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
   app.add_option("--layouts", opt.layouts, "independent (per head) and/or clustered (per KV group)");
   app.add_option("--max-offset", opt.max_offset, "hits reuse p = m-1-U[0, max_offset] (default W-2)");
-  app.add_option("--flush-mb", opt.flush_mb, "memset between timed replays, MB");
+  app.add_option("--flush-mb", opt.flush_mb, "L2 flush buffer between timed replays, MB");
+  app.add_option("--flush", opt.flush, "empty the L2 by reading the buffer (default) or writing it (memset)")
+      ->check(CLI::IsMember({"write", "read"}));
   app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
   app.add_option("--queries", opt.queries,
                  "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "

@@ -334,6 +334,18 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.8;
   v.push_back(c);
 
+  // Few heads and a long window: the ring scan split over W (MatchSplits > 1 takes
+  // MacMatchKernel; every case above with an even window takes MacMatchBulkKernel).
+  c = MacCase{};
+  c.name = "window256-split-scan";
+  c.Hq = 8;
+  c.Hkv = 2;
+  c.d = 128;
+  c.mac = MakeMac(256, 64, 0, 0);
+  c.T0 = {900, 400};
+  c.p_hit = 0.8;
+  v.push_back(c);
+
   c = v[0];  // plain stream order instead of the default programmatic dependent launches
   c.name = "base-no-pdl";
   c.programmatic_launch = false;
