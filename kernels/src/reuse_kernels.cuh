@@ -222,6 +222,34 @@
 //    head 121.3 -> 124.6-124.7, B = 16 all-hit 48.6-48.7 -> 51.7-52.0; GQA-8 (two heads per
 //    warp) B = 32 all-hit 63.2-63.5 -> 71.9, 99% per group 82.8-83.1 -> 87.7-88.2; B = 1
 //    0.3-0.8 slower.
+//  * Session 15 (one machine session per item, two runs each, 32K, clustered, us; not
+//    merged). The benchmark now empties the L2 by reading a buffer (asmem_bench_mac
+//    --flush): the memset before each timed step left every L2 line dirty, and the step's
+//    first reads paid for its write-back (LLaMA-8B B = 32 99% per group 98.7-98.9 ->
+//    90.0-90.6, all-hit 73.5-73.7 -> 65.6-65.7, B = 1 all-miss 63.7-64.0 -> 54.4-54.7; full
+//    attention B = 32 about 1% faster, B = 1 53.1 -> 44.5, so B = 1's all-miss ratio drops).
+//    (1) The match with the copy engine (cp.async.bulk) bringing a head's whole ring (rows,
+//    scales, tags; 72 KB at W = 512, d = 128, two halves on two mbarriers) into shared
+//    memory at the CTA's start, the query quantized meanwhile (64 registers, three CTAs per
+//    SM): slower in every cell of B >= 16, LLaMA-8B B = 32 99% per group 90.0-90.6 ->
+//    95.7-96.4, all-hit 65.6-65.7 -> 70.4-70.6, B = 64 99% 139.7-140.1 -> 149.6-150.2, GQA-8
+//    B = 16 all-hit 37.6-38.0 -> 41.8-42.0; B = 1 within 0.5. ncu, B = 32 99% per group, each
+//    kernel alone: the register match 24.8 us at 62% of the DRAM bandwidth (1.94 waves of
+//    four CTAs per SM), the bulk match 28.3 us at 54% (2.59 waves of three). (2) The KV of
+//    each group's sink and tail (needed whatever the match decides) prefetched into L2 by
+//    one match CTA of the group (prefetch.global.L2, up to a byte budget; with the ring rows
+//    read evict-first, and with evict-last prefetches): slower everywhere, LLaMA-8B B = 32
+//    99% 90.1-90.4 -> 92.7-93.0 (16 MB) / 95.6-96.1 (32 MB) / 96.1-97.0 (32 MB, both hints),
+//    all-hit 65.0-65.1 -> 67.3-67.9 / 71.0; B = 1 0.3-1 slower; the evict-first ring loads
+//    alone changed nothing. (3) The first batch of ring rows issued before the query is
+//    quantized (128 registers, 8 bytes spilled): B = 1 hits 0.2-0.6 faster, B = 64 about 1
+//    slower, the rest within the spread (LLaMA-8B B = 32 99% 90.6-90.8 -> 90.5-90.7). (4) The
+//    KV pool: B = 32 cells with a pool for B = 32 at 32K against one for B = 64 at 128K (the
+//    grid's) are within 1 us (99% per group 86.1 vs 86.3-86.4): the scattered pages' TLB
+//    reach does not hold the short chunks back. Neither more bytes in flight (1) nor data
+//    already in L2 (2) made a kernel faster; what is left is each kernel's ramp and drain
+//    (the match's second wave, the attend's partial second wave) between the step's four
+//    grid-wide dependencies.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
