@@ -107,7 +107,7 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
 // of two attention CTAs per SM, as decode attention's split (decode_common.h kTargetCtas).
 // A chunk may span the sink, the band and the tail of its group: the attention CTA keeps
 // two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
-// and one pipeline fill, not one per segment. Chunks of groups with W_u >= base / 2 are
+// and one pipeline fill, not one per segment. Chunks of groups with W_u >= base are
 // numbered first, the shorter groups' after them (CTAs start in index order). At most
 // kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
 // CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).

@@ -381,10 +381,17 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
   const int32_t base = ChunkBase(total);
 
-  // Chunks per group, their offsets, and the chunk descriptors. Groups of at least half a
+  // Chunks per group, their offsets, and the chunk descriptors. Groups of at least one
   // base chunk are numbered first, the short ones (hits: band and tail only) after them:
   // CTAs start in index order, so the long chunks start in the first wave and the short
-  // ones fill the SMs that free up (rather than a long chunk starting last).
+  // ones fill the SMs that free up (rather than a long chunk starting last). With the
+  // bound at half a base chunk (before session 15), a hit group of 512 tokens at B = 32,
+  // 99% per group (base about 810) counted as long, so a miss group's chunks that came
+  // after it in group order could start in the second wave: the step then depended on
+  // where the misses fell. One machine session, three runs each, us: LLaMA-8B B = 32 99%
+  // per group 90.5-90.8 -> 86.7-87.2, B = 16 99% per head 75.8-76.1 -> 71.8-72.3; every
+  // other cell of the 32K / 128K grid within about 1 (GQA-8 B = 16 99% per head 58.5-58.8
+  // -> 59.4-59.6, B = 64 99% per group 113.4-113.7 -> 114.3-114.5).
   int32_t carry = 0;
   for (int pass = 0; pass < 2; ++pass) {
     for (int first = 0; first < nu; first += kThreads) {
@@ -394,7 +401,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
       if (u < nu) {
         up = first == 0 ? mine : a.units[u];
         const int32_t work = UnitWork(up);
-        const bool is_long = 2 * int64_t(work) >= base;
+        const bool is_long = work >= base;
         if (work > 0 && is_long == (pass == 0)) {
           GroupChunks(work, base, &up.n_chunks, &up.per);
           cnt = up.n_chunks;
