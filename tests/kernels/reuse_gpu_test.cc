@@ -334,8 +334,9 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.8;
   v.push_back(c);
 
-  // Few heads and a long window: the ring scan split over W (MatchSplits > 1 takes
-  // MacMatchKernel; every case above with an even window takes MacMatchBulkKernel).
+  // Few heads and a long window: each head's ring scan split over several match CTAs
+  // (MatchSplits > 1: W >= 128 and B Hq below the match's CTA target), which no case
+  // above reaches.
   c = MacCase{};
   c.name = "window256-split-scan";
   c.Hq = 8;
