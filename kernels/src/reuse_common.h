@@ -115,7 +115,7 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
 // kMinChunk 64 (128 before session 14; H200, asmem_bench_mac, clustered, two runs each, us):
 // B = 1 all-hit LLaMA-8B 32K 24.8-25.0 -> 24.5-24.8, 128K 24.0-25.0 -> 24.3-24.5, GQA-8 32K
 // 24.2-25.4 -> 24.1-24.9, 128K 25.5-25.7 -> 24.3-25.0; B >= 16 within run-to-run spread.
-// kTargetChunks 264 / 256 / 200 / 132 (session 15, a measurement-only knob, read flush, one
+// kTargetChunks 264 / 256 / 200 / 132 (session 15, through a temporary knob not kept, read flush, one
 // machine session, two runs each, us): no setting is better everywhere, because where the
 // hits' one-chunk groups and the misses' chunks fall in the waves moves with it. 200 gives
 // GQA-8 B = 32 99% per group 73.6-73.9 -> 62.6-62.8 and LLaMA-8B 89.8-90.1 -> 84.0-84.4, B = 16

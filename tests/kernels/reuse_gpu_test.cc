@@ -390,11 +390,11 @@ TEST(MacGpu, CapturedGraphReplaysWithEpochsAndReady) {
   RunOnGpu(c, seed, true);
 }
 
-// More one-chunk groups of at least half a base chunk (hits: band and tail) than the plan's
-// chunk target (264), beside a few missed groups of several chunks: more chunks than one
-// wave of attention CTAs, numbered long groups first. 80 requests x 4 KV groups, about 3%
-// of groups missing per step: about 310 hit groups of about 130-160 tokens and 10 misses
-// of 600-900 tokens (base chunk about 200 tokens).
+// More one-chunk groups (hits: band and tail) than the plan's chunk target (264), beside a
+// few missed groups of several chunks: more chunks than one wave of attention CTAs, the
+// misses' (at least one base chunk) numbered first, the hits' after them. 80 requests x 4
+// KV groups, about 3% of groups missing per step: about 310 hit groups of about 130-160
+// tokens and 10 misses of 600-900 tokens (base chunk about 200 tokens).
 TEST(MacGpu, ManyOneChunkGroupsBesideMisses) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(604);
