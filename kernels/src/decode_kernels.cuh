@@ -594,14 +594,15 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
 // The member keys of sm.mem[0, n) into sm.q for the tensor-core scan (whole CTA): one exact
 // term when they are q_pre itself (KT == DType, no whitening; cp.async, one commit group that
 // the caller waits for), else three KT terms of the fp32 key (hi + mid + lo, stored). The
-// caller's barrier makes them visible. Members n .. 8 ceil(n / 8) are zero.
+// caller's barrier makes them visible. Members n .. 8 ceil(n / 8) (all_rows: .. MB) are zero.
 template <typename DType, typename KT, int KEY_DIM>
 __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
-                                const DictLayerView& v, int n, int MB, int terms, int h) {
+                                const DictLayerView& v, int n, int MB, int terms, int h,
+                                bool all_rows = false) {
   constexpr int kQRC = KEY_DIM / 8;
   const DecodeParams& p = a.p;
   const int tid = threadIdx.x;
-  const int rows = (n + 7) / 8 * 8;
+  const int rows = all_rows ? MB : (n + 7) / 8 * 8;
   const int term_bytes = MB * KEY_DIM * 2;
   if (terms == 1) {  // q_pre itself: async copies
     for (int c = tid; c < rows * kQRC; c += kThreads) {
@@ -778,7 +779,7 @@ struct KeyRing {
 // warp's ring `kr` (started by the caller), kRingStages - 1 chunks (16 rows x up to 128 dims)
 // ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
 // after the wait and a warp barrier (a fragment holds other lanes' pieces).
-template <typename KT, int KEY_DIM, int TERMS>
+template <typename KT, int KEY_DIM, int TERMS, bool ALL_NT>
 __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const SegList& segs,
                               KeyRing<KEY_DIM>& kr, int n, int MB, int h) {
   using L = SegTile<KEY_DIM>;
@@ -789,6 +790,10 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
   constexpr int kNt = L::kMaxMembers / 8;
   static_assert(KEY_DIM % 64 == 0, "key dims in 32-dim blocks, at least 8 16-byte chunks");
   static_assert(kRing >= 2 && kNt == 4, "ring stages, n-tiles");
+  // The n-tiles of MB members (DecodeLookupKernel: MB = 8 min(kNt, kQueryBytes / (8 KEY_DIM 2
+  // TERMS)); no tensor-core scan when that is 0), all scored when ALL_NT.
+  constexpr int kQNt = L::kQueryBytes / (8 * KEY_DIM * 2 * TERMS);
+  constexpr int kAllNt = kQNt < 1 ? 1 : (kQNt < kNt ? kQNt : kNt);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int nnt = (n + 7) / 8;
@@ -826,11 +831,15 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
         __syncwarp();  // every lane's have, and the previous slot's reads are done (refilled next)
         kr.Issue(slot == 0 ? kRing - 1 : slot - 1);
         const char* src = ring + slot * kPieces * 512;
-        switch (nnt) {  // warp-uniform: only the n-tiles that hold members
-          case 1: ScanChunk<KT, KEY_DIM, TERMS, 1>(acc, src, sm.q, ch, term_bytes, lane); break;
-          case 2: ScanChunk<KT, KEY_DIM, TERMS, 2>(acc, src, sm.q, ch, term_bytes, lane); break;
-          case 3: ScanChunk<KT, KEY_DIM, TERMS, 3>(acc, src, sm.q, ch, term_bytes, lane); break;
-          default: ScanChunk<KT, KEY_DIM, TERMS, 4>(acc, src, sm.q, ch, term_bytes, lane); break;
+        if (ALL_NT) {  // every n-tile of MB (members past n are zero; their scores are dropped)
+          ScanChunk<KT, KEY_DIM, TERMS, kAllNt>(acc, src, sm.q, ch, term_bytes, lane);
+        } else {
+          switch (nnt) {  // warp-uniform: only the n-tiles that hold members
+            case 1: ScanChunk<KT, KEY_DIM, TERMS, 1>(acc, src, sm.q, ch, term_bytes, lane); break;
+            case 2: ScanChunk<KT, KEY_DIM, TERMS, 2>(acc, src, sm.q, ch, term_bytes, lane); break;
+            case 3: ScanChunk<KT, KEY_DIM, TERMS, 3>(acc, src, sm.q, ch, term_bytes, lane); break;
+            default: ScanChunk<KT, KEY_DIM, TERMS, 4>(acc, src, sm.q, ch, term_bytes, lane); break;
+          }
         }
         slot = slot + 1 == kRing ? 0 : slot + 1;
       }
@@ -931,10 +940,62 @@ __device__ void SegScanCc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const
   }
 }
 
-// Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits
-// beside two attention CTAs.
+// The lookup paths other than the common one (DecodeLookupKernel): CUDA cores (!tc), or
+// tensor cores with keys of the other 16-bit type or three-term member keys (whitened, or
+// q_pre of the other type). Kept out of line so that their code does not sit among the
+// common path's (session 16, H200, ncu, LLaMA-8B shapes, B = 32, K = 4096 hierarchical, the
+// lookup kernel alone): with every path inlined (15424 SASS instructions) it took 35.9 us and
+// its warps stalled for want of an instruction in 20.7% of their cycles; with only the common
+// path compiled at all (5048 instructions, a measurement build) 26.2-27.4 us and 3.6-3.7%;
+// with the other paths out of line, as here, 26.4 us and 5.2%. Scoring every n-tile without
+// the switch on the member count, all inlined, did not help (34.8 us, 21.7%). Scalars only
+// (the view is read again from p.dict_views[id], the shared memory from its base), so that
+// the call leaves the caller's locals in registers.
 template <typename DType, int KEY_DIM>
-__global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchArgs a) {
+__device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, int n, int MB, int terms,
+                                              bool tc, int s, int U, int h) {
+  using L = SegTile<KEY_DIM>;
+  extern __shared__ float4 lookup_smem[];
+  const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
+  const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
+  const int warp = threadIdx.x >> 5;
+  if (!tc) {
+    for (int w = 0; w < kLookupUnits; ++w) {
+      SegScanCc<DType, KEY_DIM>(a, sm, v, SegList(v, kLookupUnits * s + w, U), n, h);
+    }
+    return;
+  }
+  const SegList mine(v, kLookupUnits * s + warp, U);
+  const bool bf16 = v.keys_dtype == KernelDType::kBF16;
+  if (bf16) {
+    StageMemberKeys<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, n, MB, terms, h);
+  } else {
+    StageMemberKeys<DType, __half, KEY_DIM>(a, sm, v, n, MB, terms, h);
+  }
+  KeyRing<KEY_DIM> kr(sm, v, mine);
+  kr.Start();
+  CpAsyncWait<L::kRingStages - 1>();
+  __syncthreads();
+  if (bf16) {
+    if (terms == 1) {
+      WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1, false>(a, sm, mine, kr, n, MB, h);
+    } else {
+      WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3, false>(a, sm, mine, kr, n, MB, h);
+    }
+  } else {
+    if (terms == 1) {
+      WarpSegScanTc<__half, KEY_DIM, 1, false>(a, sm, mine, kr, n, MB, h);
+    } else {
+      WarpSegScanTc<__half, KEY_DIM, 3, false>(a, sm, mine, kr, n, MB, h);
+    }
+  }
+}
+
+// Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits
+// beside two attention CTAs. The parameter is a grid constant: LookupBlockOther takes it by
+// reference without a local copy.
+template <typename DType, int KEY_DIM>
+__global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_constant__ LaunchArgs a) {
   GridLaunchDependents();  // the attention kernel may start at once
   using L = SegTile<KEY_DIM>;
   extern __shared__ float4 lookup_smem[];
@@ -1028,37 +1089,20 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const LaunchAr
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
-      if (!tc) {
-        for (int w = 0; w < kLookupUnits; ++w) {
-          SegScanCc<DType, KEY_DIM>(a, sm, v, SegList(v, kLookupUnits * s + w, U), n, h);
-        }
-      } else {
-        // The member keys' copies first, then this warp's first key chunks; one wait for
+      if (tc && terms == 1) {
+        // Keys of the decode's own type and q_pre as the member keys (no whitening): the
+        // common case, the only scan inlined here. The member keys' copies first (zero up to
+        // MB, since every n-tile is scored), then this warp's first key chunks; one wait for
         // the member keys (the oldest group) and a barrier, then the scan.
         const SegList mine(v, kLookupUnits * s + warp, U);
-        const bool bf16 = v.keys_dtype == KernelDType::kBF16;
-        if (bf16) {
-          StageMemberKeys<DType, __nv_bfloat16, KEY_DIM>(a, sm, v, n, MB, terms, h);
-        } else {
-          StageMemberKeys<DType, __half, KEY_DIM>(a, sm, v, n, MB, terms, h);
-        }
+        StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
         KeyRing<KEY_DIM> kr(sm, v, mine);
         kr.Start();
         CpAsyncWait<L::kRingStages - 1>();
         __syncthreads();
-        if (bf16) {
-          if (terms == 1) {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 1>(a, sm, mine, kr, n, MB, h);
-          } else {
-            WarpSegScanTc<__nv_bfloat16, KEY_DIM, 3>(a, sm, mine, kr, n, MB, h);
-          }
-        } else {
-          if (terms == 1) {
-            WarpSegScanTc<__half, KEY_DIM, 1>(a, sm, mine, kr, n, MB, h);
-          } else {
-            WarpSegScanTc<__half, KEY_DIM, 3>(a, sm, mine, kr, n, MB, h);
-          }
-        }
+        WarpSegScanTc<DType, KEY_DIM, 1, true>(a, sm, mine, kr, n, MB, h);
+      } else {
+        LookupBlockOther<DType, KEY_DIM>(a, id, n, MB, terms, tc, s, U, h);
       }
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
