@@ -250,6 +250,22 @@
 //    already in L2 (2) made a kernel faster; what is left is each kernel's ramp and drain
 //    (the match's second wave, the attend's partial second wave) between the step's four
 //    grid-wide dependencies.
+//  * Session 17 (one machine session, bench_mac, clustered, two runs each, us, off -> on;
+//    not merged): an early tail. Every group's sink and tail (the tokens every decision
+//    needs) attended by CTAs of their own, the attend grid's first B Hkv CTAs, which skip
+//    the wait for the plan; the plan kernel lets the attend grid launch before its own
+//    wait, and its chunks cover only the bands; the combine merges one more pair of
+//    partial rows per group (GPU tests passed, with the early tail forced on the common
+//    sweep and at the most partial rows per head). The tails could not run beside the
+//    match: a match CTA (121 registers) does not fit beside two attend CTAs (197), so
+//    they took the SMs only as the match's last CTAs left, and then held 256 of the 264
+//    slots the bands needed. LLaMA-8B B = 32 32K 99% per group 87.3, 87.2 -> 87.1, 86.8,
+//    all-hit 65.7, 65.1 -> 68.2, 68.4, 128K 99% 122.3, 121.9 -> 122.7, 122.9, B = 16
+//    all-hit 42.0, 42.3 -> 47.7, 47.4, B = 64 99% 139.0 -> 140.1, 140.8; GQA-8 B = 32 99%
+//    74.8, 75.1 -> 70.4, 71.2 and B = 64 114.3, 114.2 -> 111.4, 111.8, but all-hit B = 32
+//    54.1, 54.3 -> 60.7, 61.2 and B = 16 99% 45.9, 46.1 -> 53.2, 53.6; all-miss 0.2-4%
+//    slower. A hit group then costs two CTAs, two pipeline fills and two partial pairs
+//    instead of one.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
