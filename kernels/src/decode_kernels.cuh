@@ -428,6 +428,21 @@ __device__ __forceinline__ LseSum WarpLseSum(LseSum sum) {
   return sum;
 }
 
+// The LseSum of each aligned quad of lanes (xor offsets 1 and 2), in every lane of the quad:
+// an attention CTA's four warps' states of one head merge in one quad, in two steps, not
+// in four sequential adds of one thread.
+__device__ __forceinline__ LseSum QuadLseSum(LseSum sum) {
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    LseSum other;
+    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+    sum = lse_sum_combine(sum, other);
+  }
+  return sum;
+}
+
 // ---------------------------------------------------------------------------------------
 // Lookup kernel (dictionaries only), launched before the attention kernel, which starts
 // beside it (programmatic dependent launch: it reads nothing the lookup writes). CTA (rep r,
@@ -1361,19 +1376,23 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
   const float lse0 = l0 > 0.f ? (m0 + log2f(l0)) * kLn2 : -INFINITY;
   const float lse1 = l1 > 0.f ? (m1 + log2f(l1)) * kLn2 : -INFINITY;
-  float* sm_o = reinterpret_cast<float*>(smem);          // [kWarps][GROUP][HEAD_DIM]
-  float* sm_l = sm_o + kWarps * GROUP * HEAD_DIM;         // [kWarps][GROUP]
+  // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
+  // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
+  // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).
+  constexpr int kOStride = HEAD_DIM + 4;
+  float* sm_o = reinterpret_cast<float*>(smem);          // [kWarps][GROUP][kOStride]
+  float* sm_l = sm_o + kWarps * GROUP * kOStride;         // [kWarps][GROUP]
   const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
 #pragma unroll
   for (int j = 0; j < kKSteps; ++j) {
     const int d0 = 16 * j + g;
     if (hd0 < GROUP) {
-      sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0] = acc[j][0] * inv0;
-      sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0 + 8] = acc[j][2] * inv0;
+      sm_o[(warp * GROUP + hd0) * kOStride + d0] = acc[j][0] * inv0;
+      sm_o[(warp * GROUP + hd0) * kOStride + d0 + 8] = acc[j][2] * inv0;
     }
     if (hd1 < GROUP) {
-      sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0] = acc[j][1] * inv1;
-      sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0 + 8] = acc[j][3] * inv1;
+      sm_o[(warp * GROUP + hd1) * kOStride + d0] = acc[j][1] * inv1;
+      sm_o[(warp * GROUP + hd1) * kOStride + d0 + 8] = acc[j][3] * inv1;
     }
   }
   if (g == 0) {
@@ -1383,24 +1402,26 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   __syncthreads();
   float* sm_w = sm_l + kWarps * GROUP;  // [GROUP][kWarps] weights of the n-way merge
   float* sm_lse = sm_w + GROUP * kWarps;  // [GROUP] merged lse
-  if (tid < GROUP) {
-    LseSum sum = lse_sum_empty();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum = lse_sum_add(sum, sm_l[w * GROUP + tid]);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sm_w[tid * kWarps + w] = lse_sum_weight(sum, sm_l[w * GROUP + tid]);
-    sm_lse[tid] = lse_sum_lse(sum);
+  static_assert(kWarps == 4 && GROUP * kWarps <= 32, "one quad of lanes per head in warp 0");
+  if (warp == 0) {  // lane hh * kWarps + w: head hh of warp w
+    const int hh = lane / kWarps, w = lane % kWarps;
+    const float l = hh < GROUP ? sm_l[w * GROUP + hh] : -INFINITY;
+    const LseSum sum = QuadLseSum(lse_sum_add(lse_sum_empty(), l));
+    if (hh < GROUP) {
+      sm_w[hh * kWarps + w] = lse_sum_weight(sum, l);
+      if (w == 0) sm_lse[hh] = lse_sum_lse(sum);
+    }
   }
   __syncthreads();
   // The split's state: [GROUP][HEAD_DIM] f32 beside the merge tables, for the cluster merge.
-  float* sm_res = sm_o + kWarps * GROUP * HEAD_DIM + 128;
+  float* sm_res = sm_o + kWarps * GROUP * kOStride + 128;
   for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
     const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float wt = sm_w[hh * kWarps + w];
-      const float4 x = *reinterpret_cast<const float4*>(&sm_o[(w * GROUP + hh) * HEAD_DIM + c]);
+      const float4 x = *reinterpret_cast<const float4*>(&sm_o[(w * GROUP + hh) * kOStride + c]);
       o.x = fmaf(wt, x.x, o.x);
       o.y = fmaf(wt, x.y, o.y);
       o.z = fmaf(wt, x.z, o.z);

@@ -923,7 +923,11 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   __syncthreads();  // the tiles' shared memory is reused below
 
   // Per-warp normalized states per head, then one merge across warps per state.
-  constexpr int kStateFloats = (kWarps * GROUP * HEAD_DIM + 2 * kWarps * GROUP + GROUP + 3) / 4 * 4;
+  // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
+  // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
+  // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).
+  constexpr int kOStride = HEAD_DIM + 4;
+  constexpr int kStateFloats = (kWarps * GROUP * kOStride + 2 * kWarps * GROUP + GROUP + 3) / 4 * 4;
   auto stage = [&](TcState<kKSteps>& st, float* base) {
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
@@ -933,18 +937,18 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
     const float lse0 = st.l0 > 0.f ? (st.m0 + log2f(st.l0)) * kLn2 : -INFINITY;
     const float lse1 = st.l1 > 0.f ? (st.m1 + log2f(st.l1)) * kLn2 : -INFINITY;
-    float* sm_o = base;                              // [kWarps][GROUP][HEAD_DIM]
-    float* sm_l = sm_o + kWarps * GROUP * HEAD_DIM;  // [kWarps][GROUP]
+    float* sm_o = base;                              // [kWarps][GROUP][kOStride]
+    float* sm_l = sm_o + kWarps * GROUP * kOStride;  // [kWarps][GROUP]
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
       const int d0 = 16 * j + g;
       if (hd0 < GROUP) {
-        sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0] = st.acc[j][0] * inv0;
-        sm_o[(warp * GROUP + hd0) * HEAD_DIM + d0 + 8] = st.acc[j][2] * inv0;
+        sm_o[(warp * GROUP + hd0) * kOStride + d0] = st.acc[j][0] * inv0;
+        sm_o[(warp * GROUP + hd0) * kOStride + d0 + 8] = st.acc[j][2] * inv0;
       }
       if (hd1 < GROUP) {
-        sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0] = st.acc[j][1] * inv1;
-        sm_o[(warp * GROUP + hd1) * HEAD_DIM + d0 + 8] = st.acc[j][3] * inv1;
+        sm_o[(warp * GROUP + hd1) * kOStride + d0] = st.acc[j][1] * inv1;
+        sm_o[(warp * GROUP + hd1) * kOStride + d0 + 8] = st.acc[j][3] * inv1;
       }
     }
     if (g == 0) {
@@ -957,19 +961,22 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   if (cp.row_band >= 0) stage(sb, smf);
   if (cp.row_out >= 0) stage(so, smf + kStateFloats);
   __syncthreads();
-  if (tid < 2 * GROUP) {
-    const int k = tid / GROUP, hh = tid % GROUP;
+  // Thread k G kWarps + hh kWarps + w: state k, head hh, warp w's lse; a quad of lanes per
+  // (state, head) merges them (decode::QuadLseSum), in warps 0 and 1 (G = 8: 64 entries).
+  constexpr int kEntries = 2 * GROUP * kWarps;
+  static_assert(kWarps == 4, "one quad of lanes per (state, head)");
+  if (tid < (kEntries + 31) / 32 * 32) {
+    const bool mine = tid < kEntries;
+    const int k = mine ? tid / (GROUP * kWarps) : 0, hh = (tid / kWarps) % GROUP, w = tid % kWarps;
     float* base = smf + k * kStateFloats;
-    const float* sm_l = base + kWarps * GROUP * HEAD_DIM;
-    float* sm_w = base + kWarps * GROUP * HEAD_DIM + kWarps * GROUP;  // [GROUP][kWarps]
-    const int64_t row = row_of(k);
+    const float* sm_l = base + kWarps * GROUP * kOStride;
+    float* sm_w = base + kWarps * GROUP * kOStride + kWarps * GROUP;  // [GROUP][kWarps]
+    const int64_t row = mine ? row_of(k) : -1;
+    const float l = row >= 0 ? sm_l[w * GROUP + hh] : -INFINITY;
+    const LseSum sum = decode::QuadLseSum(lse_sum_add(lse_sum_empty(), l));
     if (row >= 0) {
-      LseSum sum = lse_sum_empty();
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum = lse_sum_add(sum, sm_l[w * GROUP + hh]);
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sm_w[hh * kWarps + w] = lse_sum_weight(sum, sm_l[w * GROUP + hh]);
-      a.part_lse[row + hh] = lse_sum_lse(sum);
+      sm_w[hh * kWarps + w] = lse_sum_weight(sum, l);
+      if (w == 0) a.part_lse[row + hh] = lse_sum_lse(sum);
     }
   }
   __syncthreads();
@@ -978,12 +985,12 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     const int64_t row = row_of(k);
     if (row < 0) continue;
     const float* base = smf + k * kStateFloats;
-    const float* sm_w = base + kWarps * GROUP * HEAD_DIM + kWarps * GROUP;
+    const float* sm_w = base + kWarps * GROUP * kOStride + kWarps * GROUP;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float wt = sm_w[hh * kWarps + w];
-      const float4 x = *reinterpret_cast<const float4*>(&base[(w * GROUP + hh) * HEAD_DIM + c]);
+      const float4 x = *reinterpret_cast<const float4*>(&base[(w * GROUP + hh) * kOStride + c]);
       o.x = fmaf(wt, x.x, o.x);
       o.y = fmaf(wt, x.y, o.y);
       o.z = fmaf(wt, x.z, o.z);
