@@ -312,7 +312,9 @@ __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
 // Plan (MacPlanKernel, one CTA after the match grid)
 // ---------------------------------------------------------------------------------------
 
-// Exclusive scan of one int per thread over the CTA; *total gets the sum. Ends synced.
+// Exclusive scan of one int per thread over a CTA of WARPS warps; *total gets the sum. Ends
+// synced.
+template <int WARPS = kWarps>
 __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total, int32_t* sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int32_t incl = x;
@@ -325,7 +327,7 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total,
   __syncthreads();
   int32_t before = 0, all = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < WARPS; ++w) {
     if (w < warp) before += sm[w];
     all += sm[w];
   }
@@ -338,22 +340,41 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total,
 using decode::GridDependencyWait;
 using decode::GridLaunchDependents;
 
-__device__ inline void PlanStep(const LaunchArgs& a) {
+// The plan's inputs for group u that the match does not write: its request's T and slot.
+struct PlanInputs {
+  int32_t T = 0, slot = 0;
+};
+__device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u) {
+  PlanInputs in;
+  if (u < a.batch * a.hkv) {
+    const int b = u / a.hkv;
+    in.T = a.p.seq_lens[b];
+    in.slot = a.p.slot_ids ? a.p.slot_ids[b] : b;
+  }
+  return in;
+}
+
+// NT threads (MacPlanKernel's block): group u of the first NT is thread u's, and its inputs
+// (`first`) were loaded before the wait for the match.
+template <int NT>
+__device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
+  constexpr int kPlanWarps = NT / 32;
   const MacParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = a.group;
   const int nu = a.batch * a.hkv;
-  __shared__ long long sm_tok[kWarps];
-  __shared__ int32_t sm_scan[kWarps];
+  __shared__ long long sm_tok[kPlanWarps];
+  __shared__ int32_t sm_scan[kPlanWarps];
   // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
-  // The first group of each thread stays in registers for the passes below (B * Hkv <=
-  // kThreads: no global round trip between them).
+  // The first group of each thread stays in registers for the passes below (B * Hkv <= NT:
+  // no global round trip between them).
   long long tok = 0;
   UnitPlan mine{};
-  for (int u = tid; u < nu; u += kThreads) {
+  for (int u = tid; u < nu; u += NT) {
     const int b = u / a.hkv, h = u % a.hkv;
-    const int32_t T = p.seq_lens[b];
-    const int32_t slot = p.slot_ids ? p.slot_ids[b] : b;
+    const PlanInputs in = u == tid ? first : LoadPlanInputs(a, u);
+    const int32_t T = in.T;
+    const int32_t slot = in.slot;
     int32_t lo = T;
     // The group's keys are exchanged all at once (G <= 8 atomics in flight, not one round
     // trip each: this CTA runs alone between the match and the attention).
@@ -394,7 +415,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   __syncthreads();
   long long total = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += sm_tok[w];
+  for (int w = 0; w < kPlanWarps; ++w) total += sm_tok[w];
   const int32_t base = ChunkBase(total);
 
   // Chunks per group, their offsets, and the chunk descriptors. Groups of at least one
@@ -410,7 +431,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
   // -> 59.4-59.6, B = 64 99% per group 113.4-113.7 -> 114.3-114.5).
   int32_t carry = 0;
   for (int pass = 0; pass < 2; ++pass) {
-    for (int first = 0; first < nu; first += kThreads) {
+    for (int first = 0; first < nu; first += NT) {
       const int u = first + tid;
       UnitPlan up{};
       int32_t cnt = 0;
@@ -424,7 +445,7 @@ __device__ inline void PlanStep(const LaunchArgs& a) {
         }
       }
       int32_t tile_total = 0;
-      const int32_t off = BlockExclusiveScan(cnt, &tile_total, sm_scan);
+      const int32_t off = BlockExclusiveScan<kPlanWarps>(cnt, &tile_total, sm_scan);
       if (cnt > 0) {
         up.first_chunk = carry + off;
         a.units[u] = up;
@@ -634,17 +655,20 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   }
 }
 
-// The plan of the step, one CTA launched with programmatic dependent launch after the match
-// grid: resident while the match's last CTAs run, it starts once the grid is complete and
-// its keys are visible (griddepcontrol.wait).
-template <typename DType>
-__global__ void __launch_bounds__(kThreads) MacPlanKernel(const LaunchArgs a) {
+// The plan of the step, one CTA of NT threads (the smallest of 128, 256, 512, 1024 that
+// holds a thread per group, LaunchMatch) launched with programmatic dependent launch after
+// the match grid: resident while the match's last CTAs run, it loads its groups' T and
+// slots, and starts planning once the grid is complete and its keys are visible
+// (griddepcontrol.wait).
+template <typename DType, int NT>
+__global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
+  const PlanInputs first = LoadPlanInputs(a, int(threadIdx.x));  // inputs: before the wait
   GridDependencyWait();
   // The attend grid (a programmatic dependent with MacDecodeConfig::programmatic_launch)
   // may launch now: its CTAs come resident while the plan is made, once the match grid,
   // which they would crowd, is done; they wait for this grid before reading the plan.
   GridLaunchDependents();
-  PlanStep(a);
+  PlanStep<NT>(a, first);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1248,10 +1272,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   const int64_t ring_row0 = (int64_t(slot) * a.hq + hq) * W;
 
   // Warp 0's decision and its other inputs (the reused entry, the prefix state, the query
-  // and epoch for the ring writes). In grids of one wave they load before the wait; a grid
-  // bounded to 8 CTAs per SM (64 registers) loads them after the merge (held across it they
-  // would spill). The plan's words are read from L2 (ld.cg): they were written by the grid
-  // before the attend grid.
+  // and epoch for the ring writes), loaded before the wait. In grids of one wave they stay
+  // in registers; a grid bounded to 8 CTAs per SM (64 registers) parks them in shared
+  // memory across the merge (held in registers they would spill; loaded after the merge
+  // they cost a round trip at the step's end). The plan's words are read from L2 (ld.cg):
+  // they were written by the grid before the attend grid.
   constexpr bool kEarly = MIN_BLOCKS == 1;
   HeadDecision dec{-1, 0};
   if (warp == 0) {
@@ -1283,13 +1308,39 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
       if (lane == 0 && hq == 0) epoch = p.slots[slot].epoch;
     }
   };
-  if (kEarly && warp == 0) load_inputs();
+  __shared__ __align__(16) float sm_in[kEarly ? 1 : 3 * 32 * kPer + 4];  // [eo | po | qv], e_lse, p_lse, epoch
+  if (warp == 0) {
+    load_inputs();
+    if constexpr (!kEarly) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        sm_in[c0 + i] = eo[i];
+        sm_in[32 * kPer + c0 + i] = po[i];
+        sm_in[64 * kPer + c0 + i] = qv[i];
+      }
+      if (lane == 0) {
+        sm_in[96 * kPer] = e_lse;
+        sm_in[96 * kPer + 1] = p_lse;
+        sm_in[96 * kPer + 2] = __int_as_float(epoch);
+      }
+    }
+  }
   GridDependencyWait();  // the attend partials are visible
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
   MergePartials<HEAD_DIM, kPer, BATCH, kEarly>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
                                                a.group, g, st);
   if (warp != 0) return;
-  if (!kEarly) load_inputs();
+  if constexpr (!kEarly) {  // written by warp 0 before MergePartials' barriers
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      eo[i] = sm_in[c0 + i];
+      po[i] = sm_in[32 * kPer + c0 + i];
+      qv[i] = sm_in[64 * kPer + c0 + i];
+    }
+    e_lse = sm_in[96 * kPer];
+    p_lse = sm_in[96 * kPer + 1];
+    epoch = __float_as_int(sm_in[96 * kPer + 2]);
+  }
 
   if (T > 0 && dec.hit_pos >= 0) st[0].merge(eo, e_lse);  // entry' = entry(p) + band
   LaneState<kPer> out;
@@ -1387,7 +1438,16 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
   MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
-  decode::LaunchMaybePdl(MacPlanKernel<DType>, 1u, kThreads, 0, true, a, stream);
+  const int64_t groups = int64_t(a.batch) * a.hkv;
+  if (groups <= 128) {
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, a, stream);
+  } else if (groups <= 256) {
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 256>, 1u, 256, 0, true, a, stream);
+  } else if (groups <= 512) {
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 512>, 1u, 512, 0, true, a, stream);
+  } else {
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 1024>, 1u, 1024, 0, true, a, stream);
+  }
 }
 
 // Fill: one CTA per static split. Decode: `ctas` = the most chunks a plan can have, so every
