@@ -1119,12 +1119,14 @@ __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
 // from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
 // summed with their weights (no merge waits on the one before). Per chunk j the band row is
 // 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
-// EAGER (grids of one wave, registers to spare): when the head has at most kWarps BATCH
-// rows, warp w loads rows w, w + kWarps, ... (o and lse) together with the lse of the whole
-// set, in one round trip, and weighs them once the sums are known: no compaction and no
-// second round trip (B = 1 all-hit: about a dozen rows per head).
+// Eager (EBATCH > 0): when the head has at most kWarps EBATCH rows, warp w loads rows w,
+// w + kWarps, ... (o and lse) together with the lse of the whole set, in one round trip,
+// and weighs them once the sums are known: no compaction and no second round trip (B = 1
+// all-hit: about a dozen rows per head; a group of one chunk: two rows). Grids of one wave
+// take EBATCH = BATCH; grids bounded to 64 registers EBATCH = 1 (groups of up to two
+// chunks: at BATCH it spilled).
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
-template <int HEAD_DIM, int kPer, int BATCH, bool EAGER>
+template <int HEAD_DIM, int kPer, int BATCH, int EBATCH>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
                                               int group, int g, LaneState<kPer>* st) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1137,13 +1139,14 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
   // Rows tid and tid + kThreads: both of state tid & 1 (kThreads is even).
   const float l0 = tid < n_all ? part_lse[(row0 + tid) * group + g] : -INFINITY;
   const float l1 = tid + kThreads < n_all ? part_lse[(row0 + tid + kThreads) * group + g] : -INFINITY;
-  const bool eager = EAGER && n_all <= kWarps * BATCH;  // uniform over the CTA
-  float eo[EAGER ? BATCH : 1][kPer];
-  float el[EAGER ? BATCH : 1];
-  if constexpr (EAGER) {
+  constexpr bool kEager = EBATCH > 0;
+  const bool eager = kEager && n_all <= kWarps * EBATCH;  // uniform over the CTA
+  float eo[kEager ? EBATCH : 1][kPer];
+  float el[kEager ? EBATCH : 1];
+  if constexpr (kEager) {
     if (eager) {
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
+      for (int k = 0; k < EBATCH; ++k) {
         const int i = warp + k * kWarps;  // of state warp & 1 (kWarps is even)
         el[k] = -INFINITY;
 #pragma unroll
@@ -1173,12 +1176,12 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
     for (int i = 0; i < kPer; ++i) acc[k][i] = 0.f;
   }
   if (eager) {
-    if constexpr (EAGER) {
+    if constexpr (kEager) {
       const bool odd = warp & 1;
       const LseSum t = PickSum(tot, odd);
       float x[kPer] = {};
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
+      for (int k = 0; k < EBATCH; ++k) {
         const float w = lse_sum_weight(t, el[k]);  // 0 past n_all (lse -inf)
         if (w > 0.f) {
 #pragma unroll
@@ -1327,7 +1330,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   }
   GridDependencyWait();  // the attend partials are visible
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-  MergePartials<HEAD_DIM, kPer, BATCH, kEarly>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
+  MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
                                                a.group, g, st);
   if (warp != 0) return;
   if constexpr (!kEarly) {  // written by warp 0 before MergePartials' barriers
