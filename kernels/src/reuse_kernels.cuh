@@ -266,6 +266,25 @@
 //    54.1, 54.3 -> 60.7, 61.2 and B = 16 99% 45.9, 46.1 -> 53.2, 53.6; all-miss 0.2-4%
 //    slower. A hit group then costs two CTAs, two pipeline fills and two partial pairs
 //    instead of one.
+//    Per-CTA timeline at 19b8783 (%globaltimer stamps, a diagnostic build; LLaMA-8B 32K,
+//    us from the first match CTA's start; the stamps tick every 0.26 us). B = 32 all-hit
+//    (65.9 us step): match CTAs 0-21.0 (two waves: the first ends at 12.3), plan resident
+//    at 14.1, its wait over at 21.2, done at 26.6; attend CTAs resident at 22.0-22.3, past
+//    their wait at 27.1, chunk descriptor read +1.0, page ids and first tile +3.3, then
+//    1.7-1.9 us per 64-token tile (about 11 tiles: the loop streams near the HBM rate),
+//    epilogue 3.1 (staging the states 1.0-1.3, the weights 1.3, the stores 0.3), last end
+//    55.0; combine past its wait at 55.5 (median), merged +3.1, done +1.8 (max 60.9). B =
+//    32 99% per group (89.0): the same up to the plan (done at 28.4); 349 chunks, 87 of
+//    them starting as first-wave chunks end (the last at 55.3), last end 78.8, combine
+//    done at 86.0. B = 1 all-hit (23.3): match 0-3.8, plan done 7.4, attend waited 7.9,
+//    one or two tiles, done 13.3-14.8, combine done 19.2. So a chunk's fixed cost (about
+//    4 us before its first tile, 3 after its last) and the second wave of short chunks,
+//    not the streaming, are what the 99% step adds to the all-hit one. Merged after it,
+//    each with its own A/B in its commit message (0.2-2.7% each at B >= 32): padded
+//    staging rows and a quad-lane lse merge in the epilogue (c45ee39), a plan CTA with a
+//    thread per group and its inputs loaded before the wait, the bounded combine's inputs
+//    before its wait (f496333), and that combine's eager merge of one- and two-chunk
+//    groups (c838cbd).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
