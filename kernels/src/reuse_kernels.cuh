@@ -558,8 +558,9 @@ __device__ __forceinline__ void StoreRingQuery(int8_t* ring, int32_t W, int32_t 
 // (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its scale and
 // tag, and sums the dot product with the whole 8-bit query (every lane holds it) by dp4a; no
 // shuffles per row. UNROLL: rows per thread in flight.
-template <typename DType, int HEAD_DIM, int UNROLL>
-__global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
+template <typename DType, int HEAD_DIM, int UNROLL, int MT>
+__global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const LaunchArgs a) {
+  constexpr int kMatchWarps = MT / 32;
   constexpr int kVec = 16;                 // query values each lane quantizes
   constexpr int kBlocks = HEAD_DIM / kVec; // 16-byte blocks per ring row: 8 or 4
   constexpr int kLanes = kBlocks;          // lanes that quantize one copy of the query
@@ -574,8 +575,8 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   const int b = bhq / a.hq, hq = bhq % a.hq;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % kLanes;
-  __shared__ float sm_d[kWarps];
-  __shared__ int32_t sm_p[kWarps];
+  __shared__ float sm_d[kMatchWarps];
+  __shared__ int32_t sm_p[kMatchWarps];
 
   float bd = INFINITY;
   int32_t bp = -1;
@@ -606,13 +607,13 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
     const uint4* ring = reinterpret_cast<const uint4*>(p.state.ring_q) + sh * kBlocks * W;  // block k, row w: + k W + w
     const int2* scales = reinterpret_cast<const int2*>(p.state.ring_qs + sh * W);
     const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
-    for (int32_t xb = x0 + tid; xb - tid < x1; xb += kThreads * UNROLL) {  // uniform over the CTA
+    for (int32_t xb = x0 + tid; xb - tid < x1; xb += MT * UNROLL) {  // uniform over the CTA
       uint4 u[UNROLL][kBlocks];
       int2 sc[UNROLL];
       MacTag tg[UNROLL];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
-        const int32_t x = xb + j * kThreads;
+        const int32_t x = xb + j * MT;
         if (x < x1) {
           const int32_t w = x % W;
 #pragma unroll
@@ -638,7 +639,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
           c = __dp4a(int(u[j][k].w), int(qw[k][3]), c);
         }
         const float dist = QueryDistance(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, c);
-        const int32_t x = xb + j * kThreads;
+        const int32_t x = xb + j * MT;
         const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
         if (valid && Better(dist, x, bd, bp)) {
           bd = dist;
@@ -663,7 +664,7 @@ __global__ void __launch_bounds__(kThreads) MacMatchKernel(const LaunchArgs a) {
   }
   __syncthreads();
   if (tid == 0) {
-    for (int w = 1; w < kWarps; ++w) {
+    for (int w = 1; w < kMatchWarps; ++w) {
       if (Better(sm_d[w], sm_p[w], bd, bp)) {
         bd = sm_d[w];
         bp = sm_p[w];
@@ -1454,11 +1455,19 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Two rows per thread in flight at every grid size: one (84 registers instead of 121 at
 // d = 128) was no faster at B = 32 and 2-3 us slower at B = 64 (session 12).
 constexpr int kMatchRowsInFlight = 2;
+// Match CTAs of 128 threads (121 registers) that fit on a 132-SM H200 at once; larger grids
+// take CTAs of 64 threads (at most 128 registers, 8 per SM): the same threads per SM, twice
+// the CTAs, and each CTA scans its head's W rows in four batches instead of two.
+constexpr int64_t kMatchOneWave = 4 * 132;
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
-  MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  if (ctas > kMatchOneWave) {
+    MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight, 64><<<unsigned(ctas), 64, 0, stream>>>(a);
+  } else {
+    MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight, kThreads><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+  }
   ASMEM_CUDA_CHECK_LAUNCH();
   const int64_t groups = int64_t(a.batch) * a.hkv;
   if (groups <= 128) {
