@@ -283,8 +283,9 @@
 //    each with its own A/B in its commit message (0.2-2.7% each at B >= 32): padded
 //    staging rows and a quad-lane lse merge in the epilogue (c45ee39), a plan CTA with a
 //    thread per group and its inputs loaded before the wait, the bounded combine's inputs
-//    before its wait (f496333), and that combine's eager merge of one- and two-chunk
-//    groups (c838cbd).
+//    before its wait (f496333), that combine's eager merge of one- and two-chunk groups
+//    (c838cbd), and match CTAs of 64 threads past one wave of 128-thread CTAs, so that
+//    B = 32's 1024 heads run in one wave (83c20d1).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
