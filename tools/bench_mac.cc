@@ -84,6 +84,7 @@ struct Options {
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
   std::vector<std::string> layouts = {"independent", "clustered"};
   std::string queries;  // a query trace: replay its steps instead of constructed hit rates
+  std::string timeline;  // ASMEM_MAC_TIMELINE builds: per-CTA stamps, one JSON line per config
   MacConfig mac;
 };
 
@@ -636,6 +637,17 @@ int Run(const Options& opt) {
             const double hit_rate = hs.hit_rate, kv_fraction = hs.kv_fraction;
             const Timing t = TimeGraph([&](cudaStream_t st) { MacAttention(mcfg, mp, ws.p, ws.n, st); }, opt,
                                        stream, flush, spin);
+#ifdef ASMEM_MAC_TIMELINE
+            if (!opt.timeline.empty()) {  // the last timed replay's per-CTA stamps
+              std::FILE* f = std::fopen(opt.timeline.c_str(), "a");
+              if (f == nullptr) throw IoError("cannot append to " + opt.timeline);
+              char label[160];
+              std::snprintf(label, sizeof(label), "%s B=%d ctx=%d %s %.3f med=%.1f", s.name.c_str(), B, ctx,
+                            layout.c_str(), rate, t.median_us);
+              MacTimelineDump(label, f);
+              std::fclose(f);
+            }
+#endif
             const double speedup = full.median_us / t.median_us;
             out["results"].push_back({{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"context", ctx},
                                       {"target_hit_rate", rate}, {"layout", layout}, {"hit_rate", hit_rate},
@@ -725,6 +737,11 @@ int main(int argc, char** argv) {
   app.add_option("--queries", opt.queries,
                  "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "
                  "shape instead of constructed hit rates (uses --batches, --contexts)");
+#ifdef ASMEM_MAC_TIMELINE
+  app.add_option("--timeline", opt.timeline,
+                 "append each constructed config's per-CTA timestamps (last timed replay) to this file as one JSON "
+                 "line (tools/mac_timeline.py summarizes it); the file is emptied first");
+#endif
   asmem::AddMacFlags(app, &opt.mac);
   try {
     app.parse(argc, argv);
@@ -733,6 +750,11 @@ int main(int argc, char** argv) {
       if (app.count("--contexts") == 0) opt.contexts = {32768};
       if (app.count("--hit-rates") == 0) opt.hit_rates = {0.0, 0.99, 1.0};
       if (app.count("--shapes") == 0) opt.shapes = {"llama-3.1-8b"};
+    }
+    if (!opt.timeline.empty()) {
+      std::FILE* f = std::fopen(opt.timeline.c_str(), "w");
+      if (f == nullptr) throw asmem::IoError("cannot write " + opt.timeline);
+      std::fclose(f);
     }
     return asmem::Run(opt);
   } catch (const CLI::ParseError& e) {

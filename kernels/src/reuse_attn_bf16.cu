@@ -25,3 +25,51 @@ void LaunchUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool 
 
 }  // namespace mac
 }  // namespace asmem
+
+#ifdef ASMEM_MAC_TIMELINE
+#include <cstdio>
+#include <vector>
+
+#include "asmem/cuda_check.cuh"
+
+namespace asmem {
+
+// The bf16 kernels' stamps (the f16 kernels of reuse_attn_f16.cu keep their own copies).
+void MacTimelineDump(const char* label, std::FILE* out) {
+  using namespace mac;
+  ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+  int grid[3];
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(grid, g_tl_grid, sizeof(grid)));
+  for (int& g : grid) g = std::min(g, kTlCtas);
+  std::vector<TlAttend> at(static_cast<size_t>(grid[1]));
+  std::vector<unsigned long long> mt(2 * size_t(grid[0])), ct(4 * size_t(grid[2]));
+  unsigned long long pl[3];
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(at.data(), g_tl_attend, sizeof(TlAttend) * at.size()));
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(mt.data(), g_tl_match, sizeof(unsigned long long) * mt.size()));
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(ct.data(), g_tl_combine, sizeof(unsigned long long) * ct.size()));
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(pl, g_tl_plan, sizeof(pl)));
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < grid[0]; ++i) t0 = std::min(t0, mt[2 * i]);
+  auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
+  std::fprintf(out, "{\"label\": \"%s\", \"plan\": [%.2f, %.2f, %.2f], \"match\": [", label, us(pl[0]), us(pl[1]),
+               us(pl[2]));
+  for (int i = 0; i < grid[0]; ++i) std::fprintf(out, "%s[%.2f, %.2f]", i ? ", " : "", us(mt[2 * i]), us(mt[2 * i + 1]));
+  std::fprintf(out, "], \"combine\": [");
+  for (int i = 0; i < grid[2]; ++i) {
+    std::fprintf(out, "%s[%.2f, %.2f, %.2f, %.2f]", i ? ", " : "", us(ct[4 * i]), us(ct[4 * i + 1]), us(ct[4 * i + 3]),
+                 us(ct[4 * i + 2]));
+  }
+  std::fprintf(out, "], \"attend\": [");
+  bool first = true;
+  for (const TlAttend& x : at) {
+    if (x.chunk < 0) continue;  // a CTA past the plan's chunks
+    std::fprintf(out, "%s[%d, %d, %d, %d", first ? "" : ", ", x.chunk, x.sm, x.tiles, x.tokens);
+    for (int k = 0; k < 9; ++k) std::fprintf(out, ", %.2f", us(x.t[k]));
+    std::fprintf(out, "]");
+    first = false;
+  }
+  std::fprintf(out, "]}\n");
+}
+
+}  // namespace asmem
+#endif

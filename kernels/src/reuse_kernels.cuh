@@ -317,6 +317,38 @@ using decode::StoreRow;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
+#ifdef ASMEM_MAC_TIMELINE
+// Diagnostic builds (CMake -DASMEM_MAC_TIMELINE=ON; MacTimelineDump in reuse.h): each CTA of
+// the first kTlCtas of a grid records %globaltimer stamps of its last step (the timer ticks
+// about every 0.26 us on an H200). Off by default: no stamp is compiled in.
+constexpr int kTlCtas = 8192;
+__device__ __forceinline__ unsigned long long TlNow() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ int TlSm() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+// Attend CTA: start, plan waited, chunk located, first tile landed, tile loop done, chunk
+// done, states staged, merge weights written, partials stored.
+struct TlAttend {
+  unsigned long long t[9];
+  int sm, chunk, tiles, tokens;
+};
+__device__ TlAttend g_tl_attend[kTlCtas];
+__device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
+__device__ unsigned long long g_tl_plan[3];              // start, match waited, end
+__device__ unsigned long long g_tl_combine[kTlCtas][4];  // start, attend waited, end, merged
+__device__ int g_tl_grid[3];                             // match, attend, combine CTAs
+__device__ __forceinline__ bool TlCta() { return blockIdx.x < kTlCtas; }
+#define TL(stmt) stmt
+#else
+#define TL(stmt)
+#endif
+
 // (d1, p1) beats (d2, p2): a candidate at all, smaller distance, ties to the earlier position.
 __device__ __forceinline__ bool Better(float d1, int32_t p1, float d2, int32_t p2) {
   if (p1 < 0 || isnan(d1)) return false;  // a NaN distance is no candidate (as on the CPU)
@@ -567,6 +599,7 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
   constexpr int kLanes = kBlocks;          // lanes that quantize one copy of the query
   static_assert(kVec == kMacRingBlock, "a lane's query values are one ring block");
   using P = Pack<DType>;
+  TL(const unsigned long long tl0 = TlNow());
   GridLaunchDependents();  // the plan CTA may launch once every match CTA runs
   const MacParams& p = a.p;
   const int S = a.match_splits;
@@ -673,6 +706,8 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
     }
     // No result needed: the plan kernel reads the keys once this grid is complete.
     if (bp >= 0) atomicMin(p.state.match_best + int64_t(slot) * a.hq + hq, CandidateKey(__float_as_uint(bd), bp));
+    TL(if (TlCta()) { g_tl_match[blockIdx.x][0] = tl0; g_tl_match[blockIdx.x][1] = TlNow(); }
+       if (blockIdx.x == 0) g_tl_grid[0] = gridDim.x);
   }
 }
 
@@ -683,13 +718,16 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
 // (griddepcontrol.wait).
 template <typename DType, int NT>
 __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
+  TL(if (threadIdx.x == 0) g_tl_plan[0] = TlNow());
   const PlanInputs first = LoadPlanInputs(a, int(threadIdx.x));  // inputs: before the wait
   GridDependencyWait();
+  TL(if (threadIdx.x == 0) g_tl_plan[1] = TlNow());
   // The attend grid (a programmatic dependent with MacDecodeConfig::programmatic_launch)
   // may launch now: its CTAs come resident while the plan is made, once the match grid,
   // which they would crowd, is done; they wait for this grid before reading the plan.
   GridLaunchDependents();
   PlanStep<NT>(a, first);
+  TL(if (threadIdx.x == 0) g_tl_plan[2] = TlNow());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -920,6 +958,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   for (int tile = 0; tile < n_tiles; ++tile) {
     CpAsyncWait<kStages - 2>();  // this thread's copies of `tile` have landed
     __syncthreads();             // everyone's have; the buffer of tile-1 is free again
+    TL(if (tile == 0 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[3] = TlNow());
     issue_tile(tile + kStages - 1);
     const DType* kt = tiles + (tile % kStages) * 2 * kTile;
     const DType* vt = kt + kTile;
@@ -966,6 +1005,8 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   }
   CpAsyncWait<0>();
   __syncthreads();  // the tiles' shared memory is reused below
+  TL(if (tid == 0 && !a.fill && TlCta()) { g_tl_attend[blockIdx.x].t[4] = TlNow(); g_tl_attend[blockIdx.x].tiles = n_tiles;
+                                g_tl_attend[blockIdx.x].tokens = w1 - w0; });
 
   // Per-warp normalized states per head, then one merge across warps per state.
   // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
@@ -1006,6 +1047,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   if (cp.row_band >= 0) stage(sb, smf);
   if (cp.row_out >= 0) stage(so, smf + kStateFloats);
   __syncthreads();
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[6] = TlNow());
   // Thread k G kWarps + hh kWarps + w: state k, head hh, warp w's lse; a quad of lanes per
   // (state, head) merges them (decode::QuadLseSum), in warps 0 and 1 (G = 8: 64 entries).
   constexpr int kEntries = 2 * GROUP * kWarps;
@@ -1025,6 +1067,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     }
   }
   __syncthreads();
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[7] = TlNow());
   for (int e = tid * 4; e < 2 * GROUP * HEAD_DIM; e += kThreads * 4) {
     const int k = e / (GROUP * HEAD_DIM), hh = (e / HEAD_DIM) % GROUP, c = e % HEAD_DIM;
     const int64_t row = row_of(k);
@@ -1043,6 +1086,7 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     }
     *reinterpret_cast<float4*>(&a.part_o[(row + hh) * HEAD_DIM + c]) = o;
   }
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[8] = TlNow());
 }
 
 // Two CTAs per SM (96 KB of tiles and 1 KB of page ids each at d = 128), as decode
@@ -1063,7 +1107,11 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
+  TL(const unsigned long long tl0 = TlNow());
+  TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
+                             g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
   GridDependencyWait();  // the plan is complete and visible
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[1] = TlNow());
   GridLaunchDependents();
   // The chunk's descriptor is read together with the chunk count (the array has
   // max_chunks entries; one past the plan holds a stale value, never used).
@@ -1081,8 +1129,10 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
     d.band_lo = d1.x;
     d.band_end = d1.y;
     const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
+    TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[2] = TlNow(); g_tl_attend[blockIdx.x].chunk = c; });
     AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP,
                                         reinterpret_cast<char*>(mac_smem));
+    TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[5] = TlNow());
   }
 }
 
@@ -1284,6 +1334,7 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
+  TL(if (threadIdx.x == 0 && TlCta()) { g_tl_combine[blockIdx.x][0] = TlNow(); if (blockIdx.x == 0) g_tl_grid[2] = gridDim.x; });
   const MacParams& p = a.p;
   const int bhq = int(blockIdx.x);
   const int b = bhq / a.hq, hq = bhq % a.hq;
@@ -1350,9 +1401,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
     }
   }
   GridDependencyWait();  // the attend partials are visible
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][1] = TlNow());
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
   MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
                                                a.group, g, st);
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][3] = TlNow());
   if (warp != 0) return;
   if constexpr (!kEarly) {  // written by warp 0 before MergePartials' barriers
 #pragma unroll
@@ -1387,6 +1440,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
     p.state.ring_lse[row] = st[0].lse;
     if (hq == 0) p.state.ring_tag[int64_t(slot) * W + m % W] = MacTag{m, epoch};
   }
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][2] = TlNow());
 }
 
 template <typename DType, int HEAD_DIM>

@@ -89,6 +89,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 
 #include "asmem/cuda_fwd.h"
 #include "asmem/decode.h"  // KernelDType and the 16-bit conversions
@@ -269,5 +270,17 @@ void MacFillCpu(const MacDecodeConfig& config, const MacFillParams& params);
 // group's hit positions (-1: miss) and T; full attention streams T.
 int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit_pos,
                        int32_t group_size);
+
+#ifdef ASMEM_MAC_TIMELINE
+// Diagnostic builds only (CMake -DASMEM_MAC_TIMELINE=ON, off by default): the bf16 MAC
+// kernels record per-CTA %globaltimer stamps of the last step, written here as one JSON
+// line, us from the first match CTA's start: "plan" [start, match waited, end]; "match"
+// [start, end] per CTA; "combine" [start, attend waited, merged, end] per CTA; "attend"
+// [chunk, SM, tiles, tokens, start, plan waited, chunk read, first tile landed, tile loop
+// done, chunk done, states staged, merge weights written, partials stored] per CTA that
+// had a chunk. At most 8192 CTAs per grid. Synchronizes the device. tools/mac_timeline.py
+// summarizes a file of such lines (asmem_bench_mac --timeline).
+void MacTimelineDump(const char* label, std::FILE* out);
+#endif
 
 }  // namespace asmem

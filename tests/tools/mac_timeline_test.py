@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""tools/mac_timeline.py on a hand-made step whose summary is worked out below, and on bad
+input (a one-line error, exit status 1)."""
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import mac_timeline  # noqa: E402
+
+STEP = {
+    "label": "hand-made",
+    "plan": [1.0, 4.0, 6.0],
+    "match": [[0.0, 3.0], [0.5, 4.0]],
+    # start, attend waited, merged, end
+    "combine": [[10.0, 20.0, 22.0, 24.0], [10.0, 21.0, 24.0, 25.0]],
+    # chunk, SM, tiles, tokens, start, plan waited, chunk read, first tile, loop done, done,
+    # staged, weighed, stored
+    "attend": [[0, 3, 4, 256, 5.0, 6.0, 7.0, 9.0, 15.0, 18.0, 16.0, 17.0, 17.5],
+               [1, 4, 2, 128, 5.0, 6.0, 7.0, 9.5, 12.0, 14.0, 13.0, 13.5, 13.8]],
+}
+
+EXPECTED = [
+    "== hand-made",
+    "match: 2 CTAs, start 0.0-0.5, end p50 4.0, last 4.0",
+    "plan: start 1.0, match waited 4.0, end 6.0",
+    "attend: 2 chunks, CTAs start 5.0-5.0, plan waited 6.0-6.0, end p50 18.0, last 18.0",
+    # descriptor: 7 - 6 both; first tile: 9 - 7, 9.5 - 7; loop: 15 - 9, 12 - 9.5
+    "descriptor 1.0 / 1.0 / 1.0; to first tile 2.0 / 2.5 / 2.5; tile loop 2.5 / 6.0 / 6.0",
+    # stage 16 - 15, 13 - 12; weights 1, 0.5; stores 0.5, 0.3; whole chunk 18 - 6, 14 - 6
+    "stage 1.0 / 1.0 / 1.0; weights 0.5 / 1.0 / 1.0; stores 0.3 / 0.5 / 0.5; whole chunk 8.0 / 12.0 / 12.0",
+    # (15 - 9) / 3 and (12 - 9.5) / 1
+    "us per tile after the first: 2 tiles (n = 1) 2.50, 4 tiles (n = 1) 2.00",
+    "chunks starting more than 5 us after the first: 0",
+    "combine: 2 CTAs, attend waited p50 21.0, merge p50 3.0, then p50 2.0 to the end, last end 25.0",
+]
+
+
+def main():
+    text = mac_timeline.summarize(STEP)
+    missing = [e for e in EXPECTED if e not in text]
+    if missing:
+        print(text)
+        sys.exit("missing from the summary: " + " | ".join(missing))
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("{not json\n")
+        bad = f.name
+    try:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "mac_timeline.py"), bad],
+                           capture_output=True, text=True)
+    finally:
+        os.unlink(bad)
+    if r.returncode != 1 or "1: not a JSON line" not in r.stderr or r.stderr.count("\n") != 1:
+        sys.exit(f"bad input: status {r.returncode}, stderr {r.stderr!r}")
+    print("mac_timeline summary and bad-input checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Summarizes the per-CTA timestamps of a MAC step.
+
+Input: the file `asmem_bench_mac --timeline FILE` writes in a build configured with
+-DASMEM_MAC_TIMELINE=ON, one JSON line per benchmark config (layout: MacTimelineDump in
+kernels/include/asmem/reuse.h). Times are microseconds from the first match CTA's start.
+
+    tools/mac_timeline.py FILE
+"""
+import argparse
+import json
+import statistics
+import sys
+
+
+def quantile(values, q):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def summarize(step):
+    out = [f"== {step['label']}"]
+    match, plan, attend, combine = step["match"], step["plan"], step["attend"], step["combine"]
+    if match:
+        starts = [m[0] for m in match]
+        ends = [m[1] for m in match]
+        out.append(f"  match: {len(match)} CTAs, start {min(starts):.1f}-{max(starts):.1f}, "
+                   f"end p50 {quantile(ends, 0.5):.1f}, last {max(ends):.1f}")
+    out.append(f"  plan: start {plan[0]:.1f}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
+    if attend:
+        col = lambda i: [a[i] for a in attend]  # noqa: E731
+        start, waited, located, first, loop_end, end = (col(i) for i in range(4, 10))
+        staged, weighed, stored = col(10), col(11), col(12)
+        since = [max(a[5], a[4]) for a in attend]  # the chunk's own start: after the plan
+        out.append(f"  attend: {len(attend)} chunks, CTAs start {min(start):.1f}-{max(start):.1f}, "
+                   f"plan waited {min(waited):.1f}-{max(waited):.1f}, end p50 {quantile(end, 0.5):.1f}, "
+                   f"last {max(end):.1f}")
+        per = {
+            "descriptor": [l - s for l, s in zip(located, since)],
+            "to first tile": [f - l for f, l in zip(first, located)],
+            "tile loop": [e - f for e, f in zip(loop_end, first)],
+            "stage": [s - e for s, e in zip(staged, loop_end)],
+            "weights": [w - s for w, s in zip(weighed, staged)],
+            "stores": [t - w for t, w in zip(stored, weighed)],
+            "whole chunk": [e - s for e, s in zip(end, since)],
+        }
+        out.append("  per chunk, p10 / p50 / p90 us: " + "; ".join(
+            f"{k} {quantile(v, 0.1):.1f} / {quantile(v, 0.5):.1f} / {quantile(v, 0.9):.1f}" for k, v in per.items()))
+        by_tiles = {}
+        for a in attend:
+            if a[2] > 1:
+                by_tiles.setdefault(a[2], []).append((a[8] - a[7]) / (a[2] - 1))
+        common = sorted(sorted(by_tiles, key=lambda k: -len(by_tiles[k]))[:4])
+        out.append("  us per tile after the first: " + ", ".join(
+            f"{k} tiles (n = {len(by_tiles[k])}) {statistics.median(by_tiles[k]):.2f}" for k in common))
+        late = [s for s in start if s > min(start) + 5]
+        out.append(f"  chunks starting more than 5 us after the first: {len(late)}")
+    if combine:
+        waited = [c[1] for c in combine]
+        merged = [c[2] - c[1] for c in combine]
+        ended = [c[3] - c[2] for c in combine]
+        out.append(f"  combine: {len(combine)} CTAs, attend waited p50 {quantile(waited, 0.5):.1f}, "
+                   f"merge p50 {quantile(merged, 0.5):.1f}, then p50 {quantile(ended, 0.5):.1f} to the end, "
+                   f"last end {max(c[3] for c in combine):.1f}")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", help="asmem_bench_mac --timeline output")
+    args = ap.parse_args()
+    try:
+        with open(args.file) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        sys.exit(f"mac_timeline.py: cannot read {args.file}: {e.strerror}")
+    for n, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError as e:
+            sys.exit(f"mac_timeline.py: {args.file}:{n}: not a JSON line ({e.msg})")
+        print(summarize(step))
+
+
+if __name__ == "__main__":
+    main()
