@@ -413,35 +413,28 @@ __device__ __forceinline__ void StoreOut(DType* dst, const float* o) {
   }
 }
 
-// The LseSum (state.cuh) of all 32 lanes' sums, in every lane; with kLast = 2, of the
-// lanes of this lane's parity only (the xor offsets stop at kLast).
+// sum combined with the LseSum (state.cuh) of the lane at xor offset `off`.
+__device__ __forceinline__ LseSum LseSumXor(LseSum sum, int off) {
+  LseSum other;
+  other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
+  other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
+  other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
+  return lse_sum_combine(sum, other);
+}
+
+// The LseSum of all 32 lanes' sums, in every lane; with kLast = 2, of the lanes of this
+// lane's parity only (the xor offsets stop at kLast).
 template <int kLast = 1>
 __device__ __forceinline__ LseSum WarpLseSum(LseSum sum) {
 #pragma unroll
-  for (int off = 16; off >= kLast; off >>= 1) {
-    LseSum other;
-    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
-    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
-    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
-    sum = lse_sum_combine(sum, other);
-  }
+  for (int off = 16; off >= kLast; off >>= 1) sum = LseSumXor(sum, off);
   return sum;
 }
 
 // The LseSum of each aligned quad of lanes (xor offsets 1 and 2), in every lane of the quad:
 // an attention CTA's four warps' states of one head merge in one quad, in two steps, not
 // in four sequential adds of one thread.
-__device__ __forceinline__ LseSum QuadLseSum(LseSum sum) {
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    LseSum other;
-    other.max = __shfl_xor_sync(0xffffffffu, sum.max, off);
-    other.sum = __shfl_xor_sync(0xffffffffu, sum.sum, off);
-    other.inf = __shfl_xor_sync(0xffffffffu, sum.inf, off);
-    sum = lse_sum_combine(sum, other);
-  }
-  return sum;
-}
+__device__ __forceinline__ LseSum QuadLseSum(LseSum sum) { return LseSumXor(LseSumXor(sum, 1), 2); }
 
 // ---------------------------------------------------------------------------------------
 // Lookup kernel (dictionaries only), launched before the attention kernel, which starts
