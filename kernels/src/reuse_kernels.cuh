@@ -1510,9 +1510,10 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Two rows per thread in flight at every grid size: one (84 registers instead of 121 at
 // d = 128) was no faster at B = 32 and 2-3 us slower at B = 64 (session 12).
 constexpr int kMatchRowsInFlight = 2;
-// Match CTAs of 128 threads (121 registers) that fit on a 132-SM H200 at once; larger grids
-// take CTAs of 64 threads (at most 128 registers, 8 per SM): the same threads per SM, twice
-// the CTAs, and each CTA scans its head's W rows in four batches instead of two.
+// Match CTAs of 128 threads (124 registers, 4 per SM) that fit on a 132-SM H200 at once;
+// larger grids take CTAs of 64 threads (121 registers, bounded to 128: 8 per SM): the same
+// threads per SM, twice the CTAs, and each CTA scans its head's W rows in four batches
+// instead of two.
 constexpr int64_t kMatchOneWave = 4 * 132;
 
 template <typename DType, int HEAD_DIM>
