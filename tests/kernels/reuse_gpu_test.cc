@@ -440,5 +440,25 @@ TEST(MacGpu, LongContextsSplitOverManyChunks) {
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
 }
 
+// One group whose chunks fill the most partial rows the combine merges per head (2 x 128,
+// two per thread of MergePartials): the base chunk is the 64-token minimum (one group), and
+// a miss covers T = T0 + 1 + step = 8166..8169 tokens: 128 chunks (kMaxGroupChunks) of 64.
+TEST(MacGpu, OneGroupAtTheMostPartialRows) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(605);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "most-partial-rows";
+  c.Hq = 4;
+  c.Hkv = 1;
+  c.d = 64;
+  c.mac = MakeMac(24, 32, 2, 0);
+  c.T0 = {8165};
+  c.steps = 4;
+  c.p_hit = 0.3;
+  const MacSeqStats st = RunOnGpu(c, seed);
+  EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+}
+
 }  // namespace
 }  // namespace asmem
