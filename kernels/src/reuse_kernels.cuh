@@ -280,7 +280,7 @@
 //    one or two tiles, done 13.3-14.8, combine done 19.2. So a chunk's fixed cost (about
 //    4 us before its first tile, 3 after its last) and the second wave of short chunks,
 //    not the streaming, are what the 99% step adds to the all-hit one. Merged after it,
-//    each with its own A/B in its commit message (0.2-2.7% each at B >= 32): padded
+//    each with its own A/B in its commit message (B >= 32 cells -2.7% .. +1.2%): padded
 //    staging rows and a quad-lane lse merge in the epilogue (c45ee39), a plan CTA with a
 //    thread per group and its inputs loaded before the wait, the bounded combine's inputs
 //    before its wait (f496333), that combine's eager merge of one- and two-chunk groups
@@ -1514,7 +1514,7 @@ constexpr int kMatchRowsInFlight = 2;
 // larger grids take CTAs of 64 threads (121 registers, bounded to 128: 8 per SM): the same
 // threads per SM, twice the CTAs, and each CTA scans its head's W rows in four batches
 // instead of two.
-constexpr int64_t kMatchOneWave = 4 * 132;
+constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
@@ -1563,7 +1563,7 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
 // 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
 // Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
 // flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
-constexpr int64_t kCombineOneWave = 5 * 132;
+constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
 
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
