@@ -98,37 +98,33 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode plan: after the match, one CTA divides the step's KV work into chunks. A group's
-// work is its sink [0, sink_end) followed by its body [band_lo, end) (band, then tail):
-// W_u = sink_end + end - band_lo tokens, contiguous [0, T) on a miss (band_lo = sink_end).
-// base = max(kMinChunk, ceil(total / kTargetChunks)); each group gets
-// n_u = clamp(round(W_u / base), 1, kMaxGroupChunks) chunks of equal length (rounded up to
-// kChunkAlign), so the step has about kTargetChunks chunks of about `base` tokens: one wave
-// of two attention CTAs per SM, as decode attention's split (decode_common.h kTargetCtas).
-// A chunk may span the sink, the band and the tail of its group: the attention CTA keeps
-// two states (band -> entry, sink and tail -> output), so a group that hits costs one CTA
-// and one pipeline fill, not one per segment. Chunks of groups with W_u >= base are
-// numbered first, the shorter groups' after them (CTAs start in index order). At most
-// kTargetChunks + B * Hkv chunks (n_u <= W_u / base + 1); the attention grid has that many
-// CTAs and the unused ones exit. Each chunk is written out whole (ChunkDesc).
+// Decode plan: after the match, one CTA divides the step's KV work among kTargetChunks
+// attention CTAs (one wave of two per SM, as decode attention's split, decode_common.h
+// kTargetCtas). A group's work is its sink [0, sink_end) followed by its body [band_lo,
+// end) (band, then tail): W_u = sink_end + end - band_lo tokens, contiguous [0, T) on a
+// miss (band_lo = sink_end). In blocks of kChunkAlign tokens a group costs
+// kSegmentFixedBlocks (what starting a segment costs a CTA: its states' write-back, the
+// pipeline's turn to another group) plus its work blocks. The costs are laid end to end in
+// group order and the line is cut into portions of S blocks, S = PortionBlocks(total, most
+// work blocks of a group); CTA k takes portion k, one or more segments: the parts of the
+// groups' work in it (ChunkDesc, written out whole; a group's segments are numbered in
+// order, so its partial rows stay consecutive). A segment may span the sink, the band and
+// the tail of its group: the attention CTA keeps two states (band -> entry, sink and tail
+// -> output), so a group that hits costs one segment, not one per range. A CTA streams its
+// segments back to back (reuse_kernels.cuh AttendSegments): the pipeline fills once per
+// CTA. At most kTargetChunks + B * Hkv segments, at most kMaxGroupChunks per group.
 // ---------------------------------------------------------------------------------------
-// kMinChunk 64 (128 before session 14; H200, asmem_bench_mac, clustered, two runs each, us):
-// B = 1 all-hit LLaMA-8B 32K 24.8-25.0 -> 24.5-24.8, 128K 24.0-25.0 -> 24.3-24.5, GQA-8 32K
-// 24.2-25.4 -> 24.1-24.9, 128K 25.5-25.7 -> 24.3-25.0; B >= 16 within run-to-run spread.
-// kTargetChunks 264 / 256 / 200 / 132 (session 15, through a temporary knob not kept, read flush, one
-// machine session, two runs each, us): no setting is better everywhere, because where the
-// hits' one-chunk groups and the misses' chunks fall in the waves moves with it. 200 gives
-// GQA-8 B = 32 99% per group 73.6-73.9 -> 62.6-62.8 and LLaMA-8B 89.8-90.1 -> 84.0-84.4, B = 16
-// 99% per head 75.6-75.7 -> 63.7-64.3, but LLaMA-8B B = 32 99% per head at 128K 205.1-205.2 ->
-// 218.7-219.6, GQA-8 B = 16 all-miss 32K 272.9-273.3 -> 287.1-287.6 (128K 989.6-989.9 ->
-// 1045.9-1046.2), GQA-8 B = 32 all-hit 54.4-54.5 -> 59.3-59.5; 256: GQA-8 B = 32 99% per group
-// 65.2-65.3, LLaMA-8B B = 64 99% per head 128K 409.5-409.9 -> 423.3-423.8; 132: B = 1 and
-// B = 16 all-miss up to 1.5x slower (one CTA per SM). A plan that picks the chunk length
-// from a model of the waves, not one fixed target, is where this points.
+// The earlier plan (until session 18) gave each group round(W_u / base) chunks of equal
+// length and each chunk its own CTA, about kTargetChunks of them; at 99% hits the hit
+// groups' one-chunk groups and the misses' chunks then ran in a wave and a part (349
+// chunks at B = 32), each chunk paying about 4 us before its first tile and 3 after its last
+// (the per-CTA timeline in reuse_kernels.cuh). Its kTargetChunks and kMinChunk sweeps are
+// recorded there.
 constexpr int32_t kTargetChunks = 2 * 132;
 constexpr int32_t kMinChunk = 64;
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
+constexpr int32_t kSegmentFixedBlocks = 1;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
@@ -139,22 +135,18 @@ constexpr int32_t kFillMaxSplits = 128;
 
 ASMEM_HOST_DEVICE int32_t CeilDiv(int64_t a, int64_t b) { return int32_t((a + b - 1) / b); }
 
-// `total`: work tokens of the whole step -> the base chunk length.
-ASMEM_HOST_DEVICE int32_t ChunkBase(int64_t total) {
-  int64_t per = (total + kTargetChunks - 1) / kTargetChunks;
-  if (per < kMinChunk) per = kMinChunk;
-  return per > (int64_t(1) << 30) ? (1 << 30) : int32_t(per);
-}
+// Work blocks (kChunkAlign tokens) of `work` tokens, and a group's cost on the plan's line.
+ASMEM_HOST_DEVICE int64_t WorkBlocks(int32_t work) { return work > 0 ? (int64_t(work) + kChunkAlign - 1) / kChunkAlign : 0; }
+ASMEM_HOST_DEVICE int64_t SegmentCost(int32_t work) { return work > 0 ? WorkBlocks(work) + kSegmentFixedBlocks : 0; }
 
-// Chunks of a group of `work` tokens (> 0): *n chunks of *per tokens (the last shorter).
-ASMEM_HOST_DEVICE void GroupChunks(int32_t work, int32_t base, int32_t* n, int32_t* per) {
-  int64_t k = (int64_t(work) + base / 2) / base;
-  if (k < 1) k = 1;
-  if (k > kMaxGroupChunks) k = kMaxGroupChunks;
-  int64_t len = (work + k - 1) / k;
-  len = (len + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  *per = int32_t(len);
-  *n = CeilDiv(work, len);
+// Blocks per CTA portion from the line's total cost and the most work blocks of one group:
+// at most kTargetChunks portions, and at most kMaxGroupChunks segments per group (a group
+// of nb blocks meets at most (nb - 1) / S + 2 portions).
+ASMEM_HOST_DEVICE int64_t PortionBlocks(int64_t total, int64_t most) {
+  int64_t s = (total + kTargetChunks - 1) / kTargetChunks;
+  const int64_t by_group = (most + kMaxGroupChunks - 2) / (kMaxGroupChunks - 1);
+  if (s < by_group) s = by_group;
+  return s < 1 ? 1 : s;
 }
 
 // MacFill chunk of a range of `len` tokens over `splits` CTAs.
@@ -176,15 +168,14 @@ inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
 
 // The plan of one group (written by the plan kernel).
 struct UnitPlan {
-  int32_t first_chunk;  // global index of its first chunk
-  int32_t n_chunks;     // its chunks, each `per` work tokens (the last shorter)
-  int32_t per;
+  int32_t first_chunk;  // global index of its first segment
+  int32_t n_chunks;     // its segments, in work order
   int32_t sink_end, band_lo, band_end, end;
 };
-// One planned chunk as the attention CTA reads it (one 32-byte load, no further plan
-// lookups): group u, work tokens [w0, w1), and the group's ranges.
+// One planned segment as the attention CTA reads it (32 bytes, no further plan lookups):
+// group u (request b, KV head h), work tokens [w0, w1), and the group's ranges.
 struct alignas(16) ChunkDesc {
-  int32_t u, w0, w1, sink_end, band_lo, band_end, pad0, pad1;
+  int32_t u, w0, w1, sink_end, band_lo, band_end, b, h;
 };
 // Work tokens of a group (sink, then body): index w is token w < sink_end ? w : w + band_lo -
 // sink_end.
@@ -229,10 +220,12 @@ struct StateLayout {
 StateLayout LayoutState(const MacDecodeConfig& config);
 
 struct WorkspaceLayout {
-  size_t plan_info = 0;   // uint32 [2]: chunk tokens, chunks
+  size_t plan_info = 0;   // uint32 [2]: portion tokens, segments
   size_t heads = 0;       // [B, Hq] HeadDecision
   size_t units = 0;       // [B, Hkv] UnitPlan
   size_t chunks = 0;      // [MaxChunks] ChunkDesc
+  size_t cta_first = 0;   // int32 [kTargetChunks + 1]: CTA k's segments are
+                          // [cta_first[k], cta_first[k + 1])
   size_t part_o = 0;      // [MaxChunks, 2, G, d] f32: per chunk the band state, then the
                           // sink-and-tail state
   size_t part_lse = 0;    // [MaxChunks, 2, G] f32

@@ -240,6 +240,8 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   off = AlignUp(off + B * Hkv * sizeof(UnitPlan));
   w.chunks = off;
   off = AlignUp(off + chunks * sizeof(ChunkDesc));
+  w.cta_first = off;
+  off = AlignUp(off + size_t(kTargetChunks + 1) * sizeof(int32_t));
   w.part_o = off;
   off = AlignUp(off + chunks * 2 * G * d * sizeof(float));
   w.part_lse = off;

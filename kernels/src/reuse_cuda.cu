@@ -87,6 +87,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.heads = reinterpret_cast<HeadDecision*>(ws + L.heads);
   a.units = reinterpret_cast<UnitPlan*>(ws + L.units);
   a.chunks = reinterpret_cast<ChunkDesc*>(ws + L.chunks);
+  a.cta_first = reinterpret_cast<int32_t*>(ws + L.cta_first);
   a.max_chunks = MaxChunks(p.batch, c.num_kv_heads);
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
@@ -96,7 +97,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
     LaunchMatch<DType, HEAD_DIM>(a, stream);
-    LaunchAttend<DType, HEAD_DIM, GROUP>(a, a.max_chunks, stream);
+    LaunchAttend<DType, HEAD_DIM, GROUP>(a, kTargetChunks, stream);
     LaunchCombine<DType, HEAD_DIM>(a, stream);
   });
 }

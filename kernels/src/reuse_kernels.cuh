@@ -12,25 +12,29 @@
 //  * Plan, one CTA launched with programmatic dependent launch after the match (resident
 //    while the match's last CTAs run; griddepcontrol.wait): turns the keys into per-head
 //    decisions (resetting them), lets the attend grid launch (its CTAs wait for the plan),
-//    and plans the KV work: per-group ranges, the chunks of each
-//    group (about one wave of two CTAs per SM over the step's total work), one descriptor
-//    per chunk (reuse_common.h). Until 6157657 the match's last CTA ran it (a done count in
-//    the layer state): every match CTA then waited for its key atomic, a fence and the
-//    count's round trip before it ended. The plan kernel, one machine session, two runs
-//    each, us, 32K unless said: LLaMA-8B B = 1 all-hit 28.2 -> 27.0-27.1, all-miss 66.0-66.2
-//    -> 64.9-65.1, B = 32 99% per group 96.7-96.8 -> 95.1-95.2 (128K 133.5-133.6 ->
-//    131.8-132.0), all-hit 76.9-77.1 -> 75.0, B = 64 99% 150.9-151.3 -> 148.5-148.8; GQA-8
-//    B = 32 99% 80.5-80.7 -> 78.4-78.6, B = 64 99% 126.0-126.1 -> 122.6-122.8.
-//  * Attend, one CTA per planned chunk (a grid of the most chunks a plan can have; the
-//    CTAs past the plan exit at once): a run of one group's work tokens (its sink, then its
-//    band and tail), streamed once for the G heads exactly as decode attention streams a
-//    split (decode_kernels.cuh AttentionBlock: 64-token K/V tiles at d = 128, a 3-stage
-//    cp.async pipeline, Q K^T and P V on tensor cores with the G heads as the mma N
-//    dimension, two CTAs per SM), but with the page ids coming into shared memory by
-//    cp.async with the copies of the tile two before (97 KB of shared memory at d = 128).
-//    Two online-softmax states per lane: the band (each head from its own band start:
-//    the new entry) and the sink and tail (the output); a 16-token piece of a warp updates
-//    only the states it touches. Two normalized partial states per chunk and head.
+//    and plans the KV work: per-group ranges, then the groups' costs laid end to end and
+//    cut into one portion per attention CTA (at most kTargetChunks: one wave of two CTAs
+//    per SM), each portion one or more segments of one group's work (reuse_common.h), one
+//    descriptor per segment and each CTA's first segment. Until 6157657 the match's last
+//    CTA ran it (a done count in the layer state): every match CTA then waited for its key
+//    atomic, a fence and the count's round trip before it ended. The plan kernel, one
+//    machine session, two runs each, us, 32K unless said: LLaMA-8B B = 1 all-hit 28.2 ->
+//    27.0-27.1, all-miss 66.0-66.2 -> 64.9-65.1, B = 32 99% per group 96.7-96.8 -> 95.1-95.2
+//    (128K 133.5-133.6 -> 131.8-132.0), all-hit 76.9-77.1 -> 75.0, B = 64 99% 150.9-151.3 ->
+//    148.5-148.8; GQA-8 B = 32 99% 80.5-80.7 -> 78.4-78.6, B = 64 99% 126.0-126.1 ->
+//    122.6-122.8.
+//  * Attend, one CTA per portion (kTargetChunks CTAs; those past the plan's portions exit at
+//    once): its segments streamed back to back through one pipeline (AttendSegments), each
+//    a run of one group's work tokens (its sink, then its band and tail), streamed once for
+//    the G heads exactly as decode attention streams a split (decode_kernels.cuh
+//    AttentionBlock: 64-token K/V tiles at d = 128, a 3-stage cp.async pipeline, Q K^T and
+//    P V on tensor cores with the G heads as the mma N dimension, two CTAs per SM), with
+//    the page ids coming into shared memory by cp.async with the copies of the tile two
+//    before, and each segment's descriptor, query rows and band starts in rings ahead of
+//    its tiles (110 KB of shared memory at d = 128, G = 8). Two online-softmax states per
+//    lane: the band (each head from its own band start: the new entry) and the sink and
+//    tail (the output); a 16-token piece of a warp updates only the states it touches. Two
+//    normalized partial states per segment and head.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
 //    then the ring writes (query, entry, tag). Every merge is state.cuh's.
@@ -286,6 +290,24 @@
 //    before its wait (f496333), that combine's eager merge of one- and two-chunk groups
 //    (c838cbd), and match CTAs of 64 threads past one wave of 128-thread CTAs, so that
 //    B = 32's 1024 heads run in one wave (83c20d1).
+//  * Session 18: the streamed segments (AttendSegments and the portion plan; before, each
+//    planned chunk had its own CTA and paid the pipeline's fill and its epilogue alone,
+//    and at 99% per group 87 of 349 chunks ran in a second wave). bench_mac, clustered
+//    unless said, two runs each, us, base -> new, in four machine sessions whose machines
+//    differed by up to 6% in full attention, the first and last given. LLaMA-8B B = 32 99%
+//    per group 32K 82.4, 82.3 -> 76.4, 76.7 and 83.2, 83.0 -> 76.8, 77.5; 128K 117.3,
+//    117.3 -> 113.1, 113.4 and 119.6, 120.2 -> 115.8, 115.3; per head 32K 108.0, 108.1 ->
+//    101.6, 101.4; GQA-8 B = 32 99% per group 70.0, 70.3 -> 61.6, 62.4 and 65.2, 65.2 ->
+//    63.1, 63.1; B = 64 99% 1-6% faster, all-miss at B >= 32 0.4-1.4% faster. Slower: B = 1
+//    all-hit 22.2-22.9 -> 23.1-24.3 (the plan and one more round trip per CTA: its range,
+//    then its descriptors), B = 16 and 32 all-hit 2-13% (LLaMA-8B B = 32 62.1, 62.2 ->
+//    63.0, 63.7; GQA-8 B = 32 50.9 -> 54.9-55.3), GQA-8 B = 16 99% per group 3-9%, B = 1
+//    all-miss 3-15% (LLaMA-8B 32K 53.7 -> 58.3 and 54.7, 54.4 -> 60.6; in the timeline one
+//    CTA ends 5-7 us after the median, against 2 us before, for a reason not found). The
+//    plan CTA takes 4-6 us after the match against 3-5 before (timeline); with each
+//    group's segments written by its own thread it held the attention grid back by up to
+//    20 us at 128K (a hundred segments in turn), by the lanes of the group's warp 1-2 us
+//    at B = 1. Register counts at d = 128: 206-221 (no spills).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -366,18 +388,18 @@ __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
 
 // Exclusive scan of one int per thread over a CTA of WARPS warps; *total gets the sum. Ends
 // synced.
-template <int WARPS = kWarps>
-__device__ __forceinline__ int32_t BlockExclusiveScan(int32_t x, int32_t* total, int32_t* sm) {
+template <int WARPS = kWarps, typename T = int32_t>
+__device__ __forceinline__ T BlockExclusiveScan(T x, T* total, T* sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int32_t incl = x;
+  T incl = x;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+    const T y = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += y;
   }
   if (lane == 31) sm[warp] = incl;
   __syncthreads();
-  int32_t before = 0, all = 0;
+  T before = 0, all = 0;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) {
     if (w < warp) before += sm[w];
@@ -416,11 +438,20 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
   const int G = a.group;
   const int nu = a.batch * a.hkv;
   __shared__ long long sm_tok[kPlanWarps];
+  __shared__ long long sm_scan64[kPlanWarps];
+  __shared__ int32_t sm_most[kPlanWarps];
   __shared__ int32_t sm_scan[kPlanWarps];
+  // Per group of a batch of NT: its segments' inclusive end within the batch, its first
+  // portion (| 0x10000: the portion starts in its range), its first work block's offset in
+  // that portion, its work tokens and ranges (28 B per thread).
+  __shared__ struct {
+    int32_t incl[NT], pf[NT], q0[NT], work[NT], sink_end[NT], band_lo[NT], band_end[NT];
+  } sm_seg;
   // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
   // The first group of each thread stays in registers for the passes below (B * Hkv <= NT:
   // no global round trip between them).
-  long long tok = 0;
+  long long tok = 0;  // the groups' costs (reuse_common.h SegmentCost)
+  int32_t most = 0;   // the most work blocks of a group
   UnitPlan mine{};
   for (int u = tid; u < nu; u += NT) {
     const int b = u / a.hkv, h = u % a.hkv;
@@ -456,70 +487,128 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
       up.band_lo = R.band_lo;
       up.band_end = R.band_end;
       up.end = R.end;
-      tok += UnitWork(up);
+      const int32_t work = UnitWork(up);
+      tok += SegmentCost(work);
+      most = max(most, int32_t(WorkBlocks(work)));
     }
     a.units[u] = up;  // ranges now, chunks below (read back by this thread only)
     if (u == tid) mine = up;
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) tok += __shfl_xor_sync(0xffffffffu, tok, o);
-  if (lane == 0) sm_tok[warp] = tok;
+  for (int o = 16; o > 0; o >>= 1) {
+    tok += __shfl_xor_sync(0xffffffffu, tok, o);
+    most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+  }
+  if (lane == 0) {
+    sm_tok[warp] = tok;
+    sm_most[warp] = most;
+  }
   __syncthreads();
   long long total = 0;
+  most = 0;
 #pragma unroll
-  for (int w = 0; w < kPlanWarps; ++w) total += sm_tok[w];
-  const int32_t base = ChunkBase(total);
-
-  // Chunks per group, their offsets, and the chunk descriptors. Groups of at least one
-  // base chunk are numbered first, the short ones (hits: band and tail only) after them:
-  // CTAs start in index order, so the long chunks start in the first wave and the short
-  // ones fill the SMs that free up (rather than a long chunk starting last). With the
-  // bound at half a base chunk (before session 15), a hit group of 512 tokens at B = 32,
-  // 99% per group (base about 810) counted as long, so a miss group's chunks that came
-  // after it in group order could start in the second wave: the step then depended on
-  // where the misses fell. One machine session, three runs each, us: LLaMA-8B B = 32 99%
-  // per group 90.5-90.8 -> 86.7-87.2, B = 16 99% per head 75.8-76.1 -> 71.8-72.3; every
-  // other cell of the 32K / 128K grid within about 1 (GQA-8 B = 16 99% per head 58.5-58.8
-  // -> 59.4-59.6, B = 64 99% per group 113.4-113.7 -> 114.3-114.5).
-  int32_t carry = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int first = 0; first < nu; first += NT) {
-      const int u = first + tid;
-      UnitPlan up{};
-      int32_t cnt = 0;
-      if (u < nu) {
-        up = first == 0 ? mine : a.units[u];
-        const int32_t work = UnitWork(up);
-        const bool is_long = work >= base;
-        if (work > 0 && is_long == (pass == 0)) {
-          GroupChunks(work, base, &up.n_chunks, &up.per);
-          cnt = up.n_chunks;
-        }
-      }
-      int32_t tile_total = 0;
-      const int32_t off = BlockExclusiveScan<kPlanWarps>(cnt, &tile_total, sm_scan);
-      if (cnt > 0) {
-        up.first_chunk = carry + off;
-        a.units[u] = up;
-        const int32_t work = UnitWork(up);
-        for (int j = 0; j < cnt; ++j) {
-          ChunkDesc d;
-          d.u = u;
-          d.w0 = j * up.per;
-          d.w1 = min(work, d.w0 + up.per);
-          d.sink_end = up.sink_end;
-          d.band_lo = up.band_lo;
-          d.band_end = up.band_end;
-          d.pad0 = d.pad1 = 0;
-          a.chunks[up.first_chunk + j] = d;
-        }
-      }
-      carry += tile_total;
-    }
+  for (int w = 0; w < kPlanWarps; ++w) {
+    total += sm_tok[w];
+    most = max(most, sm_most[w]);
   }
+  const long long S = PortionBlocks(total, most);
+  const long long n_cta = (total + S - 1) / S;  // <= kTargetChunks
+  // Divisions on the line in 32 bits where it fits (a 64-bit division is a long
+  // subroutine; the plan CTA's time is on the step's critical path).
+  const bool small = total < (1ll << 31);
+  auto div_s = [&](long long x) -> long long {
+    return small ? static_cast<long long>(static_cast<uint32_t>(x) / static_cast<uint32_t>(S)) : x / S;
+  };
+
+  // The groups' costs laid end to end in group order, [F_u, F_u + cost_u) with the work
+  // blocks after the fixed cost; CTA k's portion [k S, (k + 1) S) of that line is one or
+  // more segments, each the part of one group's work in it (reuse_common.h). A group's
+  // segments are numbered in order, so its partial rows stay consecutive for the combine.
+  // The segments are written by all threads together (a missing group at 128K can have a
+  // hundred segments: one thread writing them in turn kept the attention grid waiting for
+  // 20 us; the lanes of the group's warp, 1-2 us at B = 1, where all groups are in warp 0).
+  long long carry_cost = 0;
+  int32_t carry_seg = 0;
+  for (int first = 0; first < nu; first += NT) {
+    const int u = first + tid;
+    UnitPlan up{};
+    int32_t work = 0;
+    long long cost = 0;
+    if (u < nu) {
+      up = first == 0 ? mine : a.units[u];
+      work = UnitWork(up);
+      cost = SegmentCost(work);
+    }
+    long long cost_all = 0, F = carry_cost;
+    if (small) {
+      int32_t all32 = 0;
+      F += BlockExclusiveScan<kPlanWarps>(int32_t(cost), &all32, sm_scan);
+      cost_all = all32;
+    } else {
+      F += BlockExclusiveScan<kPlanWarps, long long>(cost, &cost_all, sm_scan64);
+    }
+    const long long r0 = F + kSegmentFixedBlocks;
+    const int32_t nb = int32_t(WorkBlocks(work));
+    // Portions are at most kTargetChunks: p_first fits 32 bits, and so does the offset of
+    // the group's first work block in its portion (q0 < S).
+    const int32_t p_first = cost > 0 ? int32_t(div_s(r0)) : 0;
+    const int32_t q0 = int32_t(r0 - p_first * S);
+    const int32_t nseg = cost > 0 ? int32_t(div_s(r0 + nb - 1) - p_first + 1) : 0;
+    int32_t seg_all = 0;
+    const int32_t first_chunk = carry_seg + BlockExclusiveScan<kPlanWarps>(nseg, &seg_all, sm_scan);
+    // Whether portion p_first starts in this group's range (else in an earlier group's).
+    const bool starts_here = cost > 0 && p_first * S >= F;
+    if (nseg > 0) {
+      up.first_chunk = first_chunk;
+      up.n_chunks = nseg;
+      a.units[u] = up;
+      // Portion size 1: the portion of the fixed-cost block holds no segment; its CTA's
+      // bound is the group's first segment.
+      const long long pf = div_s(F);
+      if (pf < p_first && pf * S == F) a.cta_first[pf] = first_chunk;
+    }
+    // The batch's segments, one per thread in turn: segment i is segment j of the group of
+    // thread L, the last whose segments start at or before i (a binary search over the
+    // groups' segment counts in shared memory).
+    sm_seg.incl[tid] = first_chunk - carry_seg + nseg;
+    sm_seg.pf[tid] = p_first | (starts_here ? 0x10000 : 0);
+    sm_seg.q0[tid] = q0;
+    sm_seg.work[tid] = work;
+    sm_seg.sink_end[tid] = up.sink_end;
+    sm_seg.band_lo[tid] = up.band_lo;
+    sm_seg.band_end[tid] = up.band_end;
+    __syncthreads();
+    for (int32_t i = tid; i < seg_all; i += NT) {
+      int L = 0;
+#pragma unroll
+      for (int step = NT / 2; step > 0; step >>= 1) {
+        if (sm_seg.incl[L + step - 1] <= i) L += step;
+      }
+      const int32_t j = i - (L > 0 ? sm_seg.incl[L - 1] : 0);
+      const int32_t c = carry_seg + i;
+      const int32_t lpf = sm_seg.pf[L], lq0 = sm_seg.q0[L], lwork = sm_seg.work[L];
+      const long long lnb = WorkBlocks(lwork);
+      const long long b0 = max(0ll, j * S - lq0), b1 = min(lnb, (j + 1) * S - lq0);
+      ChunkDesc d;
+      d.u = first + L;
+      d.w0 = int32_t(b0 * kChunkAlign);
+      d.w1 = int32_t(min(static_cast<long long>(lwork), b1 * kChunkAlign));
+      d.sink_end = sm_seg.sink_end[L];
+      d.band_lo = sm_seg.band_lo[L];
+      d.band_end = sm_seg.band_end[L];
+      d.b = d.u / a.hkv;
+      d.h = d.u - d.b * a.hkv;
+      a.chunks[c] = d;
+      if (j > 0 || (lpf >> 16)) a.cta_first[(lpf & 0xffff) + j] = c;
+    }
+    __syncthreads();  // the batch's arrays are read before the next batch writes them
+    carry_cost += cost_all;
+    carry_seg += seg_all;
+  }
+  for (int k = int(n_cta) + tid; k <= kTargetChunks; k += NT) a.cta_first[k] = carry_seg;
   if (tid == 0) {
-    a.plan_info[0] = uint32_t(base);
-    a.plan_info[1] = uint32_t(carry);
+    a.plan_info[0] = uint32_t(min(S * kChunkAlign, 0xffffffffll));
+    a.plan_info[1] = uint32_t(carry_seg);
   }
 }
 
@@ -750,8 +839,8 @@ struct ChunkPos {
 // Decode chunk c of the plan, described by d.
 __device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, const ChunkDesc& d, int group) {
   ChunkPos cp;
-  cp.b = d.u / a.hkv;
-  cp.h = d.u % a.hkv;
+  cp.b = d.b;
+  cp.h = d.h;
   cp.w0 = d.w0;
   cp.w1 = d.w1;
   cp.sink_end = d.sink_end;
@@ -809,17 +898,147 @@ struct TcState {
   }
 };
 
-// Exact attention of the group's heads over the chunk: decode attention's tensor-core CTA
-// (decode_kernels.cuh AttentionBlock: 64- (d 128) or 128-token (d 64) K/V tiles through a
-// 3-stage cp.async pipeline with swizzled rows, S^T = K Q^T
-// and O^T += V^T P^T with mma m16n8k16, P as hi + lo 16-bit terms) with two states per
-// lane: each 16-token piece of a warp updates the band state and / or the output state,
-// masking per head the tokens that are not theirs (a piece that lies wholly in one state
-// skips the other). Ends with both normalized states written to the partial rows.
-template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos& cp, const HeadDecision* heads,
-                                            char* smem) {
+// Shared memory of an attention CTA (bytes from the start): the K/V tile stages, the page-id
+// slots (AttnTile), then rings that carry a segment's inputs ahead of its tiles: its
+// descriptor (kDescSlots), its heads' band starts and its G query rows (kQSlots; rows
+// padded by 8 elements so that the lanes' fragment reads fall on distinct banks).
+template <int HEAD_DIM, int GROUP>
+struct SegSmem {
   using Cfg = decode::AttnTile<HEAD_DIM>;
+  static constexpr int kDescSlots = 8;
+  static constexpr int kQSlots = 6;
+  static constexpr int kQStride = HEAD_DIM + 8;  // 16-bit elements per query row
+  static constexpr size_t kDescs = Cfg::kBytes + Cfg::kPageBytes;
+  static constexpr size_t kStarts = kDescs + kDescSlots * sizeof(ChunkDesc);
+  static constexpr size_t kQ = kStarts + size_t(kQSlots) * 8 * sizeof(int32_t);
+  static constexpr size_t kBytes = kQ + size_t(kQSlots) * GROUP * kQStride * 2;
+  // Two CTAs per SM (1 KB reserved per CTA of the H200's 228 KB).
+  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two attention CTAs per SM");
+};
+
+// The two normalized states of a finished segment into its partial rows: per-warp states
+// staged in shared memory, one lse merge across the warps per (state, head), then the
+// weighted sums. The staged rows go to a free tile stage (`stage`); the lse, the merge
+// weights and the rows past the stage (G = 8 at d = 128: 2 of 64) to `spare`, the segment's
+// query slot, whose values are in registers since the segment's first tile. A head's row
+// is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads 2 t4 and 2 t4 + 1, so
+// unpadded rows put the four t4 of a store on one bank (2-way bank conflicts at G = 4,
+// 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart). Ends with both areas
+// still being read: the caller's next barrier frees them.
+template <int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t row_band, int64_t row_out,
+                                                   TcState<HEAD_DIM / 16>& sb, TcState<HEAD_DIM / 16>& so,
+                                                   float* stage, float* spare) {
+  constexpr int kKSteps = HEAD_DIM / 16;
+  constexpr int kOStride = HEAD_DIM + 4;
+  constexpr int kStageRows = int(size_t(2) * decode::AttnTile<HEAD_DIM>::kBlockN * HEAD_DIM * 2 / (kOStride * 4));
+  constexpr int kRows = 2 * kWarps * GROUP;
+  constexpr int kOver = kRows > kStageRows ? kRows - kStageRows : 0;
+  static_assert((4 * kWarps * GROUP + kOver * kOStride) * 4 <= GROUP * SegSmem<HEAD_DIM, GROUP>::kQStride * 2,
+                "the query slot holds the lse, the weights and the rows past the stage");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
+  float* sm_l = spare;                         // [2][kWarps][GROUP]
+  float* sm_w = spare + 2 * kWarps * GROUP;    // [2][GROUP][kWarps]
+  float* over = spare + 4 * kWarps * GROUP;    // rows kStageRows ..
+  auto orow = [&](int k, int w, int hh) -> float* {
+    const int r = (k * kWarps + w) * GROUP + hh;
+    return r < kStageRows ? stage + r * kOStride : over + (r - kStageRows) * kOStride;
+  };
+  auto row_of = [&](int k) { return k == 0 ? row_band : row_out; };
+  auto stage_state = [&](TcState<kKSteps>& st, int k) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, o);
+      st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, o);
+    }
+    const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
+    const float lse0 = st.l0 > 0.f ? (st.m0 + log2f(st.l0)) * kLn2 : -INFINITY;
+    const float lse1 = st.l1 > 0.f ? (st.m1 + log2f(st.l1)) * kLn2 : -INFINITY;
+    float* r0 = orow(k, warp, hd0 < GROUP ? hd0 : 0);
+    float* r1 = orow(k, warp, hd1 < GROUP ? hd1 : 0);
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int d0 = 16 * j + g;
+      if (hd0 < GROUP) {
+        r0[d0] = st.acc[j][0] * inv0;
+        r0[d0 + 8] = st.acc[j][2] * inv0;
+      }
+      if (hd1 < GROUP) {
+        r1[d0] = st.acc[j][1] * inv1;
+        r1[d0 + 8] = st.acc[j][3] * inv1;
+      }
+    }
+    if (g == 0) {
+      if (hd0 < GROUP) sm_l[(k * kWarps + warp) * GROUP + hd0] = lse0;
+      if (hd1 < GROUP) sm_l[(k * kWarps + warp) * GROUP + hd1] = lse1;
+    }
+  };
+  if (row_band >= 0) stage_state(sb, 0);
+  if (row_out >= 0) stage_state(so, 1);
+  __syncthreads();
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[6] = TlNow());
+  // Thread k G kWarps + hh kWarps + w: state k, head hh, warp w's lse; a quad of lanes per
+  // (state, head) merges them (decode::QuadLseSum), in warps 0 and 1 (G = 8: 64 entries).
+  constexpr int kEntries = 2 * GROUP * kWarps;
+  static_assert(kWarps == 4, "one quad of lanes per (state, head)");
+  if (tid < (kEntries + 31) / 32 * 32) {
+    const bool mine = tid < kEntries;
+    const int k = mine ? tid / (GROUP * kWarps) : 0, hh = (tid / kWarps) % GROUP, w = tid % kWarps;
+    const int64_t row = mine ? row_of(k) : -1;
+    const float l = row >= 0 ? sm_l[(k * kWarps + w) * GROUP + hh] : -INFINITY;
+    const LseSum sum = decode::QuadLseSum(lse_sum_add(lse_sum_empty(), l));
+    if (row >= 0) {
+      sm_w[(k * GROUP + hh) * kWarps + w] = lse_sum_weight(sum, l);
+      if (w == 0) a.part_lse[row + hh] = lse_sum_lse(sum);
+    }
+  }
+  __syncthreads();
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[7] = TlNow());
+  for (int e = tid * 4; e < 2 * GROUP * HEAD_DIM; e += kThreads * 4) {
+    const int k = e / (GROUP * HEAD_DIM), hh = (e / HEAD_DIM) % GROUP, c = e % HEAD_DIM;
+    const int64_t row = row_of(k);
+    if (row < 0) continue;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = sm_w[(k * GROUP + hh) * kWarps + w];
+      const float4 x = *reinterpret_cast<const float4*>(orow(k, w, hh) + c);
+      o.x = fmaf(wt, x.x, o.x);
+      o.y = fmaf(wt, x.y, o.y);
+      o.z = fmaf(wt, x.z, o.z);
+      o.w = fmaf(wt, x.w, o.w);
+    }
+    *reinterpret_cast<float4*>(&a.part_o[(row + hh) * HEAD_DIM + c]) = o;
+  }
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[8] = TlNow());
+}
+
+// Exact attention of the group's heads over a CTA's segments, streamed back to back: decode
+// attention's tensor-core CTA (decode_kernels.cuh AttentionBlock: 64- (d 128) or 128-token
+// (d 64) K/V tiles through a 3-stage cp.async pipeline with swizzled rows, S^T = K Q^T and
+// O^T += V^T P^T with mma m16n8k16, P as hi + lo 16-bit terms) with two states per lane:
+// each 16-token piece of a warp updates the band state and / or the output state, masking
+// per head the tokens that are not theirs (a piece that lies wholly in one state skips the
+// other). Each segment ends with both normalized states written to its partial rows.
+//
+// The tiles of all segments form one sequence through the pipeline: while a segment's last
+// tiles are scored and its states written, the next segment's page ids and first tiles are
+// already in flight, so a CTA pays the pipeline's fill once, not once per segment. Three
+// cursors walk the sequence: the consumer (tile f), the data copies (f + 2) and the page-id
+// copies (f + 4). When the page-id cursor enters segment s, it requests s's band starts and
+// query rows and the descriptor of segment s + 2; each lands, in the copy group of that
+// step, two steps before its first use (the ring sizes keep every slot until its last
+// reader is past a barrier).
+//
+// kFill: one segment, `fill_cp`, no band starts (every head's band starts at band_lo).
+// Otherwise segments c0 .. c0 + n_seg - 1 of the plan (ChunkDesc, LocateDecodeChunk).
+template <typename DType, int HEAD_DIM, int GROUP, bool kFill>
+__device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int n_seg, const ChunkPos& fill_cp,
+                                               char* smem) {
+  using Cfg = decode::AttnTile<HEAD_DIM>;
+  using Sm = SegSmem<HEAD_DIM, GROUP>;
   using P = Pack<DType>;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kStages = Cfg::kStages;
@@ -829,78 +1048,137 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
   constexpr int kSub = kWarpTokens / 16;
   constexpr int kTile = kBlockN * HEAD_DIM;  // elements of one K (or V) stage tile
   constexpr int kLoads = kBlockN * kRowChunks / kThreads;
+  constexpr int kPageSlots = Cfg::kPageSlots;
   static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile chunks must split evenly");
   static_assert(GROUP >= 1 && GROUP <= 8, "group size");
+  static_assert(kBlockN <= kThreads, "one thread per row copies the tile's page ids");
+  static_assert(kStages == 3 && kPageSlots == 4, "the cursors' distances below");
 
-  const int w0 = cp.w0, w1 = cp.w1;
-  const int sink_end = cp.sink_end, gap = cp.gap, band_lo = cp.band_lo, band_end = cp.band_end;
-  auto token = [&](int w) { return w < sink_end ? w : w + gap; };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
-
-  // Q^T as the B operand: column g = query head h*G + g (zero past the group).
-  uint32_t qf[kKSteps][2];
-  {
-    const DType* qrow = static_cast<const DType*>(a.q) + cp.q_off + int64_t(g < GROUP ? g : 0) * a.q_stride_h + 2 * t4;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      qf[ks][0] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks) : 0u;
-      qf[ks][1] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks + 8) : 0u;
-    }
-  }
-  // Band starts of this lane's heads (heads past the group take no band tokens).
-  const int32_t lo0 = hd0 < GROUP ? (heads ? heads[hd0].band_start : band_lo) : band_end;
-  const int32_t lo1 = hd1 < GROUP ? (heads ? heads[hd1].band_start : band_lo) : band_end;
-
-  TcState<kKSteps> sb, so;  // band state, output state
-  sb.init();
-  so.init();
-
   DType* tiles = reinterpret_cast<DType*>(smem);
-  const int32_t* bt = a.block_table + cp.b * a.bt_stride;
-  const DType* kb = static_cast<const DType*>(a.k) + cp.h * a.kv_stride_head;
-  const DType* vb = static_cast<const DType*>(a.v) + cp.h * a.kv_stride_head;
+  int32_t* pg = reinterpret_cast<int32_t*>(smem + Cfg::kBytes);
+  ChunkDesc* descs = reinterpret_cast<ChunkDesc*>(smem + Sm::kDescs);
+  int32_t* starts = reinterpret_cast<int32_t*>(smem + Sm::kStarts);  // [kQSlots][8]
+  DType* qs = reinterpret_cast<DType*>(smem + Sm::kQ);               // [kQSlots][GROUP][kQStride]
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
-  const int n_tiles = (w1 - w0 + kBlockN - 1) / kBlockN;
-  // The page id of every row of a tile comes into shared memory by cp.async (slot tile %
-  // kPageSlots after the tiles), in the copy group of the tile kStages - 1 before it: the
-  // wait for that tile's data covers them, and no global load sits between a barrier and
-  // a tile's copies. (ncu, B = 32 all-hit: with the ids loaded into registers one step
-  // ahead, a fifth of the warps' stall samples waited for them there.) A slot is rewritten
-  // only after the barrier that follows its last read.
-  constexpr int kPageSlots = Cfg::kPageSlots;
-  static_assert(kBlockN <= kThreads, "one thread per row copies the tile's page ids");
-  int32_t* pg = reinterpret_cast<int32_t*>(smem + Cfg::kBytes);
-  auto fetch_pages = [&](int tile) {
-    if (tid < kBlockN && tile < n_tiles) {
-      const int w = w0 + tile * kBlockN + tid;
-      if (w < w1) CpAsync4(pg + (tile % kPageSlots) * kBlockN + tid, bt + (token(w) >> shift));
+
+  auto pos_of = [&](int s) -> ChunkPos {
+    if constexpr (kFill) {
+      return fill_cp;
+    } else {
+      return LocateDecodeChunk(a, c0 + s, descs[s % Sm::kDescSlots], GROUP);
     }
   };
-  auto issue_tile = [&](int tile) {
-    if (tile < n_tiles) {
-      DType* kt = tiles + (tile % kStages) * 2 * kTile;
+  auto tiles_of = [&](const ChunkPos& cp) { return (cp.w1 - cp.w0 + kBlockN - 1) / kBlockN; };
+  auto request_desc = [&](int s) {
+    if constexpr (!kFill) {
+      if (s < n_seg && tid < 2) {
+        CpAsync16(reinterpret_cast<int4*>(descs + s % Sm::kDescSlots) + tid,
+                  reinterpret_cast<const int4*>(a.chunks + c0 + s) + tid, true);
+      }
+    }
+  };
+  // Segment s's query rows (4-byte copies: a row's offset is only known to be even) and its
+  // heads' band starts, into slot s % kQSlots.
+  auto request_inputs = [&](int s, const ChunkPos& cp) {
+    constexpr int kWords = HEAD_DIM / 2;
+    DType* qd = qs + (s % Sm::kQSlots) * GROUP * Sm::kQStride;
+    const DType* qsrc = static_cast<const DType*>(a.q) + cp.q_off;
+    for (int i = tid; i < GROUP * kWords; i += kThreads) {
+      const int hh = i / kWords, wd = i % kWords;
+      CpAsync4(qd + hh * Sm::kQStride + 2 * wd, qsrc + int64_t(hh) * a.q_stride_h + 2 * wd);
+    }
+    if constexpr (!kFill) {
+      if (tid < GROUP) {
+        CpAsync4(starts + (s % Sm::kQSlots) * 8 + tid, &a.heads[cp.b * a.hq + cp.h * GROUP + tid].band_start);
+      }
+    }
+  };
+
+  // What a copy cursor needs of its segment, set when it enters one (a descriptor read and
+  // a few products once per segment, not per tile).
+  struct Src {
+    const int32_t* bt;  // the request's block-table row
+    int64_t kv;         // the KV head's offset in the caches
+    int32_t w0, w1, sink_end, gap, n;
+  };
+  auto src_of = [&](int s) {
+    const ChunkPos cp = pos_of(s);
+    Src r;
+    r.bt = a.block_table + cp.b * a.bt_stride;
+    r.kv = cp.h * a.kv_stride_head;
+    r.w0 = cp.w0;
+    r.w1 = cp.w1;
+    r.sink_end = cp.sink_end;
+    r.gap = cp.gap;
+    r.n = tiles_of(cp);
+    return r;
+  };
+  // Page-id cursor: tile pf of the sequence, tile pt of segment ps. When it enters a segment
+  // it requests the segment's inputs and the descriptor two segments on.
+  int pf = 0, ps = 0, pt = 0;
+  Src psrc{};
+  auto fetch_pages = [&]() {
+    if (ps >= n_seg) return;
+    if (pt == 0) {
+      psrc = src_of(ps);
+      request_inputs(ps, pos_of(ps));
+      request_desc(ps + 2);
+    }
+    if (tid < kBlockN) {
+      const int w = psrc.w0 + pt * kBlockN + tid;
+      if (w < psrc.w1) {
+        const int32_t t = w < psrc.sink_end ? w : w + psrc.gap;
+        CpAsync4(pg + (pf % kPageSlots) * kBlockN + tid, psrc.bt + (t >> shift));
+      }
+    }
+    ++pf;
+    if (++pt == psrc.n) {
+      ++ps;
+      pt = 0;
+    }
+  };
+  // Data cursor: tile df of the sequence, tile dt of segment ds. A tile's page ids came in
+  // the copy group of the tile kStages - 1 before it: the wait for that tile covers them,
+  // and no global load sits between a barrier and a tile's copies. (ncu, B = 32 all-hit:
+  // with the ids loaded into registers one step ahead, a fifth of the warps' stall samples
+  // waited for them there.)
+  int df = 0, ds = 0, dt = 0;
+  Src dsrc{};
+  auto issue_tile = [&]() {
+    if (ds < n_seg) {
+      if (dt == 0) dsrc = src_of(ds);
+      DType* kt = tiles + (df % kStages) * 2 * kTile;
       DType* vt = kt + kTile;
-      const int32_t* tp = pg + (tile % kPageSlots) * kBlockN;
+      const int32_t* tp = pg + (df % kPageSlots) * kBlockN;
+      const DType* kb = static_cast<const DType*>(a.k) + dsrc.kv;
+      const DType* vb = static_cast<const DType*>(a.v) + dsrc.kv;
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int c = tid + i * kThreads;
         const int j = c / kRowChunks, piece = c % kRowChunks;
-        const int w = w0 + tile * kBlockN + j;
-        const bool valid = w < w1;
+        const int w = dsrc.w0 + dt * kBlockN + j;
+        const bool valid = w < dsrc.w1;
         int64_t off = 0;
         if (valid) {
-          off = int64_t(tp[j]) * a.kv_stride_page + int64_t(token(w) & slot_mask) * a.kv_stride_token + piece * 8;
+          const int32_t t = w < dsrc.sink_end ? w : w + dsrc.gap;
+          off = int64_t(tp[j]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * 8;
         }
         const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
         CpAsync16(kt + sw, kb + off, valid);
         CpAsync16(vt + sw, vb + off, valid);
       }
+      ++df;
+      if (++dt == dsrc.n) {
+        ++ds;
+        dt = 0;
+      }
     }
-    fetch_pages(tile + kStages - 1);
-    CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
+    fetch_pages();
+    CpAsyncCommit();  // one group per step, empty ones too, so the wait count is uniform
   };
   // One 16-token piece's scores (rows g, g + 8; heads hd0, hd1) into state st.
   auto update = [&](TcState<kKSteps>& st, const float (&s)[4], const DType* vt, int r0) {
@@ -913,19 +1191,19 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float c0 = exp2f(st.m0 - ms0), c1 = exp2f(st.m1 - ms1);
+    const float c0f = exp2f(st.m0 - ms0), c1f = exp2f(st.m1 - ms1);
     st.m0 = mn0;
     st.m1 = mn1;
     const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1);
     const float p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
-    st.l0 = st.l0 * c0 + p0 + p2;
-    st.l1 = st.l1 * c1 + p1 + p3;
+    st.l0 = st.l0 * c0f + p0 + p2;
+    st.l1 = st.l1 * c1f + p1 + p3;
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
-      st.acc[j][0] *= c0;
-      st.acc[j][1] *= c1;
-      st.acc[j][2] *= c0;
-      st.acc[j][3] *= c1;
+      st.acc[j][0] *= c0f;
+      st.acc[j][1] *= c1f;
+      st.acc[j][2] *= c0f;
+      st.acc[j][3] *= c1f;
     }
     // P^T for the PV product: (token g, heads 2t4, 2t4+1) -> transpose -> (head g, tokens).
     const uint32_t h01 = P::FromFloat2(p0, p1), h23 = P::FromFloat2(p2, p3);
@@ -946,26 +1224,69 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
     }
   };
 
-  // The first kStages - 1 tiles' page ids in a group of their own, waited for at once.
+  // Prologue: the first two descriptors, then the first kStages - 1 tiles' page ids (and
+  // the inputs of the segments they enter) in a group of their own, then their tiles.
+  request_desc(0);
+  request_desc(1);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[2] = TlNow());
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) fetch_pages(i);
+  for (int i = 0; i < kStages - 1; ++i) fetch_pages();
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+  for (int i = 0; i < kStages - 1; ++i) issue_tile();
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    CpAsyncWait<kStages - 2>();  // this thread's copies of `tile` have landed
-    __syncthreads();             // everyone's have; the buffer of tile-1 is free again
-    TL(if (tile == 0 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[3] = TlNow());
-    issue_tile(tile + kStages - 1);
-    const DType* kt = tiles + (tile % kStages) * 2 * kTile;
+  // Consumer: tile ct of cn of segment cs, the sequence's tile f.
+  TcState<kKSteps> sb, so;  // band state, output state
+  uint32_t qf[kKSteps][2];  // Q^T as the B operand: column g = query head h*G + g (zero past the group)
+  int32_t w0 = 0, w1 = 0, sink_end = 0, gap = 0, band_lo = 0, band_end = 0, lo0 = 0, lo1 = 0;
+  int f = 0, cs = 0, ct = 0, cn = 0;
+  TL(int tl_tokens = 0);
+  while (cs < n_seg) {
+    CpAsyncWait<kStages - 2>();  // this thread's copies of tile f have landed
+    __syncthreads();             // everyone's have; the stage of tile f - 1 is free again
+    TL(if (f == 0 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[3] = TlNow());
+    issue_tile();
+    if (ct == 0) {  // the segment's ranges, query fragments and band starts; fresh states
+      const ChunkPos cp = pos_of(cs);
+      cn = tiles_of(cp);
+      w0 = cp.w0;
+      w1 = cp.w1;
+      sink_end = cp.sink_end;
+      gap = cp.gap;
+      band_lo = cp.band_lo;
+      band_end = cp.band_end;
+      TL(tl_tokens += w1 - w0);
+      const int slot = cs % Sm::kQSlots;
+      const uint32_t* qrow =
+          reinterpret_cast<const uint32_t*>(qs + (slot * GROUP + (g < GROUP ? g : 0)) * Sm::kQStride) + t4;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        qf[ks][0] = g < GROUP ? qrow[8 * ks] : 0u;
+        qf[ks][1] = g < GROUP ? qrow[8 * ks + 4] : 0u;
+      }
+      // Band starts of this lane's heads (heads past the group take no band tokens).
+      if constexpr (kFill) {
+        lo0 = hd0 < GROUP ? band_lo : band_end;
+        lo1 = hd1 < GROUP ? band_lo : band_end;
+      } else {
+        lo0 = hd0 < GROUP ? starts[slot * 8 + hd0] : band_end;
+        lo1 = hd1 < GROUP ? starts[slot * 8 + hd1] : band_end;
+      }
+      sb.init();
+      so.init();
+    }
+    auto token = [&](int w) { return w < sink_end ? w : w + gap; };
+    const DType* kt = tiles + (f % kStages) * 2 * kTile;
     const DType* vt = kt + kTile;
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) {
       const int r0 = warp * kWarpTokens + sub * 16;
-      const int ws = w0 + tile * kBlockN + r0;  // the piece's first work index (warp-uniform)
+      const int ws = w0 + ct * kBlockN + r0;  // the piece's first work index (warp-uniform)
       if (ws >= w1) continue;
       // Which states the piece can touch (warp-uniform; token() is increasing).
       const int tmin = token(ws), tmax = token(min(ws + 15, w1 - 1));
@@ -1002,96 +1323,26 @@ __device__ __forceinline__ void AttendChunk(const LaunchArgs& a, const ChunkPos&
         update(so, so4, vt, r0);
       }
     }
+    if (ct == cn - 1) {  // the segment's last tile: its states into its partial rows
+      __syncthreads();   // every warp is done with tile f's stage, which stages the states
+      TL(if (cs == n_seg - 1 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[4] = TlNow());
+      const ChunkPos cp = pos_of(cs);
+      StoreSegmentStates<HEAD_DIM, GROUP>(
+          a, cp.row_band, cp.row_out, sb, so, reinterpret_cast<float*>(tiles + (f % kStages) * 2 * kTile),
+          reinterpret_cast<float*>(qs + (cs % Sm::kQSlots) * GROUP * Sm::kQStride));
+      ++cs;
+      ct = 0;
+    } else {
+      ++ct;
+    }
+    ++f;
   }
-  CpAsyncWait<0>();
-  __syncthreads();  // the tiles' shared memory is reused below
-  TL(if (tid == 0 && !a.fill && TlCta()) { g_tl_attend[blockIdx.x].t[4] = TlNow(); g_tl_attend[blockIdx.x].tiles = n_tiles;
-                                g_tl_attend[blockIdx.x].tokens = w1 - w0; });
-
-  // Per-warp normalized states per head, then one merge across warps per state.
-  // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
-  // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
-  // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).
-  constexpr int kOStride = HEAD_DIM + 4;
-  constexpr int kStateFloats = (kWarps * GROUP * kOStride + 2 * kWarps * GROUP + GROUP + 3) / 4 * 4;
-  auto stage = [&](TcState<kKSteps>& st, float* base) {
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, o);
-      st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, o);
-    }
-    const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
-    const float lse0 = st.l0 > 0.f ? (st.m0 + log2f(st.l0)) * kLn2 : -INFINITY;
-    const float lse1 = st.l1 > 0.f ? (st.m1 + log2f(st.l1)) * kLn2 : -INFINITY;
-    float* sm_o = base;                              // [kWarps][GROUP][kOStride]
-    float* sm_l = sm_o + kWarps * GROUP * kOStride;  // [kWarps][GROUP]
-#pragma unroll
-    for (int j = 0; j < kKSteps; ++j) {
-      const int d0 = 16 * j + g;
-      if (hd0 < GROUP) {
-        sm_o[(warp * GROUP + hd0) * kOStride + d0] = st.acc[j][0] * inv0;
-        sm_o[(warp * GROUP + hd0) * kOStride + d0 + 8] = st.acc[j][2] * inv0;
-      }
-      if (hd1 < GROUP) {
-        sm_o[(warp * GROUP + hd1) * kOStride + d0] = st.acc[j][1] * inv1;
-        sm_o[(warp * GROUP + hd1) * kOStride + d0 + 8] = st.acc[j][3] * inv1;
-      }
-    }
-    if (g == 0) {
-      if (hd0 < GROUP) sm_l[warp * GROUP + hd0] = lse0;
-      if (hd1 < GROUP) sm_l[warp * GROUP + hd1] = lse1;
-    }
-  };
-  float* smf = reinterpret_cast<float*>(smem);
-  auto row_of = [&](int k) { return k == 0 ? cp.row_band : cp.row_out; };
-  if (cp.row_band >= 0) stage(sb, smf);
-  if (cp.row_out >= 0) stage(so, smf + kStateFloats);
-  __syncthreads();
-  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[6] = TlNow());
-  // Thread k G kWarps + hh kWarps + w: state k, head hh, warp w's lse; a quad of lanes per
-  // (state, head) merges them (decode::QuadLseSum), in warps 0 and 1 (G = 8: 64 entries).
-  constexpr int kEntries = 2 * GROUP * kWarps;
-  static_assert(kWarps == 4, "one quad of lanes per (state, head)");
-  if (tid < (kEntries + 31) / 32 * 32) {
-    const bool mine = tid < kEntries;
-    const int k = mine ? tid / (GROUP * kWarps) : 0, hh = (tid / kWarps) % GROUP, w = tid % kWarps;
-    float* base = smf + k * kStateFloats;
-    const float* sm_l = base + kWarps * GROUP * kOStride;
-    float* sm_w = base + kWarps * GROUP * kOStride + kWarps * GROUP;  // [GROUP][kWarps]
-    const int64_t row = mine ? row_of(k) : -1;
-    const float l = row >= 0 ? sm_l[w * GROUP + hh] : -INFINITY;
-    const LseSum sum = decode::QuadLseSum(lse_sum_add(lse_sum_empty(), l));
-    if (row >= 0) {
-      sm_w[hh * kWarps + w] = lse_sum_weight(sum, l);
-      if (w == 0) a.part_lse[row + hh] = lse_sum_lse(sum);
-    }
-  }
-  __syncthreads();
-  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[7] = TlNow());
-  for (int e = tid * 4; e < 2 * GROUP * HEAD_DIM; e += kThreads * 4) {
-    const int k = e / (GROUP * HEAD_DIM), hh = (e / HEAD_DIM) % GROUP, c = e % HEAD_DIM;
-    const int64_t row = row_of(k);
-    if (row < 0) continue;
-    const float* base = smf + k * kStateFloats;
-    const float* sm_w = base + kWarps * GROUP * kOStride + kWarps * GROUP;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float wt = sm_w[hh * kWarps + w];
-      const float4 x = *reinterpret_cast<const float4*>(&base[(w * GROUP + hh) * kOStride + c]);
-      o.x = fmaf(wt, x.x, o.x);
-      o.y = fmaf(wt, x.y, o.y);
-      o.z = fmaf(wt, x.z, o.z);
-      o.w = fmaf(wt, x.w, o.w);
-    }
-    *reinterpret_cast<float4*>(&a.part_o[(row + hh) * HEAD_DIM + c]) = o;
-  }
-  TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[8] = TlNow());
+  TL(if (tid == 0 && !a.fill && TlCta()) { g_tl_attend[blockIdx.x].tiles = f; g_tl_attend[blockIdx.x].tokens = tl_tokens; });
 }
 
-// Two CTAs per SM (96 KB of tiles and 1 KB of page ids each at d = 128), as decode
-// attention's kernel: the register budget (up to 255 per thread) holds both states without
-// spilling.
+// Two CTAs per SM (97 KB of tiles and page ids and up to 13 KB of segment inputs each at
+// d = 128), as decode attention's kernel: the register budget (up to 255 per thread) holds
+// both states without spilling.
 constexpr int kAttendMinBlocks = 2;
 
 // MacFill: one chunk per CTA.
@@ -1100,10 +1351,11 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
   extern __shared__ float4 mac_smem[];
   ChunkPos cp;
   if (!LocateFillChunk(a, int(blockIdx.x), GROUP, &cp)) return;
-  AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, nullptr, reinterpret_cast<char*>(mac_smem));
+  AttendSegments<DType, HEAD_DIM, GROUP, true>(a, 0, 1, cp, reinterpret_cast<char*>(mac_smem));
 }
 
-// Decode: CTA c attends planned chunks c, c + gridDim.x, ... (one chunk per CTA as launched).
+// Decode: CTA k streams the plan's segments cta_first[k] .. cta_first[k + 1] - 1 (the plan
+// writes all kTargetChunks + 1 bounds; the CTAs past its portions have none and exit).
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
@@ -1113,27 +1365,13 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   GridDependencyWait();  // the plan is complete and visible
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[1] = TlNow());
   GridLaunchDependents();
-  // The chunk's descriptor is read together with the chunk count (the array has
-  // max_chunks entries; one past the plan holds a stale value, never used).
-  for (int c = int(blockIdx.x); c < a.max_chunks; c += int(gridDim.x)) {
-    const int n = int(__ldcg(a.plan_info + 1));  // written by the plan grid: not __ldg
-    const int4* dp = reinterpret_cast<const int4*>(a.chunks + c);
-    const int4 d0 = __ldcg(dp), d1 = __ldcg(dp + 1);
-    if (c >= n) break;
-    __syncthreads();  // the previous chunk is done with shared memory
-    ChunkDesc d;
-    d.u = d0.x;
-    d.w0 = d0.y;
-    d.w1 = d0.z;
-    d.sink_end = d0.w;
-    d.band_lo = d1.x;
-    d.band_end = d1.y;
-    const ChunkPos cp = LocateDecodeChunk(a, c, d, GROUP);
-    TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[2] = TlNow(); g_tl_attend[blockIdx.x].chunk = c; });
-    AttendChunk<DType, HEAD_DIM, GROUP>(a, cp, a.heads + cp.b * a.hq + cp.h * GROUP,
-                                        reinterpret_cast<char*>(mac_smem));
-    TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[5] = TlNow());
-  }
+  const int k = int(blockIdx.x);
+  const int c_begin = __ldcg(a.cta_first + k), c_end = __ldcg(a.cta_first + k + 1);  // the plan grid's: not __ldg
+  if (c_end <= c_begin) return;
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].chunk = c_begin);
+  AttendSegments<DType, HEAD_DIM, GROUP, false>(a, c_begin, c_end - c_begin, ChunkPos{},
+                                                reinterpret_cast<char*>(mac_smem));
+  TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[5] = TlNow());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1537,14 +1775,12 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   }
 }
 
-// Fill: one CTA per static split. Decode: `ctas` = the most chunks a plan can have, so every
-// chunk gets its own CTA and the hardware hands chunks to SMs as they free up (the kernel's
-// loop then runs at most once per CTA; the unused CTAs exit at once).
+// Fill: one CTA per static split. Decode: `ctas` = kTargetChunks, one per portion of the
+// plan (the CTAs past the plan's portions exit at once).
 template <typename DType, int HEAD_DIM, int GROUP>
 void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
-  using Cfg = decode::AttnTile<HEAD_DIM>;
-  constexpr size_t kSmem = Cfg::kBytes + Cfg::kPageBytes;
+  constexpr size_t kSmem = SegSmem<HEAD_DIM, GROUP>::kBytes;
   if (a.fill) {
     decode::AllowDynamicSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
     MacFillAttendKernel<DType, HEAD_DIM, GROUP><<<unsigned(ctas), kThreads, kSmem, stream>>>(a);

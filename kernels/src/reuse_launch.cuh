@@ -40,10 +40,11 @@ struct LaunchArgs {
   int64_t bt_stride = 0;
   // Decode workspace.
   int32_t match_splits = 1;
-  uint32_t* plan_info = nullptr;  // [0]: chunk tokens, [1]: chunks
+  uint32_t* plan_info = nullptr;  // [0]: portion tokens, [1]: segments
   HeadDecision* heads = nullptr;
   UnitPlan* units = nullptr;
-  ChunkDesc* chunks = nullptr;  // [max_chunks] the planned chunks
+  ChunkDesc* chunks = nullptr;  // [max_chunks] the planned segments
+  int32_t* cta_first = nullptr;  // [kTargetChunks + 1] each attention CTA's first segment
   int32_t max_chunks = 0;
   // Partial states of the chunks: [chunk, G, d] and [chunk, G] (decode and fill).
   float* part_o = nullptr;

@@ -440,9 +440,11 @@ TEST(MacGpu, LongContextsSplitOverManyChunks) {
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
 }
 
-// One group whose chunks fill the most partial rows the combine merges per head (2 x 128,
-// two per thread of MergePartials): the base chunk is the 64-token minimum (one group), and
-// a miss covers T = T0 + 1 + step = 8166..8169 tokens: 128 chunks (kMaxGroupChunks) of 64.
+// One group whose segments fill the most partial rows the combine merges per head (2 x 128,
+// two per thread of MergePartials): a miss covers T = T0 + 1 + step = 16201..16204 tokens,
+// 254 blocks of 64 (reuse_common.h), so the plan's portion is 2 blocks (at most 127 per
+// group) and the group's blocks 1..254 of the line meet portions 0..127: 128 segments
+// (kMaxGroupChunks), the first and last of one block.
 TEST(MacGpu, OneGroupAtTheMostPartialRows) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(605);
@@ -453,7 +455,7 @@ TEST(MacGpu, OneGroupAtTheMostPartialRows) {
   c.Hkv = 1;
   c.d = 64;
   c.mac = MakeMac(24, 32, 2, 0);
-  c.T0 = {8165};
+  c.T0 = {16200};
   c.steps = 4;
   c.p_hit = 0.3;
   const MacSeqStats st = RunOnGpu(c, seed);
