@@ -31,20 +31,20 @@ def summarize(step):
         col = lambda i: [a[i] for a in attend]  # noqa: E731
         start, waited, located, first, loop_end, end = (col(i) for i in range(4, 10))
         staged, weighed, stored = col(10), col(11), col(12)
-        since = [max(a[5], a[4]) for a in attend]  # the chunk's own start: after the plan
-        out.append(f"  attend: {len(attend)} chunks, CTAs start {min(start):.1f}-{max(start):.1f}, "
+        since = [max(a[5], a[4]) for a in attend]  # the CTA's own start: after the plan
+        out.append(f"  attend: {len(attend)} CTAs with segments, start {min(start):.1f}-{max(start):.1f}, "
                    f"plan waited {min(waited):.1f}-{max(waited):.1f}, end p50 {quantile(end, 0.5):.1f}, "
                    f"last {max(end):.1f}")
         per = {
-            "descriptor": [l - s for l, s in zip(located, since)],
+            "descriptors": [l - s for l, s in zip(located, since)],
             "to first tile": [f - l for f, l in zip(first, located)],
             "tile loop": [e - f for e, f in zip(loop_end, first)],
             "stage": [s - e for s, e in zip(staged, loop_end)],
             "weights": [w - s for w, s in zip(weighed, staged)],
             "stores": [t - w for t, w in zip(stored, weighed)],
-            "whole chunk": [e - s for e, s in zip(end, since)],
+            "whole CTA": [e - s for e, s in zip(end, since)],
         }
-        out.append("  per chunk, p10 / p50 / p90 us: " + "; ".join(
+        out.append("  per CTA (stage, weights, stores: its last segment's), p10 / p50 / p90 us: " + "; ".join(
             f"{k} {quantile(v, 0.1):.1f} / {quantile(v, 0.5):.1f} / {quantile(v, 0.9):.1f}" for k, v in per.items()))
         by_tiles = {}
         for a in attend:
@@ -54,7 +54,7 @@ def summarize(step):
         out.append("  us per tile after the first: " + ", ".join(
             f"{k} tiles (n = {len(by_tiles[k])}) {statistics.median(by_tiles[k]):.2f}" for k in common))
         late = [s for s in start if s > min(start) + 5]
-        out.append(f"  chunks starting more than 5 us after the first: {len(late)}")
+        out.append(f"  CTAs starting more than 5 us after the first: {len(late)}")
     if combine:
         waited = [c[1] for c in combine]
         merged = [c[2] - c[1] for c in combine]

@@ -149,6 +149,37 @@ ASMEM_HOST_DEVICE int64_t PortionBlocks(int64_t total, int64_t most) {
   return s < 1 ? 1 : s;
 }
 
+// A group's place on the plan's line, its cost starting at F, portions of S blocks: its
+// first portion p_first, the offset q0 of its first work block in that portion, its
+// segments (0 without work), whether portion p_first starts in its range (else in an
+// earlier group's), and `empty`: the portion of its fixed-cost block where that portion
+// starts in its range but holds none of its segments (portions of one block), else -1.
+// `div(x)` is x / S (the plan kernel divides in 32 bits where the line fits).
+struct GroupLine {
+  int32_t p_first = 0, q0 = 0, nseg = 0, empty = -1;
+  bool starts_here = false;
+};
+template <typename Div>
+ASMEM_HOST_DEVICE GroupLine PlaceGroup(int64_t F, int32_t work, int64_t S, Div div) {
+  GroupLine g;
+  if (work <= 0) return g;
+  const int64_t r0 = F + kSegmentFixedBlocks;
+  g.p_first = int32_t(div(r0));
+  g.q0 = int32_t(r0 - g.p_first * S);
+  g.nseg = int32_t(div(r0 + WorkBlocks(work) - 1) - g.p_first + 1);
+  g.starts_here = g.p_first * S >= F;
+  const int64_t pf = div(F);
+  if (pf < g.p_first && pf * S == F) g.empty = int32_t(pf);
+  return g;
+}
+// Segment j of a group of `work` tokens placed with offset q0: work tokens [*w0, *w1).
+ASMEM_HOST_DEVICE void SegmentTokens(int32_t j, int64_t S, int32_t q0, int32_t work, int32_t* w0, int32_t* w1) {
+  const int64_t b0 = j * S - q0, b1 = (j + 1) * S - q0, nb = WorkBlocks(work);
+  *w0 = int32_t((b0 > 0 ? b0 : 0) * kChunkAlign);
+  const int64_t e = (b1 < nb ? b1 : nb) * kChunkAlign;
+  *w1 = int32_t(e < work ? e : work);
+}
+
 // MacFill chunk of a range of `len` tokens over `splits` CTAs.
 ASMEM_HOST_DEVICE int32_t FillChunkTokens(int32_t len, int32_t splits) {
   int64_t per = len <= 0 ? 1 : (int64_t(len) + splits - 1) / splits;
@@ -203,6 +234,8 @@ struct HeadDecision {
 // Host side: checks and workspace layouts, shared by the CUDA launcher and the CPU reference
 // (defined in reuse_cpu.cc).
 // ---------------------------------------------------------------------------------------
+#include <vector>
+
 #include "asmem/reuse.h"
 
 namespace asmem {
@@ -241,6 +274,21 @@ struct FillLayout {
   size_t total = 0;
 };
 FillLayout LayoutFill(const MacDecodeConfig& config, int32_t batch, int32_t num_positions);
+
+// The plan kernel's work plan on the host, from the groups' work tokens in group order
+// (PlaceGroup and SegmentTokens in turn, where the kernel runs them a thread per group):
+// the portion size, the CTAs with a portion, each segment (group, work tokens), each
+// group's first segment and count, and each CTA's first segment (kTargetChunks + 1 bounds).
+struct WorkPlanRef {
+  int64_t portion_blocks = 0;
+  int32_t ctas = 0;
+  struct Segment {
+    int32_t u, w0, w1;
+  };
+  std::vector<Segment> segments;
+  std::vector<int32_t> group_first, group_segments, cta_first;
+};
+WorkPlanRef PlanWorkRef(const std::vector<int32_t>& group_work);
 
 }  // namespace mac
 }  // namespace asmem

@@ -270,6 +270,37 @@ FillLayout LayoutFill(const MacDecodeConfig& c, int32_t batch, int32_t n) {
   return L;
 }
 
+WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work) {
+  WorkPlanRef p;
+  int64_t total = 0, most = 0;
+  for (const int32_t w : work) {
+    total += SegmentCost(w);
+    most = std::max(most, WorkBlocks(w));
+  }
+  const int64_t S = PortionBlocks(total, most);
+  p.portion_blocks = S;
+  p.ctas = int32_t((total + S - 1) / S);
+  p.cta_first.assign(size_t(kTargetChunks) + 1, -1);
+  const auto div = [S](int64_t x) { return x / S; };
+  int64_t F = 0;
+  for (size_t u = 0; u < work.size(); ++u) {
+    const GroupLine g = PlaceGroup(F, work[u], S, div);
+    const int32_t first = int32_t(p.segments.size());
+    p.group_first.push_back(first);
+    p.group_segments.push_back(g.nseg);
+    if (g.empty >= 0) p.cta_first[size_t(g.empty)] = first;
+    for (int32_t j = 0; j < g.nseg; ++j) {
+      WorkPlanRef::Segment seg{int32_t(u), 0, 0};
+      SegmentTokens(j, S, g.q0, work[u], &seg.w0, &seg.w1);
+      if (j > 0 || g.starts_here) p.cta_first[size_t(g.p_first + j)] = int32_t(p.segments.size());
+      p.segments.push_back(seg);
+    }
+    F += SegmentCost(work[u]);
+  }
+  for (size_t k = size_t(p.ctas); k < p.cta_first.size(); ++k) p.cta_first[k] = int32_t(p.segments.size());
+  return p;
+}
+
 namespace {
 
 // Exact attention of one query (d doubles) over tokens [lo, hi) of KV head h of request b,

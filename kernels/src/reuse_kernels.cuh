@@ -354,8 +354,9 @@ __device__ __forceinline__ int TlSm() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-// Attend CTA: start, plan waited, chunk located, first tile landed, tile loop done, chunk
-// done, states staged, merge weights written, partials stored.
+// Attend CTA: start, plan waited, first descriptors landed, first tile landed, last tile
+// done, CTA done, then its last segment's states staged, merge weights written, partials
+// stored; chunk: its first segment; tiles, tokens: all of its segments'.
 struct TlAttend {
   unsigned long long t[9];
   int sm, chunk, tiles, tokens;
@@ -547,32 +548,26 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
     } else {
       F += BlockExclusiveScan<kPlanWarps, long long>(cost, &cost_all, sm_scan64);
     }
-    const long long r0 = F + kSegmentFixedBlocks;
-    const int32_t nb = int32_t(WorkBlocks(work));
     // Portions are at most kTargetChunks: p_first fits 32 bits, and so does the offset of
     // the group's first work block in its portion (q0 < S).
-    const int32_t p_first = cost > 0 ? int32_t(div_s(r0)) : 0;
-    const int32_t q0 = int32_t(r0 - p_first * S);
-    const int32_t nseg = cost > 0 ? int32_t(div_s(r0 + nb - 1) - p_first + 1) : 0;
+    const GroupLine gl = PlaceGroup(F, work, S, div_s);
+    const int32_t nseg = gl.nseg;
     int32_t seg_all = 0;
     const int32_t first_chunk = carry_seg + BlockExclusiveScan<kPlanWarps>(nseg, &seg_all, sm_scan);
-    // Whether portion p_first starts in this group's range (else in an earlier group's).
-    const bool starts_here = cost > 0 && p_first * S >= F;
     if (nseg > 0) {
       up.first_chunk = first_chunk;
       up.n_chunks = nseg;
       a.units[u] = up;
-      // Portion size 1: the portion of the fixed-cost block holds no segment; its CTA's
-      // bound is the group's first segment.
-      const long long pf = div_s(F);
-      if (pf < p_first && pf * S == F) a.cta_first[pf] = first_chunk;
+      // A portion of one block at the fixed-cost block holds no segment; its CTA's bound is
+      // the group's first segment.
+      if (gl.empty >= 0) a.cta_first[gl.empty] = first_chunk;
     }
     // The batch's segments, one per thread in turn: segment i is segment j of the group of
     // thread L, the last whose segments start at or before i (a binary search over the
     // groups' segment counts in shared memory).
     sm_seg.incl[tid] = first_chunk - carry_seg + nseg;
-    sm_seg.pf[tid] = p_first | (starts_here ? 0x10000 : 0);
-    sm_seg.q0[tid] = q0;
+    sm_seg.pf[tid] = gl.p_first | (gl.starts_here ? 0x10000 : 0);
+    sm_seg.q0[tid] = gl.q0;
     sm_seg.work[tid] = work;
     sm_seg.sink_end[tid] = up.sink_end;
     sm_seg.band_lo[tid] = up.band_lo;
@@ -587,12 +582,9 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
       const int32_t j = i - (L > 0 ? sm_seg.incl[L - 1] : 0);
       const int32_t c = carry_seg + i;
       const int32_t lpf = sm_seg.pf[L], lq0 = sm_seg.q0[L], lwork = sm_seg.work[L];
-      const long long lnb = WorkBlocks(lwork);
-      const long long b0 = max(0ll, j * S - lq0), b1 = min(lnb, (j + 1) * S - lq0);
       ChunkDesc d;
       d.u = first + L;
-      d.w0 = int32_t(b0 * kChunkAlign);
-      d.w1 = int32_t(min(static_cast<long long>(lwork), b1 * kChunkAlign));
+      SegmentTokens(j, S, lq0, lwork, &d.w0, &d.w1);
       d.sink_end = sm_seg.sink_end[L];
       d.band_lo = sm_seg.band_lo[L];
       d.band_end = sm_seg.band_end[L];

@@ -14,6 +14,7 @@
 #include "asmem/error.h"
 #include "asmem/reuse.h"
 #include "kernels/reuse_test_util.h"
+#include "reuse_common.h"  // the attention work plan's rules (kernels/src)
 #include "test_util.h"
 
 namespace asmem {
@@ -836,6 +837,117 @@ TEST(MacCpu, BadFillArgumentsThrow) {
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 21; }, "is not below seq_lens");
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 10; }, "collide modulo window");
   expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.positions = nullptr; }, "positions is null");
+}
+
+// The plan kernel's rules (reuse_common.h PlaceGroup, SegmentTokens, PortionBlocks) on the
+// host: every group's segments cover its work in order, at most kMaxGroupChunks of them;
+// each CTA's segments lie in its portion, at most S work blocks in all; the CTAs' bounds
+// are non-decreasing and cover every segment once; the step's segments fit the workspace.
+void CheckWorkPlan(const std::vector<int32_t>& work) {
+  using namespace mac;
+  const WorkPlanRef p = PlanWorkRef(work);
+  const int64_t S = p.portion_blocks;
+  ASSERT_GE(S, 1);
+  ASSERT_LE(p.ctas, kTargetChunks);
+  ASSERT_LE(int64_t(p.segments.size()), int64_t(kTargetChunks) + int64_t(work.size()));
+  int64_t total = 0;
+  for (size_t u = 0; u < work.size(); ++u) {
+    total += SegmentCost(work[u]);
+    const int32_t n = p.group_segments[u], first = p.group_first[u];
+    ASSERT_LE(n, kMaxGroupChunks) << "group " << u;
+    ASSERT_EQ(n > 0, work[u] > 0) << "group " << u;
+    int32_t at = 0;
+    for (int32_t j = 0; j < n; ++j) {
+      const auto& seg = p.segments[size_t(first + j)];
+      ASSERT_EQ(seg.u, int32_t(u));
+      ASSERT_EQ(seg.w0, at) << "group " << u << " segment " << j;
+      ASSERT_GT(seg.w1, seg.w0) << "group " << u << " segment " << j;
+      if (j + 1 < n) ASSERT_EQ(seg.w1 % kChunkAlign, 0);  // later segments start on a block
+      at = seg.w1;
+    }
+    if (n > 0) ASSERT_EQ(at, work[u]) << "group " << u;
+  }
+  ASSERT_EQ(p.ctas, (total + S - 1) / S);
+  ASSERT_EQ(p.cta_first.size(), size_t(kTargetChunks) + 1);
+  ASSERT_EQ(p.cta_first[0], 0);
+  ASSERT_EQ(p.cta_first.back(), int32_t(p.segments.size()));
+  // Line position of each segment's first work block: its group's start, its fixed cost, w0.
+  std::vector<int64_t> line(p.segments.size());
+  int64_t F = 0;
+  for (size_t u = 0; u < work.size(); ++u) {
+    for (int32_t j = 0; j < p.group_segments[u]; ++j) {
+      const auto& seg = p.segments[size_t(p.group_first[u] + j)];
+      line[size_t(p.group_first[u] + j)] = F + kSegmentFixedBlocks + seg.w0 / kChunkAlign;
+    }
+    F += SegmentCost(work[u]);
+  }
+  for (int32_t k = 0; k < kTargetChunks; ++k) {
+    const int32_t b = p.cta_first[size_t(k)], e = p.cta_first[size_t(k) + 1];
+    ASSERT_LE(b, e) << "CTA " << k;
+    if (k >= p.ctas) {
+      ASSERT_EQ(b, e) << "CTA " << k << " past the portions";
+      continue;
+    }
+    int64_t blocks = 0;
+    for (int32_t c = b; c < e; ++c) {
+      const auto& seg = p.segments[size_t(c)];
+      const int64_t nb = (int64_t(seg.w1 - seg.w0) + kChunkAlign - 1) / kChunkAlign;
+      ASSERT_GE(line[size_t(c)], k * S) << "CTA " << k << " segment " << c;
+      ASSERT_LE(line[size_t(c)] + nb, (k + 1) * S) << "CTA " << k << " segment " << c;
+      blocks += nb;
+    }
+    ASSERT_LE(blocks, S) << "CTA " << k;
+  }
+}
+
+TEST(MacPlan, PortionsCoverEveryGroupOnce) {
+  // 99% per group at B = 32, LLaMA-8B's 8 KV heads: 253 hit groups of about 512 tokens, three
+  // misses of 32K: portions of 15 blocks (960 tokens), 258 CTAs.
+  std::vector<int32_t> w(256, 512);
+  w[10] = w[100] = w[200] = 33 * 1024;
+  CheckWorkPlan(w);
+  const mac::WorkPlanRef p = mac::PlanWorkRef(w);
+  EXPECT_EQ(p.portion_blocks, 15);
+  EXPECT_EQ(p.ctas, 258);
+  // One group of 254 work blocks: portions of 2 blocks (at most 127 per group), so its
+  // blocks 1..254 of the line meet portions 0..127: 128 segments (reuse_gpu_test.cc's
+  // most-partial-rows case), the first and last of one block.
+  const mac::WorkPlanRef one = mac::PlanWorkRef({16201});
+  EXPECT_EQ(one.portion_blocks, 2);
+  ASSERT_EQ(one.group_segments[0], mac::kMaxGroupChunks);
+  EXPECT_EQ(one.segments.front().w1, 64);
+  EXPECT_EQ(one.segments.back().w0, 253 * 64);
+  // Portions of one block: the one of a group's fixed cost holds nothing.
+  const mac::WorkPlanRef small = mac::PlanWorkRef({64, 0, 100, 1});
+  EXPECT_EQ(small.portion_blocks, 1);
+  EXPECT_EQ(small.ctas, 7);
+  EXPECT_EQ(small.cta_first[0], 0);
+  EXPECT_EQ(small.cta_first[1], 0);
+  EXPECT_EQ(small.cta_first[2], 1);
+  CheckWorkPlan({64, 0, 100, 1});
+  CheckWorkPlan({0, 0});
+  CheckWorkPlan({});
+}
+
+TEST(MacPlan, RandomStepsKeepTheRules) {
+  const uint64_t seed = test::test_seed(611);
+  SCOPED_TRACE(test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  const int sizes[] = {1, 2, 3, 8, 32, 256, 512, 1024, 1300};
+  const int32_t spans[] = {64, 130, 2000, 40000, 140000, 1 << 20};
+  for (int it = 0; it < 400; ++it) {
+    const int n = sizes[rng() % 9];
+    std::vector<int32_t> w(size_t(n), 0);
+    for (auto& x : w) {
+      const uint64_t r = rng() % 100;
+      if (r < 15) continue;  // no work (T = 0)
+      const int32_t span = r < 50 ? 700 : spans[rng() % 6];
+      x = 1 + int32_t(rng() % uint64_t(span));
+    }
+    SCOPED_TRACE("step " + std::to_string(it) + ", groups " + std::to_string(n));
+    CheckWorkPlan(w);
+    if (HasFatalFailure()) return;
+  }
 }
 
 }  // namespace

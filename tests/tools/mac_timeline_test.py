@@ -16,8 +16,8 @@ STEP = {
     "match": [[0.0, 3.0], [0.5, 4.0]],
     # start, attend waited, merged, end
     "combine": [[10.0, 20.0, 22.0, 24.0], [10.0, 21.0, 24.0, 25.0]],
-    # chunk, SM, tiles, tokens, start, plan waited, chunk read, first tile, loop done, done,
-    # staged, weighed, stored
+    # first segment, SM, tiles, tokens, start, plan waited, descriptors read, first tile, loop
+    # done, done, staged, weighed, stored
     "attend": [[0, 3, 4, 256, 5.0, 6.0, 7.0, 9.0, 15.0, 18.0, 16.0, 17.0, 17.5],
                [1, 4, 2, 128, 5.0, 6.0, 7.0, 9.5, 12.0, 14.0, 13.0, 13.5, 13.8]],
 }
@@ -26,14 +26,14 @@ EXPECTED = [
     "== hand-made",
     "match: 2 CTAs, start 0.0-0.5, end p50 4.0, last 4.0",
     "plan: start 1.0, match waited 4.0, end 6.0",
-    "attend: 2 chunks, CTAs start 5.0-5.0, plan waited 6.0-6.0, end p50 18.0, last 18.0",
-    # descriptor: 7 - 6 both; first tile: 9 - 7, 9.5 - 7; loop: 15 - 9, 12 - 9.5
-    "descriptor 1.0 / 1.0 / 1.0; to first tile 2.0 / 2.5 / 2.5; tile loop 2.5 / 6.0 / 6.0",
-    # stage 16 - 15, 13 - 12; weights 1, 0.5; stores 0.5, 0.3; whole chunk 18 - 6, 14 - 6
-    "stage 1.0 / 1.0 / 1.0; weights 0.5 / 1.0 / 1.0; stores 0.3 / 0.5 / 0.5; whole chunk 8.0 / 12.0 / 12.0",
+    "attend: 2 CTAs with segments, start 5.0-5.0, plan waited 6.0-6.0, end p50 18.0, last 18.0",
+    # descriptors: 7 - 6 both; first tile: 9 - 7, 9.5 - 7; loop: 15 - 9, 12 - 9.5
+    "descriptors 1.0 / 1.0 / 1.0; to first tile 2.0 / 2.5 / 2.5; tile loop 2.5 / 6.0 / 6.0",
+    # stage 16 - 15, 13 - 12; weights 1, 0.5; stores 0.5, 0.3; whole CTA 18 - 6, 14 - 6
+    "stage 1.0 / 1.0 / 1.0; weights 0.5 / 1.0 / 1.0; stores 0.3 / 0.5 / 0.5; whole CTA 8.0 / 12.0 / 12.0",
     # (15 - 9) / 3 and (12 - 9.5) / 1
     "us per tile after the first: 2 tiles (n = 1) 2.50, 4 tiles (n = 1) 2.00",
-    "chunks starting more than 5 us after the first: 0",
+    "CTAs starting more than 5 us after the first: 0",
     "combine: 2 CTAs, attend waited p50 21.0, merge p50 3.0, then p50 2.0 to the end, last end 25.0",
 ]
 

@@ -276,9 +276,10 @@ int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit
 // kernels record per-CTA %globaltimer stamps of the last step, written here as one JSON
 // line, us from the first match CTA's start: "plan" [start, match waited, end]; "match"
 // [start, end] per CTA; "combine" [start, attend waited, merged, end] per CTA; "attend"
-// [chunk, SM, tiles, tokens, start, plan waited, chunk read, first tile landed, tile loop
-// done, chunk done, states staged, merge weights written, partials stored] per CTA that
-// had a chunk. At most 8192 CTAs per grid. Synchronizes the device. tools/mac_timeline.py
+// [first segment, SM, tiles, tokens, start, plan waited, descriptors read, first tile
+// landed, last tile done, CTA done, then its last segment's states staged, merge weights
+// written, partials stored] per CTA that had segments (tiles and tokens: all of its
+// segments'). At most 8192 CTAs per grid. Synchronizes the device. tools/mac_timeline.py
 // summarizes a file of such lines (asmem_bench_mac --timeline).
 void MacTimelineDump(const char* label, std::FILE* out);
 #endif
