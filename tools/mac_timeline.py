@@ -55,6 +55,11 @@ def summarize(step):
             f"{k} tiles (n = {len(by_tiles[k])}) {statistics.median(by_tiles[k]):.2f}" for k in common))
         late = [s for s in start if s > min(start) + 5]
         out.append(f"  CTAs starting more than 5 us after the first: {len(late)}")
+        # The last CTAs to end: what the step waits for.
+        last = sorted(attend, key=lambda a: -a[9])[:3]
+        out.append("  last to end: " + "; ".join(
+            f"first segment {a[0]} on SM {a[1]}, {a[2]} tiles / {a[3]} tokens, first tile {a[7]:.1f}, "
+            f"last tile {a[8]:.1f}, end {a[9]:.1f}" for a in last))
     if combine:
         waited = [c[1] for c in combine]
         merged = [c[2] - c[1] for c in combine]

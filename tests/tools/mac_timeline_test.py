@@ -34,6 +34,9 @@ EXPECTED = [
     # (15 - 9) / 3 and (12 - 9.5) / 1
     "us per tile after the first: 2 tiles (n = 1) 2.50, 4 tiles (n = 1) 2.00",
     "CTAs starting more than 5 us after the first: 0",
+    # ends 18.0 and 14.0, latest first
+    "last to end: first segment 0 on SM 3, 4 tiles / 256 tokens, first tile 9.0, last tile 15.0, end 18.0; "
+    "first segment 1 on SM 4, 2 tiles / 128 tokens, first tile 9.5, last tile 12.0, end 14.0",
     "combine: 2 CTAs, attend waited p50 21.0, merge p50 3.0, then p50 2.0 to the end, last end 25.0",
 ]
 
