@@ -118,10 +118,25 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
 // length and each chunk its own CTA, about kTargetChunks of them; at 99% hits the hit
 // groups' one-chunk groups and the misses' chunks then ran in a wave and a part (349
 // chunks at B = 32), each chunk paying about 4 us before its first tile and 3 after its last
-// (the per-CTA timeline in reuse_kernels.cuh). Its kTargetChunks and kMinChunk sweeps are
-// recorded there.
+// (the per-CTA timeline in reuse_kernels.cuh). Its measurements of kMinChunk (then its
+// smallest chunk, now MacFill's) and of kTargetChunks (then its chunk target, now the most
+// portions):
+// kMinChunk 64 (128 before session 14; H200, asmem_bench_mac, clustered, two runs each, us):
+// B = 1 all-hit LLaMA-8B 32K 24.8-25.0 -> 24.5-24.8, 128K 24.0-25.0 -> 24.3-24.5, GQA-8 32K
+// 24.2-25.4 -> 24.1-24.9, 128K 25.5-25.7 -> 24.3-25.0; B >= 16 within run-to-run spread.
+// kTargetChunks 264 / 256 / 200 / 132 (session 15, through a temporary knob not kept, read flush, one
+// machine session, two runs each, us): no setting is better everywhere, because where the
+// hits' one-chunk groups and the misses' chunks fall in the waves moves with it. 200 gives
+// GQA-8 B = 32 99% per group 73.6-73.9 -> 62.6-62.8 and LLaMA-8B 89.8-90.1 -> 84.0-84.4, B = 16
+// 99% per head 75.6-75.7 -> 63.7-64.3, but LLaMA-8B B = 32 99% per head at 128K 205.1-205.2 ->
+// 218.7-219.6, GQA-8 B = 16 all-miss 32K 272.9-273.3 -> 287.1-287.6 (128K 989.6-989.9 ->
+// 1045.9-1046.2), GQA-8 B = 32 all-hit 54.4-54.5 -> 59.3-59.5; 256: GQA-8 B = 32 99% per group
+// 65.2-65.3, LLaMA-8B B = 64 99% per head 128K 409.5-409.9 -> 423.3-423.8; 132: B = 1 and
+// B = 16 all-miss up to 1.5x slower (one CTA per SM). A plan that picks the chunk length
+// from a model of the waves, not one fixed target, is where this points.
 constexpr int32_t kTargetChunks = 2 * 132;
-constexpr int32_t kMinChunk = 64;
+static_assert(kTargetChunks < 0x10000, "the plan packs a portion index in 16 bits");
+constexpr int32_t kMinChunk = 64;  // MacFill's smallest split
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
 constexpr int32_t kSegmentFixedBlocks = 1;

@@ -49,6 +49,7 @@
 //  * A grid of resident CTAs looping over the chunks (c += gridDim.x) was slower than one
 //    CTA per chunk: all-miss LLaMA-8B B=64 32K 4316 vs 2806 us. Static round-robin gives
 //    some CTAs several long chunks; the hardware's dynamic CTA dispatch balances them.
+//    (Session 18's CTAs take static portions of equal cost instead: see its bullet.)
 //  * Programmatic dependent launch made the B=1 all-hit step slower (43.2 vs 38.9 us) and
 //    did not change B=32 (140 vs 138 us): early-launched CTAs sit on SMs waiting. With the
 //    tensor-core attend (a752665) it changed nothing either: 32.2 vs 31.9 us at B = 1 and
@@ -152,7 +153,8 @@
 //    current one streams (GPU tests passed): LLaMA-8B B = 32 99% 100.8-100.9 -> 109.0-109.9,
 //    per head 126.8-127.1 -> 130.6-131.2, B = 16 99% 63.2-63.6 -> 66.3-66.4; GQA-8 B = 32 99%
 //    83.7-84.0 -> 90.6-91.8, B = 64 128K 99% 161.9-164.7 -> 176.8-179.2; B = 1 and all-miss
-//    unchanged. One CTA per chunk, placed by the hardware, stays. Per-CTA timeline at
+//    unchanged. One CTA per chunk, placed by the hardware, stayed (until session 18's
+//    streamed segments, below, whose CTAs take static portions). Per-CTA timeline at
 //    b816f72 (%globaltimer stamps, LLaMA-8B, 32K, us from the first match CTA): B = 32 99%
 //    per group: match CTAs 0-29.4 in two waves (121 registers: 4 CTAs per SM; 13.5 us each
 //    for two round trips of 32 KB per CTA), plan 29.5-35.7, attend 36.7-90.4 (349 chunks,
@@ -492,7 +494,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
       tok += SegmentCost(work);
       most = max(most, int32_t(WorkBlocks(work)));
     }
-    a.units[u] = up;  // ranges now, chunks below (read back by this thread only)
+    a.units[u] = up;  // ranges now, segments below (read back by this thread only)
     if (u == tid) mine = up;
   }
 #pragma unroll
@@ -812,10 +814,10 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Attend: one chunk of one group's KV for its G heads, on tensor cores
+// Attend: a CTA's segments of its groups' KV for their G heads, on tensor cores
 // ---------------------------------------------------------------------------------------
 
-// Where a chunk is: request, KV head, work tokens [w0, w1) of its group (work index w is
+// Where a segment (MacFill: a chunk) is: request, KV head, work tokens [w0, w1) of its group (work index w is
 // token w < sink_end ? w : w + gap), which tokens go to which state, the q offset
 // (elements) of the group's first head, and the partial rows of head 0 of the two states
 // (-1: not written).
@@ -828,7 +830,8 @@ struct ChunkPos {
   int64_t row_band = -1, row_out = -1;
 };
 
-// Decode chunk c of the plan, described by d.
+// Decode segment c of the plan, described by d. The plan makes every segment non-empty
+// (w1 > w0: the MacPlan CPU tests); a CTA's cursors assume it.
 __device__ __forceinline__ ChunkPos LocateDecodeChunk(const LaunchArgs& a, int c, const ChunkDesc& d, int group) {
   ChunkPos cp;
   cp.b = d.b;
@@ -1418,14 +1421,14 @@ __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
 // The N-way merge of a head's partial rows, spread over the CTA: the rows' lse first (one
 // or two per thread: at most 2 kMaxGroupChunks rows), the two states' LseSum (state.cuh)
 // from them, then the rows of nonzero weight, compacted, loaded BATCH per warp at a time and
-// summed with their weights (no merge waits on the one before). Per chunk j the band row is
-// 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
+// summed with their weights (no merge waits on the one before). Per segment j of the group
+// the band row is 2 j and the sink-and-tail row 2 j + 1. Warp 0 ends with both states.
 // Eager (EBATCH > 0): when the head has at most kWarps EBATCH rows, warp w loads rows w,
 // w + kWarps, ... (o and lse) together with the lse of the whole set, in one round trip,
 // and weighs them once the sums are known: no compaction and no second round trip (B = 1
-// all-hit: about a dozen rows per head; a group of one chunk: two rows). Grids of one wave
-// take EBATCH = BATCH; grids bounded to 64 registers EBATCH = 1 (groups of up to two
-// chunks: at BATCH it spilled).
+// all-hit: about a dozen rows per head; a group of one segment: two rows). Grids of one
+// wave take EBATCH = BATCH; grids bounded to 64 registers EBATCH = 1 (groups of up to two
+// segments: at BATCH it spilled).
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
 template <int HEAD_DIM, int kPer, int BATCH, int EBATCH>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,

@@ -303,8 +303,7 @@ std::vector<MacCase> GpuCases() {
   c.clustered = true;
   v.push_back(c);
 
-  // More KV groups (320) than the plan's threads (128: three passes of its per-group loop),
-  // long and short groups interleaved.
+  // 320 KV groups (the plan CTA's 512-thread variant), long and short groups interleaved.
   c = MacCase{};
   c.name = "many-groups-d64";
   c.Hq = 16;
@@ -390,11 +389,11 @@ TEST(MacGpu, CapturedGraphReplaysWithEpochsAndReady) {
   RunOnGpu(c, seed, true);
 }
 
-// More one-chunk groups (hits: band and tail) than the plan's chunk target (264), beside a
-// few missed groups of several chunks: more chunks than one wave of attention CTAs, the
-// misses' (at least one base chunk) numbered first, the hits' after them. 80 requests x 4
-// KV groups, about 3% of groups missing per step: about 310 hit groups of about 130-160
-// tokens and 10 misses of 600-900 tokens (base chunk about 200 tokens).
+// More hit groups (band and tail) than attention CTAs (264), beside a few missed groups:
+// each CTA streams segments of several groups back to back, and the misses' segments share
+// CTAs with hits'. 80 requests x 4 KV groups, about 3% of groups missing per step: about
+// 310 hit groups of about 130-160 tokens and 10 misses of 600-900 tokens (portions of
+// about 6 blocks of 64 tokens, each group costing its blocks plus one).
 TEST(MacGpu, ManyOneChunkGroupsBesideMisses) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(604);
@@ -416,12 +415,12 @@ TEST(MacGpu, ManyOneChunkGroupsBesideMisses) {
               static_cast<long long>(st.steps), static_cast<long long>(st.groups_all_hit),
               static_cast<long long>(st.groups_mixed), static_cast<long long>(st.groups_all_miss));
   EXPECT_GT(st.groups_all_miss, 0);
-  EXPECT_GT(st.groups_all_hit, 264 * c.steps);  // more one-chunk groups than the target
+  EXPECT_GT(st.groups_all_hit, 264 * c.steps);  // more hit groups than attention CTAs
 }
 
-// Contexts long enough that the plan's chunk size exceeds its minimum (total tokens above
-// kTargetChunks * kMinChunk) and one group spans many chunks; few steps (the reference is
-// slow).
+// Contexts long enough that the plan's portion exceeds one block (a total cost above
+// kTargetChunks blocks of 64 tokens) and one group spans many segments; few steps (the
+// reference is slow).
 TEST(MacGpu, LongContextsSplitOverManyChunks) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(603);
