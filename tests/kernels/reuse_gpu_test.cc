@@ -418,6 +418,27 @@ TEST(MacGpu, ManyOneChunkGroupsBesideMisses) {
   EXPECT_GT(st.groups_all_hit, 264 * c.steps);  // more hit groups than attention CTAs
 }
 
+// More KV groups (8 x 132 = 1056) than the plan CTA's 1024 threads: its per-batch loops run
+// twice (the second batch's line positions and segment numbers continue the first's), and
+// the match runs its 64-thread CTAs. Short contexts keep the reference quick.
+TEST(MacGpu, MoreGroupsThanPlanThreads) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(606);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "more-groups-than-plan-threads";
+  c.Hq = 8;
+  c.Hkv = 8;
+  c.d = 64;
+  c.mac = MakeMac(24, 16, 2, 0);
+  c.T0.clear();
+  for (int b = 0; b < 132; ++b) c.T0.push_back(40 + 7 * (b % 37));
+  c.steps = 3;
+  c.p_hit = 0.6;
+  const MacSeqStats st = RunOnGpu(c, seed);
+  EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+}
+
 // Contexts long enough that the plan's portion exceeds one block (a total cost above
 // kTargetChunks blocks of 64 tokens) and one group spans many segments; few steps (the
 // reference is slow).
