@@ -300,11 +300,12 @@
 //    per group 32K 82.4, 82.3 -> 76.4, 76.7 and 83.2, 83.0 -> 76.8, 77.5; 128K 117.3,
 //    117.3 -> 113.1, 113.4 and 119.6, 120.2 -> 115.8, 115.3; per head 32K 108.0, 108.1 ->
 //    101.6, 101.4; GQA-8 B = 32 99% per group 70.0, 70.3 -> 61.6, 62.4 and 65.2, 65.2 ->
-//    63.1, 63.1; B = 64 99% 1-6% faster, all-miss at B >= 32 0.4-1.4% faster. Slower: B = 1
-//    all-hit 22.2-22.9 -> 23.1-24.3 (the plan and one more round trip per CTA: its range,
-//    then its descriptors), B = 16 and 32 all-hit 2-13% (LLaMA-8B B = 32 62.1, 62.2 ->
-//    63.0, 63.7; GQA-8 B = 32 50.9 -> 54.9-55.3), GQA-8 B = 16 99% per group 3-9%, B = 1
-//    all-miss 3-15% (LLaMA-8B 32K 53.7 -> 58.3 and 54.7, 54.4 -> 60.6; in the timeline one
+//    63.1, 63.1; B = 64 99% 1-6% faster, all-miss at B >= 32 -1.4% .. +0.5%. Slower: B = 1
+//    all-hit 22.0-22.9 -> 23.1-24.3 (the plan and one more round trip per CTA: its range,
+//    then its descriptors), B = 16 all-hit 3-13%, B = 32 all-hit up to 12% (LLaMA-8B B = 32
+//    62.1, 62.2 -> 63.0, 63.7 and 63.8, 63.5 -> 64.0, 64.3; GQA-8 B = 32 50.9 -> 54.9-55.3),
+//    GQA-8 B = 16 99% per group 3-9%, B = 1 all-miss 2-15% (LLaMA-8B 32K 53.7 -> 58.3 and
+//    54.7, 54.4 -> 60.6; in the timeline one
 //    CTA ends 5-7 us after the median, against 2 us before, for a reason not found). The
 //    plan CTA takes 4-6 us after the match against 3-5 before (timeline); with each
 //    group's segments written by its own thread it held the attention grid back by up to
