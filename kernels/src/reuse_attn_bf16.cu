@@ -62,7 +62,7 @@ void MacTimelineDump(const char* label, std::FILE* out) {
   std::fprintf(out, "], \"attend\": [");
   bool first = true;
   for (const TlAttend& x : at) {
-    if (x.chunk < 0) continue;  // a CTA past the plan's chunks
+    if (x.chunk < 0) continue;  // a CTA without segments
     std::fprintf(out, "%s[%d, %d, %d, %d", first ? "" : ", ", x.chunk, x.sm, x.tiles, x.tokens);
     for (int k = 0; k < 9; ++k) std::fprintf(out, ", %.2f", us(x.t[k]));
     std::fprintf(out, "]");

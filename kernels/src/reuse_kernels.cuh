@@ -295,8 +295,9 @@
 //  * Session 18: the streamed segments (AttendSegments and the portion plan; before, each
 //    planned chunk had its own CTA and paid the pipeline's fill and its epilogue alone,
 //    and at 99% per group 87 of 349 chunks ran in a second wave). bench_mac, clustered
-//    unless said, two runs each, us, base -> new, in four machine sessions whose machines
-//    differed by up to 6% in full attention, the first and last given. LLaMA-8B B = 32 99%
+//    unless said, two runs each, us, base -> new, from two of the session's A/B calls
+//    (machines differing by up to 6% in full attention): the form before its plan was
+//    written by all threads in 32-bit arithmetic, then the committed form. LLaMA-8B B = 32 99%
 //    per group 32K 82.4, 82.3 -> 76.4, 76.7 and 83.2, 83.0 -> 76.8, 77.5; 128K 117.3,
 //    117.3 -> 113.1, 113.4 and 119.6, 120.2 -> 115.8, 115.3; per head 32K 108.0, 108.1 ->
 //    101.6, 101.4; GQA-8 B = 32 99% per group 70.0, 70.3 -> 61.6, 62.4 and 65.2, 65.2 ->
