@@ -152,7 +152,10 @@ ASMEM_HOST_DEVICE int32_t CeilDiv(int64_t a, int64_t b) { return int32_t((a + b 
 
 // Work blocks (kChunkAlign tokens) of `work` tokens, and a group's cost on the plan's line.
 ASMEM_HOST_DEVICE int64_t WorkBlocks(int32_t work) { return work > 0 ? (int64_t(work) + kChunkAlign - 1) / kChunkAlign : 0; }
-ASMEM_HOST_DEVICE int64_t SegmentCost(int32_t work) { return work > 0 ? WorkBlocks(work) + kSegmentFixedBlocks : 0; }
+// `fixed`: the blocks a segment's start costs (kSegmentFixedBlocks; the CPU tests run others).
+ASMEM_HOST_DEVICE int64_t SegmentCost(int32_t work, int32_t fixed = kSegmentFixedBlocks) {
+  return work > 0 ? WorkBlocks(work) + fixed : 0;
+}
 
 // Blocks per CTA portion from the line's total cost and the most work blocks of one group:
 // at most kTargetChunks portions, and at most kMaxGroupChunks segments per group (a group
@@ -167,24 +170,29 @@ ASMEM_HOST_DEVICE int64_t PortionBlocks(int64_t total, int64_t most) {
 // A group's place on the plan's line, its cost starting at F, portions of S blocks: its
 // first portion p_first, the offset q0 of its first work block in that portion, its
 // segments (0 without work), whether portion p_first starts in its range (else in an
-// earlier group's), and `empty`: the portion of its fixed-cost block where that portion
-// starts in its range but holds none of its segments (portions of one block), else -1.
-// `div(x)` is x / S (the plan kernel divides in 32 bits where the line fits).
+// earlier group's), and the portions [empty0, empty1) that start in its range but hold
+// none of its segments (they lie within its `fixed` blocks: portions shorter than the
+// fixed cost). `div(x)` is x / S (the plan kernel divides in 32 bits where the line fits).
 struct GroupLine {
-  int32_t p_first = 0, q0 = 0, nseg = 0, empty = -1;
+  int32_t p_first = 0, q0 = 0, nseg = 0, empty0 = 0, empty1 = 0;
   bool starts_here = false;
 };
 template <typename Div>
-ASMEM_HOST_DEVICE GroupLine PlaceGroup(int64_t F, int32_t work, int64_t S, Div div) {
+ASMEM_HOST_DEVICE GroupLine PlaceGroup(int64_t F, int32_t work, int64_t S, Div div,
+                                       int32_t fixed = kSegmentFixedBlocks) {
   GroupLine g;
   if (work <= 0) return g;
-  const int64_t r0 = F + kSegmentFixedBlocks;
+  const int64_t r0 = F + fixed;
   g.p_first = int32_t(div(r0));
   g.q0 = int32_t(r0 - g.p_first * S);
   g.nseg = int32_t(div(r0 + WorkBlocks(work) - 1) - g.p_first + 1);
   g.starts_here = g.p_first * S >= F;
-  const int64_t pf = div(F);
-  if (pf < g.p_first && pf * S == F) g.empty = int32_t(pf);
+  // Portions starting in [F, p_first S): from ceil(F / S) up to p_first.
+  const int32_t e0 = int32_t(div(F + S - 1));
+  if (e0 < g.p_first) {
+    g.empty0 = e0;
+    g.empty1 = g.p_first;
+  }
   return g;
 }
 // Segment j of a group of `work` tokens placed with offset q0: work tokens [*w0, *w1).
@@ -303,7 +311,7 @@ struct WorkPlanRef {
   std::vector<Segment> segments;
   std::vector<int32_t> group_first, group_segments, cta_first;
 };
-WorkPlanRef PlanWorkRef(const std::vector<int32_t>& group_work);
+WorkPlanRef PlanWorkRef(const std::vector<int32_t>& group_work, int32_t fixed = kSegmentFixedBlocks);
 
 }  // namespace mac
 }  // namespace asmem

@@ -270,11 +270,11 @@ FillLayout LayoutFill(const MacDecodeConfig& c, int32_t batch, int32_t n) {
   return L;
 }
 
-WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work) {
+WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work, int32_t fixed) {
   WorkPlanRef p;
   int64_t total = 0, most = 0;
   for (const int32_t w : work) {
-    total += SegmentCost(w);
+    total += SegmentCost(w, fixed);
     most = std::max(most, WorkBlocks(w));
   }
   const int64_t S = PortionBlocks(total, most);
@@ -284,18 +284,18 @@ WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work) {
   const auto div = [S](int64_t x) { return x / S; };
   int64_t F = 0;
   for (size_t u = 0; u < work.size(); ++u) {
-    const GroupLine g = PlaceGroup(F, work[u], S, div);
+    const GroupLine g = PlaceGroup(F, work[u], S, div, fixed);
     const int32_t first = int32_t(p.segments.size());
     p.group_first.push_back(first);
     p.group_segments.push_back(g.nseg);
-    if (g.empty >= 0) p.cta_first[size_t(g.empty)] = first;
+    for (int32_t e = g.empty0; e < g.empty1; ++e) p.cta_first[size_t(e)] = first;
     for (int32_t j = 0; j < g.nseg; ++j) {
       WorkPlanRef::Segment seg{int32_t(u), 0, 0};
       SegmentTokens(j, S, g.q0, work[u], &seg.w0, &seg.w1);
       if (j > 0 || g.starts_here) p.cta_first[size_t(g.p_first + j)] = int32_t(p.segments.size());
       p.segments.push_back(seg);
     }
-    F += SegmentCost(work[u]);
+    F += SegmentCost(work[u], fixed);
   }
   for (size_t k = size_t(p.ctas); k < p.cta_first.size(); ++k) p.cta_first[k] = int32_t(p.segments.size());
   return p;

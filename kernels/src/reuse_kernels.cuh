@@ -562,9 +562,9 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first) {
       up.first_chunk = first_chunk;
       up.n_chunks = nseg;
       a.units[u] = up;
-      // A portion of one block at the fixed-cost block holds no segment; its CTA's bound is
-      // the group's first segment.
-      if (gl.empty >= 0) a.cta_first[gl.empty] = first_chunk;
+      // Portions within the group's fixed cost (shorter than it) hold no segment; their
+      // CTAs' bound is the group's first segment.
+      for (int32_t e = gl.empty0; e < gl.empty1; ++e) a.cta_first[e] = first_chunk;
     }
     // The batch's segments, one per thread in turn: segment i is segment j of the group of
     // thread L, the last whose segments start at or before i (a binary search over the

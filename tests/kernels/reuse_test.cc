@@ -843,16 +843,16 @@ TEST(MacCpu, BadFillArgumentsThrow) {
 // host: every group's segments cover its work in order, at most kMaxGroupChunks of them;
 // each CTA's segments lie in its portion, at most S work blocks in all; the CTAs' bounds
 // are non-decreasing and cover every segment once; the step's segments fit the workspace.
-void CheckWorkPlan(const std::vector<int32_t>& work) {
+void CheckWorkPlan(const std::vector<int32_t>& work, int32_t fixed = mac::kSegmentFixedBlocks) {
   using namespace mac;
-  const WorkPlanRef p = PlanWorkRef(work);
+  const WorkPlanRef p = PlanWorkRef(work, fixed);
   const int64_t S = p.portion_blocks;
   ASSERT_GE(S, 1);
   ASSERT_LE(p.ctas, kTargetChunks);
   ASSERT_LE(int64_t(p.segments.size()), int64_t(kTargetChunks) + int64_t(work.size()));
   int64_t total = 0;
   for (size_t u = 0; u < work.size(); ++u) {
-    total += SegmentCost(work[u]);
+    total += SegmentCost(work[u], fixed);
     const int32_t n = p.group_segments[u], first = p.group_first[u];
     ASSERT_LE(n, kMaxGroupChunks) << "group " << u;
     ASSERT_EQ(n > 0, work[u] > 0) << "group " << u;
@@ -879,12 +879,13 @@ void CheckWorkPlan(const std::vector<int32_t>& work) {
   for (size_t u = 0; u < work.size(); ++u) {
     for (int32_t j = 0; j < p.group_segments[u]; ++j) {
       const auto& seg = p.segments[size_t(p.group_first[u] + j)];
-      line[size_t(p.group_first[u] + j)] = F + kSegmentFixedBlocks + seg.w0 / kChunkAlign;
+      line[size_t(p.group_first[u] + j)] = F + fixed + seg.w0 / kChunkAlign;
     }
-    F += SegmentCost(work[u]);
+    F += SegmentCost(work[u], fixed);
   }
   for (int32_t k = 0; k < kTargetChunks; ++k) {
     const int32_t b = p.cta_first[size_t(k)], e = p.cta_first[size_t(k) + 1];
+    ASSERT_GE(b, 0) << "CTA " << k << ": bound not written";
     ASSERT_LE(b, e) << "CTA " << k;
     if (k >= p.ctas) {
       ASSERT_EQ(b, e) << "CTA " << k << " past the portions";
@@ -931,6 +932,26 @@ TEST(MacPlan, PortionsCoverEveryGroupOnce) {
   CheckWorkPlan({});
 }
 
+// A fixed cost of several blocks (the rules take it as a parameter): with portions of one
+// block, each group's first two or three portions hold none of its segments, and their CTAs'
+// bounds are still written.
+TEST(MacPlan, FixedCostOfSeveralBlocks) {
+  for (const int32_t fixed : {2, 3}) {
+    SCOPED_TRACE("fixed " + std::to_string(fixed));
+    const mac::WorkPlanRef small = mac::PlanWorkRef({64, 0, 100, 1}, fixed);
+    EXPECT_EQ(small.portion_blocks, 1);
+    EXPECT_EQ(small.ctas, 4 + 3 * fixed);
+    for (int32_t k = 0; k <= fixed; ++k) EXPECT_EQ(small.cta_first[size_t(k)], 0) << "CTA " << k;
+    EXPECT_EQ(small.cta_first[size_t(fixed) + 1], 1);
+    CheckWorkPlan({64, 0, 100, 1}, fixed);
+    CheckWorkPlan({64, 64, 64, 64, 64, 64, 64, 64}, fixed);
+    std::vector<int32_t> w(256, 512);
+    w[10] = w[100] = w[200] = 33 * 1024;
+    CheckWorkPlan(w, fixed);
+    CheckWorkPlan({16201}, fixed);
+  }
+}
+
 TEST(MacPlan, RandomStepsKeepTheRules) {
   const uint64_t seed = test::test_seed(611);
   SCOPED_TRACE(test::seed_trace(seed));
@@ -947,7 +968,7 @@ TEST(MacPlan, RandomStepsKeepTheRules) {
       x = 1 + int32_t(rng() % uint64_t(span));
     }
     SCOPED_TRACE("step " + std::to_string(it) + ", groups " + std::to_string(n));
-    CheckWorkPlan(w);
+    CheckWorkPlan(w, 1 + int32_t(it % 3));  // the fixed cost in use and two others
     if (HasFatalFailure()) return;
   }
 }
