@@ -26,7 +26,8 @@ def summarize(step):
         ends = [m[1] for m in match]
         out.append(f"  match: {len(match)} CTAs, start {min(starts):.1f}-{max(starts):.1f}, "
                    f"end p50 {quantile(ends, 0.5):.1f}, last {max(ends):.1f}")
-    out.append(f"  plan: start {plan[0]:.1f}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
+    dry = f", dry pass done {plan[3]:.1f}" if len(plan) > 3 else ""
+    out.append(f"  plan: start {plan[0]:.1f}{dry}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
     if attend:
         col = lambda i: [a[i] for a in attend]  # noqa: E731
         start, waited, located, first, loop_end, end = (col(i) for i in range(4, 10))

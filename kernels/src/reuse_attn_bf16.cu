@@ -43,7 +43,7 @@ void MacTimelineDump(const char* label, std::FILE* out) {
   for (int& g : grid) g = std::min(g, kTlCtas);
   std::vector<TlAttend> at(static_cast<size_t>(grid[1]));
   std::vector<unsigned long long> mt(2 * size_t(grid[0])), ct(4 * size_t(grid[2]));
-  unsigned long long pl[3];
+  unsigned long long pl[4];
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(at.data(), g_tl_attend, sizeof(TlAttend) * at.size()));
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(mt.data(), g_tl_match, sizeof(unsigned long long) * mt.size()));
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(ct.data(), g_tl_combine, sizeof(unsigned long long) * ct.size()));
@@ -51,8 +51,8 @@ void MacTimelineDump(const char* label, std::FILE* out) {
   unsigned long long t0 = ~0ull;
   for (int i = 0; i < grid[0]; ++i) t0 = std::min(t0, mt[2 * i]);
   auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
-  std::fprintf(out, "{\"label\": \"%s\", \"plan\": [%.2f, %.2f, %.2f], \"match\": [", label, us(pl[0]), us(pl[1]),
-               us(pl[2]));
+  std::fprintf(out, "{\"label\": \"%s\", \"plan\": [%.2f, %.2f, %.2f, %.2f], \"match\": [", label, us(pl[0]),
+               us(pl[1]), us(pl[2]), us(pl[3]));
   for (int i = 0; i < grid[0]; ++i) std::fprintf(out, "%s[%.2f, %.2f]", i ? ", " : "", us(mt[2 * i]), us(mt[2 * i + 1]));
   std::fprintf(out, "], \"combine\": [");
   for (int i = 0; i < grid[2]; ++i) {

@@ -140,6 +140,18 @@ constexpr int32_t kMinChunk = 64;  // MacFill's smallest split
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
 constexpr int32_t kSegmentFixedBlocks = 1;
+// The plan CTA runs its code once without effect (no key exchange, no write) while the
+// match's last CTAs run, where B Hq is at least this, so that the real pass finds its
+// instructions cached. Timeline (session 19, LLaMA-8B 32K, us from the first match CTA):
+// the dry pass takes 2.0-3.6 us; the real pass after it 3.1-3.6 at B = 16 and 5.3 at B = 32
+// (before: about 4 and 5.6). At B = 1 the match is over 0.3 us after the plan CTA starts, so
+// the dry pass delays the plan: B = 1 all-hit 23.4 -> 25.0 us. A/B with it at every B (one
+// machine session, two runs each, clustered unless said, us): LLaMA-8B B = 16 99% per group
+// 51.2, 51.7 -> 48.2, 48.1, per head 66.4, 66.8 -> 62.6, 62.6, all-hit 45.6, 45.4 -> 43.0,
+// 42.7; B = 32 99% 76.4, 76.3 -> 75.6, 75.7, all-hit 63.4, 63.6 -> 62.6, 62.6; GQA-8 B = 32
+// 99% 62.8, 62.9 -> 59.1, 59.5, all-hit 56.5, 56.4 -> 53.8, 53.9, B = 16 99% 46.6, 46.8 ->
+// 44.4, 44.5; B = 64 and all-miss at B >= 16 within 1%.
+constexpr int32_t kPlanWarmHeads = 512;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
