@@ -312,6 +312,21 @@
 //    group's segments written by its own thread it held the attention grid back by up to
 //    20 us at 128K (a hundred segments in turn), by the lanes of the group's warp 1-2 us
 //    at B = 1. Register counts at d = 128: 206-221 (no spills).
+//  * Session 19 (bench_mac, two runs each, us, base -> new, each A/B in one machine session).
+//    Each attention CTA's first descriptor written by the plan beside its range (one round
+//    trip less per CTA; GPU tests passed): 0.5-2% slower in most cells (LLaMA-8B B = 32 99%
+//    per group 76.4, 75.9 -> 76.7, 76.5, B = 1 all-hit 23.1, 23.2 -> 23.3, 23.5); not merged.
+//    The timeline with and without the L2 flush: the plan CTA takes about 5 us either way at
+//    B = 32. Its code run once without effect while the match ends (MacPlanKernel, merged;
+//    reuse_common.h kPlanWarmHeads has its timeline and A/B). A segment's fixed cost of 2 or
+//    3 blocks instead of 1 (reuse_common.h kSegmentFixedBlocks; the first try left the bounds
+//    of portions of one block unwritten, now covered by PlaceGroup and the CPU tests): with
+//    the plan's dry pass, 2 against 1 within 2% either way (LLaMA-8B B = 16 99% 48.2 -> 47.6,
+//    B = 64 99% 128K 187.3 -> 190.6); not taken. The KV of every group's tail (its last r
+//    tokens, needed whatever the decision) prefetched into L2 by the attention CTAs while the
+//    plan is made (prefetch.global.L2 of K and V rows, up to 24 or 48 MB; GPU tests passed):
+//    LLaMA-8B B = 32 99% per group 75.6, 75.5 -> 74.8, 74.7, the rest within 1.5% either way
+//    (GQA-8 B = 32 99% per head 93.3, 93.4 -> 94.8, 94.7); not merged.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
