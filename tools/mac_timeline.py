@@ -26,7 +26,7 @@ def summarize(step):
         ends = [m[1] for m in match]
         out.append(f"  match: {len(match)} CTAs, start {min(starts):.1f}-{max(starts):.1f}, "
                    f"end p50 {quantile(ends, 0.5):.1f}, last {max(ends):.1f}")
-    dry = f", dry pass done {plan[3]:.1f}" if len(plan) > 3 else ""
+    dry = f", at its wait (after the dry pass, if run) {plan[3]:.1f}" if len(plan) > 3 else ""
     out.append(f"  plan: start {plan[0]:.1f}{dry}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
     if attend:
         col = lambda i: [a[i] for a in attend]  # noqa: E731

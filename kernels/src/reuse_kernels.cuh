@@ -382,7 +382,7 @@ struct TlAttend {
 };
 __device__ TlAttend g_tl_attend[kTlCtas];
 __device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
-__device__ unsigned long long g_tl_plan[4];              // start, match waited, end, dry pass done
+__device__ unsigned long long g_tl_plan[4];              // start, match waited, end, at its wait
 __device__ unsigned long long g_tl_combine[kTlCtas][4];  // start, attend waited, end, merged
 __device__ int g_tl_grid[3];                             // match, attend, combine CTAs
 __device__ __forceinline__ bool TlCta() { return blockIdx.x < kTlCtas; }
