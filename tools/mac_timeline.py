@@ -28,6 +28,10 @@ def summarize(step):
                    f"end p50 {quantile(ends, 0.5):.1f}, last {max(ends):.1f}")
     dry = f", at its wait (after the dry pass, if run) {plan[3]:.1f}" if len(plan) > 3 else ""
     out.append(f"  plan: start {plan[0]:.1f}{dry}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
+    if "plan_steps" in step:
+        ps = step["plan_steps"]
+        out.append(f"  plan after its wait: keys exchanged, ranges set {ps[0]:.1f}, totals {ps[1]:.1f}, "
+                   f"first batch placed {ps[2]:.1f}, its segments written {ps[3]:.1f}")
     if attend:
         col = lambda i: [a[i] for a in attend]  # noqa: E731
         start, waited, located, first, loop_end, end = (col(i) for i in range(4, 10))

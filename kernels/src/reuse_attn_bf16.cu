@@ -48,11 +48,14 @@ void MacTimelineDump(const char* label, std::FILE* out) {
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(mt.data(), g_tl_match, sizeof(unsigned long long) * mt.size()));
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(ct.data(), g_tl_combine, sizeof(unsigned long long) * ct.size()));
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(pl, g_tl_plan, sizeof(pl)));
+  unsigned long long ps[4];
+  ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(ps, g_tl_plan_steps, sizeof(ps)));
   unsigned long long t0 = ~0ull;
   for (int i = 0; i < grid[0]; ++i) t0 = std::min(t0, mt[2 * i]);
   auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
-  std::fprintf(out, "{\"label\": \"%s\", \"plan\": [%.2f, %.2f, %.2f, %.2f], \"match\": [", label, us(pl[0]),
+  std::fprintf(out, "{\"label\": \"%s\", \"plan\": [%.2f, %.2f, %.2f, %.2f], ", label, us(pl[0]),
                us(pl[1]), us(pl[2]), us(pl[3]));
+  std::fprintf(out, "\"plan_steps\": [%.2f, %.2f, %.2f, %.2f], \"match\": [", us(ps[0]), us(ps[1]), us(ps[2]), us(ps[3]));
   for (int i = 0; i < grid[0]; ++i) std::fprintf(out, "%s[%.2f, %.2f]", i ? ", " : "", us(mt[2 * i]), us(mt[2 * i + 1]));
   std::fprintf(out, "], \"combine\": [");
   for (int i = 0; i < grid[2]; ++i) {

@@ -383,6 +383,9 @@ struct TlAttend {
 __device__ TlAttend g_tl_attend[kTlCtas];
 __device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
 __device__ unsigned long long g_tl_plan[4];              // start, match waited, end, at its wait
+// The real plan pass, thread 0: keys exchanged with the ranges set, totals (S), its
+// batch placed (scans, PlaceGroup), the batch's segments written.
+__device__ unsigned long long g_tl_plan_steps[4];
 __device__ unsigned long long g_tl_combine[kTlCtas][4];  // start, attend waited, end, merged
 __device__ int g_tl_grid[3];                             // match, attend, combine CTAs
 __device__ __forceinline__ bool TlCta() { return blockIdx.x < kTlCtas; }
@@ -516,6 +519,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     if (!dry) a.units[u] = up;  // ranges now, segments below (read back by this thread only)
     if (u == tid) mine = up;
   }
+  TL(if (tid == 0 && !dry) g_tl_plan_steps[0] = TlNow());
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     tok += __shfl_xor_sync(0xffffffffu, tok, o);
@@ -534,6 +538,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     most = max(most, sm_most[w]);
   }
   const long long S = PortionBlocks(total, most);
+  TL(if (tid == 0 && !dry) g_tl_plan_steps[1] = TlNow());
   const long long n_cta = (total + S - 1) / S;  // <= kTargetChunks
   // Divisions on the line in 32 bits where it fits (a 64-bit division is a long
   // subroutine; the plan CTA's time is on the step's critical path).
@@ -594,6 +599,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     sm_seg.band_lo[tid] = up.band_lo;
     sm_seg.band_end[tid] = up.band_end;
     __syncthreads();
+    TL(if (tid == 0 && !dry && first == 0) g_tl_plan_steps[2] = TlNow());
     for (int32_t i = tid; i < seg_all; i += NT) {
       int L = 0;
 #pragma unroll
@@ -617,6 +623,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
       }
     }
     __syncthreads();  // the batch's arrays are read before the next batch writes them
+    TL(if (tid == 0 && !dry && first == 0) g_tl_plan_steps[3] = TlNow());
     carry_cost += cost_all;
     carry_seg += seg_all;
   }

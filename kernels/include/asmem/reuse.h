@@ -82,9 +82,9 @@
 // CUDA path: asynchronous on `stream`, no host synchronization, no allocation: capturable in
 // a CUDA graph (replays may change every device value: q, seq_lens, block tables, slot ids,
 // epochs, ready flags, prefix states). Four launches: match, the plan (one CTA, a
-// programmatic dependent of the match: Hopper PDL), attention over the planned KV chunks
-// (one CTA per chunk), combine (+ ring writes); with config.programmatic_launch (the
-// default) the last two are launched as programmatic dependents too.
+// programmatic dependent of the match: Hopper PDL), attention over the planned KV segments
+// (one CTA per portion of them), combine (+ ring writes); with config.programmatic_launch
+// (the default) the last two are launched as programmatic dependents too.
 #pragma once
 
 #include <cstddef>
@@ -274,8 +274,10 @@ int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit
 #ifdef ASMEM_MAC_TIMELINE
 // Diagnostic builds only (CMake -DASMEM_MAC_TIMELINE=ON, off by default): the bf16 MAC
 // kernels record per-CTA %globaltimer stamps of the last step, written here as one JSON
-// line, us from the first match CTA's start: "plan" [start, match waited, end]; "match"
-// [start, end] per CTA; "combine" [start, attend waited, merged, end] per CTA; "attend"
+// line, us from the first match CTA's start: "plan" [start, match waited, end, at its wait
+// (after its dry pass, if run)]; "plan_steps" [keys exchanged with the ranges set,
+// totals, first batch placed, its segments written] of the real pass; "match" [start, end]
+// per CTA; "combine" [start, attend waited, merged, end] per CTA; "attend"
 // [first segment, SM, tiles, tokens, start, plan waited, descriptors read, first tile
 // landed, last tile done, CTA done, then its last segment's states staged, merge weights
 // written, partials stored] per CTA that had segments (tiles and tokens: all of its
