@@ -30,7 +30,7 @@ def summarize(step):
     out.append(f"  plan: start {plan[0]:.1f}{dry}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
     if "plan_steps" in step:
         ps = step["plan_steps"]
-        out.append(f"  plan after its wait: keys exchanged, ranges set {ps[0]:.1f}, totals {ps[1]:.1f}, "
+        out.append(f"  plan after its wait: keys read and reset, ranges set {ps[0]:.1f}, totals {ps[1]:.1f}, "
                    f"first batch placed {ps[2]:.1f}, its segments written {ps[3]:.1f}")
     if attend:
         col = lambda i: [a[i] for a in attend]  # noqa: E731

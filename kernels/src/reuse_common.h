@@ -140,7 +140,7 @@ constexpr int32_t kMinChunk = 64;  // MacFill's smallest split
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
 constexpr int32_t kSegmentFixedBlocks = 1;
-// The plan CTA runs its code once without effect (no key exchange, no write) while the
+// The plan CTA runs its code once without effect (no key load, no write) while the
 // match's last CTAs run, where B Hq is at least this, so that the real pass finds its
 // instructions cached. Timeline (session 19, LLaMA-8B 32K, us from the first match CTA):
 // the dry pass takes 2.0-3.6 us; the real pass after it 3.1-3.6 at B = 16 and 5.3 at B = 32

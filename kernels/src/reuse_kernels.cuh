@@ -383,7 +383,7 @@ struct TlAttend {
 __device__ TlAttend g_tl_attend[kTlCtas];
 __device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
 __device__ unsigned long long g_tl_plan[4];              // start, match waited, end, at its wait
-// The real plan pass, thread 0: keys exchanged with the ranges set, totals (S), its
+// The real plan pass, thread 0: keys read and reset with the ranges set, totals (S), its
 // batch placed (scans, PlaceGroup), the batch's segments written.
 __device__ unsigned long long g_tl_plan_steps[4];
 __device__ unsigned long long g_tl_combine[kTlCtas][4];  // start, attend waited, end, merged
@@ -453,7 +453,7 @@ __device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u)
 
 // NT threads (MacPlanKernel's block): group u of the first NT is thread u's, and its inputs
 // (`first`) were loaded before the wait for the match.
-// dry: the same code with no global write and no key exchange (every head a miss), run
+// dry: the same code with no global write and no key load (every head a miss), run
 // before the wait for the match so that the real pass finds its instructions cached.
 template <int NT>
 __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bool dry) {
@@ -484,13 +484,21 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     const int32_t T = in.T;
     const int32_t slot = in.slot;
     int32_t lo = T;
-    // The group's keys are exchanged all at once (G <= 8 atomics in flight, not one round
-    // trip each: this CTA runs alone between the match and the attention).
+    // The group's keys are loaded all at once (G <= 8 loads in flight, not one round trip
+    // each: this CTA runs alone between the match and the attention), then reset by plain
+    // stores for the next step (the match grid is complete; the next step's match runs after
+    // this step's kernels). With atomicExch for both (until session 19; one machine session,
+    // two runs each, clustered, us): B = 1 all-hit LLaMA-8B 23.6, 23.9 -> 23.0, 23.1, GQA-8
+    // 24.1, 24.3 -> 23.2, 22.6 (128K 24.1, 24.2 -> 22.8, 22.8); B = 16 1.0-3.4% faster, B = 32
+    // -1.5% .. +0.9%, B = 64 -0.3% .. +1.5% (LLaMA-8B 128K 99% 191.3, 193.1 -> 192.4, 197.7).
     unsigned long long keys[8];
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
-      keys[g] = g < G && !dry ? atomicExch(p.state.match_best + int64_t(slot) * a.hq + h * G + g, kNoCandidate)
-                              : kNoCandidate;
+      keys[g] = g < G && !dry ? __ldcg(p.state.match_best + int64_t(slot) * a.hq + h * G + g) : kNoCandidate;
+    }
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      if (g < G && !dry) p.state.match_best[int64_t(slot) * a.hq + h * G + g] = kNoCandidate;
     }
 #pragma unroll
     for (int g = 0; g < 8; ++g) {

@@ -275,7 +275,7 @@ int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit
 // Diagnostic builds only (CMake -DASMEM_MAC_TIMELINE=ON, off by default): the bf16 MAC
 // kernels record per-CTA %globaltimer stamps of the last step, written here as one JSON
 // line, us from the first match CTA's start: "plan" [start, match waited, end, at its wait
-// (after its dry pass, if run)]; "plan_steps" [keys exchanged with the ranges set,
+// (after its dry pass, if run)]; "plan_steps" [keys read and reset with the ranges set,
 // totals, first batch placed, its segments written] of the real pass; "match" [start, end]
 // per CTA; "combine" [start, attend waited, merged, end] per CTA; "attend"
 // [first segment, SM, tiles, tokens, start, plan waited, descriptors read, first tile
