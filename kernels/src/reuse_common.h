@@ -143,8 +143,8 @@ constexpr int32_t kSegmentFixedBlocks = 1;
 // The plan CTA runs its code once without effect (no key load, no write) while the
 // match's last CTAs run, where B Hq is at least this, so that the real pass finds its
 // instructions cached. Timeline (session 19, LLaMA-8B 32K, us from the first match CTA):
-// the dry pass takes 2.0-3.6 us; the real pass after it 3.1-3.6 at B = 16 and 5.3 at B = 32
-// (before: about 4 and 5.6). At B = 1 the match is over 0.3 us after the plan CTA starts, so
+// the dry pass takes 2.0-3.6 us; the real pass after it 3.1-3.6 at B = 16 and 5.3-5.4 at
+// B = 32 (5.6 at B = 32 in a timeline of the base without the L2 flush). At B = 1 the match is over 0.3 us after the plan CTA starts, so
 // the dry pass delays the plan: B = 1 all-hit 23.4 -> 25.0 us. A/B with it at every B (one
 // machine session, two runs each, clustered unless said, us): LLaMA-8B B = 16 99% per group
 // 51.2, 51.7 -> 48.2, 48.1, per head 66.4, 66.8 -> 62.6, 62.6, all-hit 45.6, 45.4 -> 43.0,
