@@ -316,8 +316,8 @@
 //    Each attention CTA's first descriptor written by the plan beside its range (one round
 //    trip less per CTA; GPU tests passed): 0.5-2% slower in most cells (LLaMA-8B B = 32 99%
 //    per group 76.4, 75.9 -> 76.7, 76.5, B = 1 all-hit 23.1, 23.2 -> 23.3, 23.5); not merged.
-//    The timeline with and without the L2 flush: the plan CTA takes about 5 us either way at
-//    B = 32. Its code run once without effect while the match ends (MacPlanKernel, merged;
+//    Without the L2 flush the plan CTA still takes 5.6 us after its wait at B = 32 99% per
+//    group (timeline; 4-6 us with the flush in session 18's). Its code run once without effect while the match ends (MacPlanKernel, merged;
 //    reuse_common.h kPlanWarmHeads has its timeline and A/B). A segment's fixed cost of 2 or
 //    3 blocks instead of 1 (reuse_common.h kSegmentFixedBlocks; the first try left the bounds
 //    of portions of one block unwritten, now covered by PlaceGroup and the CPU tests): with
