@@ -26,12 +26,11 @@ def summarize(step):
         ends = [m[1] for m in match]
         out.append(f"  match: {len(match)} CTAs, start {min(starts):.1f}-{max(starts):.1f}, "
                    f"end p50 {quantile(ends, 0.5):.1f}, last {max(ends):.1f}")
-    dry = f", at its wait (after the dry pass, if run) {plan[3]:.1f}" if len(plan) > 3 else ""
-    out.append(f"  plan: start {plan[0]:.1f}{dry}, match waited {plan[1]:.1f}, end {plan[2]:.1f}")
-    if "plan_steps" in step:
-        ps = step["plan_steps"]
-        out.append(f"  plan after its wait: keys read and reset, ranges set {ps[0]:.1f}, totals {ps[1]:.1f}, "
-                   f"first batch placed {ps[2]:.1f}, its segments written {ps[3]:.1f}")
+    out.append(f"  plan: start {plan[0]:.1f}, at its wait {plan[3]:.1f} (after the dry pass, if run), "
+               f"match waited {plan[1]:.1f}, end {plan[2]:.1f}")
+    ps = step["plan_steps"]
+    out.append(f"  plan after its wait: keys and ranges {ps[0]:.1f}, totals {ps[1]:.1f}, "
+               f"first batch placed {ps[2]:.1f}, its segments written {ps[3]:.1f}")
     if attend:
         col = lambda i: [a[i] for a in attend]  # noqa: E731
         start, waited, located, first, loop_end, end = (col(i) for i in range(4, 10))
@@ -89,7 +88,12 @@ def main():
             step = json.loads(line)
         except json.JSONDecodeError as e:
             sys.exit(f"mac_timeline.py: {args.file}:{n}: not a JSON line ({e.msg})")
-        print(summarize(step))
+        try:
+            text = summarize(step)
+        except (KeyError, IndexError, TypeError) as e:
+            # e.g. a line from a build before the plan's inner stamps ("plan_steps")
+            sys.exit(f"mac_timeline.py: {args.file}:{n}: not a MAC timeline step ({type(e).__name__}: {e})")
+        print(text)
 
 
 if __name__ == "__main__":

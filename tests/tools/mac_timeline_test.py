@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """tools/mac_timeline.py on a hand-made step whose summary is worked out below, and on bad
 input (a one-line error, exit status 1)."""
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import mac_timeline  # noqa: E402
 
 STEP = {
     "label": "hand-made",
-    "plan": [1.0, 4.0, 6.0],
+    # start, match waited, end, at its wait; then the real pass's steps
+    "plan": [1.0, 4.0, 6.0, 2.5],
+    "plan_steps": [4.5, 5.0, 5.5, 5.8],
     "match": [[0.0, 3.0], [0.5, 4.0]],
     # start, attend waited, merged, end
     "combine": [[10.0, 20.0, 22.0, 24.0], [10.0, 21.0, 24.0, 25.0]],
@@ -25,7 +28,8 @@ STEP = {
 EXPECTED = [
     "== hand-made",
     "match: 2 CTAs, start 0.0-0.5, end p50 4.0, last 4.0",
-    "plan: start 1.0, match waited 4.0, end 6.0",
+    "plan: start 1.0, at its wait 2.5 (after the dry pass, if run), match waited 4.0, end 6.0",
+    "plan after its wait: keys and ranges 4.5, totals 5.0, first batch placed 5.5, its segments written 5.8",
     "attend: 2 CTAs with segments, start 5.0-5.0, plan waited 6.0-6.0, end p50 18.0, last 18.0",
     # descriptors: 7 - 6 both; first tile: 9 - 7, 9.5 - 7; loop: 15 - 9, 12 - 9.5
     "descriptors 1.0 / 1.0 / 1.0; to first tile 2.0 / 2.5 / 2.5; tile loop 2.5 / 6.0 / 6.0",
@@ -47,16 +51,20 @@ def main():
     if missing:
         print(text)
         sys.exit("missing from the summary: " + " | ".join(missing))
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write("{not json\n")
-        bad = f.name
-    try:
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "mac_timeline.py"), bad],
-                           capture_output=True, text=True)
-    finally:
-        os.unlink(bad)
-    if r.returncode != 1 or "1: not a JSON line" not in r.stderr or r.stderr.count("\n") != 1:
-        sys.exit(f"bad input: status {r.returncode}, stderr {r.stderr!r}")
+    # A line that is not JSON, and a step without the plan's inner stamps (an older build).
+    old = {k: v for k, v in STEP.items() if k != "plan_steps"}
+    for content, what in (("{not json\n", "1: not a JSON line"),
+                          (json.dumps(STEP) + "\n" + json.dumps(old) + "\n", "2: not a MAC timeline step")):
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            f.write(content)
+            bad = f.name
+        try:
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "mac_timeline.py"), bad],
+                               capture_output=True, text=True)
+        finally:
+            os.unlink(bad)
+        if r.returncode != 1 or what not in r.stderr or r.stderr.count("\n") != 1:
+            sys.exit(f"bad input ({what}): status {r.returncode}, stderr {r.stderr!r}")
     print("mac_timeline summary and bad-input checks passed")
 
 
