@@ -516,22 +516,28 @@ __device__ __forceinline__ int PieceRows(int64_t K, int U) {
   return int(rows < kMinPieceRows ? kMinPieceRows : rows);
 }
 
+// The sum of x over this lane and the lanes below it (warp-wide).
+template <typename T>
+__device__ __forceinline__ T WarpInclusiveSum(T x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // The pieces of 32 parents of a hierarchical view, one per lane (warp-wide): the lane's
 // parent (valid) has child rows [lo, hi), cut into n pieces of at most R rows numbered from
 // `start`; f0 is the count of the pieces of the parents before the 32, `total` the 32's.
 struct PieceChunk {
   int lo, hi, n, start, total;
   __device__ PieceChunk(int lo_, int hi_, bool valid, int f0, int R) {
-    const int lane = threadIdx.x & 31;
     lo = valid ? lo_ : 0;
     hi = valid ? hi_ : 0;
     n = (hi - lo + R - 1) / R;
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += t;
-    }
+    const int incl = WarpInclusiveSum(n);
     start = f0 + incl - n;
     total = __shfl_sync(0xffffffffu, incl, 31);
   }

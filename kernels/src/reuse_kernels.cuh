@@ -414,12 +414,7 @@ __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
 template <int WARPS = kWarps, typename T = int32_t>
 __device__ __forceinline__ T BlockExclusiveScan(T x, T* total, T* sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T incl = x;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const T y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const T incl = decode::WarpInclusiveSum(x);
   if (lane == 31) sm[warp] = incl;
   __syncthreads();
   T before = 0, all = 0;
