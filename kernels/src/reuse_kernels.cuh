@@ -10,7 +10,8 @@
 //    folded into a per-head u64 with one
 //    atomicMin (CandidateKey), after which the CTA ends.
 //  * Plan, one CTA launched with programmatic dependent launch after the match (resident
-//    while the match's last CTAs run; griddepcontrol.wait): turns the keys into per-head
+//    while the match's last CTAs run, in which, where B Hq >= kPlanWarmHeads, it runs its
+//    code once without effect to cache it; griddepcontrol.wait): turns the keys into per-head
 //    decisions (resetting them), lets the attend grid launch (its CTAs wait for the plan),
 //    and plans the KV work: per-group ranges, then the groups' costs laid end to end and
 //    cut into one portion per attention CTA (at most kTargetChunks: one wave of two CTAs
