@@ -328,6 +328,29 @@
 //    plan is made (prefetch.global.L2 of K and V rows, up to 24 or 48 MB; GPU tests passed):
 //    LLaMA-8B B = 32 99% per group 75.6, 75.5 -> 74.8, 74.7, the rest within 1.5% either way
 //    (GQA-8 B = 32 99% per head 93.3, 93.4 -> 94.8, 94.7); not merged.
+//  * Session 20 (bench_mac, two runs each, us, base -> new, each A/B in one machine session;
+//    branch wip/early-tails, not merged): early tails. When every request holds at least
+//    F + r tokens, each group's sink and tail (E = F + r tokens, needed whatever the match
+//    decides) lie end to end on a line cut into one portion per attention CTA; the plan
+//    kernel lets the attend grid launch at its start, each CTA streams its portion's pieces
+//    first (sink-and-tail rows k + u of a second row region) and then the plan's segments,
+//    which cover the bands only; the combine takes a group's band rows and its early rows.
+//    GPU tests 6/6 in both forms below; the CPU rules are in that branch's MacPlan test.
+//    (1) The wait for the plan when the page-id cursor (four tiles ahead) reaches the
+//    plan's segments: at B = 32 right after the first early tile. LLaMA-8B B = 32 99% per
+//    group 32K 76.4, 76.5 -> 79.8, 79.3, all-hit 62.6, 63.0 -> 68.5, 68.5, B = 1 all-hit
+//    22.6, 22.8 -> 28.9, 29.0, B = 64 99% 132.8, 132.9 -> 128.8, 129.6; GQA-8 B = 32 99%
+//    60.2, 60.5 -> 66.2, 66.7. (2) The cursors stopped at the plan's segments and the wait
+//    at the last early tile: slower still (LLaMA-8B B = 32 99% 76.0, 76.1 -> 85.5, 85.4,
+//    all-hit 62.3, 62.2 -> 74.1, 74.2, B = 1 all-hit 23.0, 23.1 -> 30.4, 30.6). Timeline of (2),
+//    LLaMA-8B 32K, us from the first match CTA (base in brackets): the attend CTAs come
+//    resident at 18.4-20.0 (21.5-21.8), as the match's last CTAs end at 20.5, not earlier (a
+//    match CTA holds the registers an attend CTA needs); the plan ends at 28.2 (25.9); at
+//    B = 32 all-hit a tile takes 3.7 us after the first (1.9), at 99% 2.8-3.2 (1.7-1.9), and
+//    the CTAs' wait for the plan returns at 32.5-33.5, after their four early tiles; at B = 1
+//    a CTA's band tile after its one early tile ends 12.5 us after the early tile (the base's
+//    CTAs: 1.0 us of tiles). So no early tile ran beside the match, the plan ran slower beside
+//    the streaming CTAs, and the tiles of the early form ran slower, for a reason not found.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
