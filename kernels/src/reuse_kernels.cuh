@@ -349,8 +349,16 @@
 //    B = 32 all-hit a tile takes 3.7 us after the first (1.9), at 99% 2.8-3.2 (1.7-1.9), and
 //    the CTAs' wait for the plan returns at 32.5-33.5, after their four early tiles; at B = 1
 //    a CTA's band tile after its one early tile ends 12.5 us after the early tile (the base's
-//    CTAs: 1.0 us of tiles). So no early tile ran beside the match, the plan ran slower beside
-//    the streaming CTAs, and the tiles of the early form ran slower, for a reason not found.
+//    CTAs: 1.0 us of tiles). With programmatic launch off (no grid beside another), (2) was
+//    still slower (LLaMA-8B B = 32 99% 76.9, 76.8 -> 94.6, 94.9, B = 1 all-hit 25.3, 25.3 ->
+//    35.5, 34.3): its early tiles took 3.1 us each with nothing running beside them, so the
+//    slow tiles come from the form itself. (3) Its attend kernel has 137 KB of text at d = 128,
+//    G = 4 against 72 KB; with one issue_tile call site in the loop (103 KB): LLaMA-8B B = 32
+//    99% 76.2, 76.4 -> 79.6, 79.5, all-hit 62.8, 63.2 -> 69.1, 69.3, B = 1 all-hit 22.6, 22.8 ->
+//    28.9, 29.0; GQA-8 B = 64 within 1%; early tiles still about 3 us each (timeline). So code
+//    size is not the whole cause either; what makes those tiles slow was not found. In every
+//    form no early tile ran beside the match, and the plan ran slower beside the streaming
+//    CTAs (28.2 / 28.9 against 25.9 us).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
