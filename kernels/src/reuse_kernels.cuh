@@ -358,7 +358,7 @@
 //    28.9, 29.0; GQA-8 B = 64 within 1%; early tiles still about 3 us each (timeline). So code
 //    size is not the whole cause either; what makes those tiles slow was not found. In every
 //    form no early tile ran beside the match, and the plan ran slower beside the streaming
-//    CTAs (28.2 / 28.9 against 25.9 us).
+//    CTAs (B = 32 99%: it ended at 26.9, 28.2, 28.9 us in (1), (2), (3); 25.9 in (2)'s base).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
