@@ -335,7 +335,8 @@
 //    kernel lets the attend grid launch at its start, each CTA streams its portion's pieces
 //    first (sink-and-tail rows k + u of a second row region) and then the plan's segments,
 //    which cover the bands only; the combine takes a group's band rows and its early rows.
-//    GPU tests 6/6 in both forms below; the CPU rules are in that branch's MacPlan test.
+//    GPU tests 6/6 in each of the three forms below; the CPU rules are in that branch's
+//    MacPlan test.
 //    (1) The wait for the plan when the page-id cursor (four tiles ahead) reaches the
 //    plan's segments: at B = 32 right after the first early tile. LLaMA-8B B = 32 99% per
 //    group 32K 76.4, 76.5 -> 79.8, 79.3, all-hit 62.6, 63.0 -> 68.5, 68.5, B = 1 all-hit
