@@ -374,8 +374,8 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       // Rings and queries of the B replayed steps.
       const size_t rows = size_t(B) * Hq * W;
-      // r8: the B Hq rings in the device layout (MacRingQueryIndex: the end of the last).
-      std::vector<int8_t> r8(size_t(MacRingQueryIndex(d, W, int64_t(B) * Hq, 0, 0)), 0), q8(static_cast<size_t>(d));
+      // r8: the B Hq rings in the device layout (MacRingQueryOffset: the end of the last).
+      std::vector<int8_t> r8(size_t(MacRingQueryOffset(d, W, int64_t(B) * Hq)), 0), q8(static_cast<size_t>(d));
       std::vector<MacQueryScale> rs(rows);
       std::vector<float> ro(rows * d), rl(rows);
       for (auto& x : ro) x = 0.5f * rng.normal();
@@ -519,7 +519,7 @@ int Run(const Options& opt) {
     const size_t ring_rows = size_t(s.hq) * W;
     const std::vector<uint16_t> ring_q_host = RandomBF16(ring_rows * kHeadDim, rng);
     // Their 8-bit copies, laid out as the ring keeps them (reuse.h).
-    std::vector<int8_t> ring_q8(size_t(MacRingQueryIndex(kHeadDim, W, s.hq, 0, 0)));
+    std::vector<int8_t> ring_q8(size_t(MacRingQueryOffset(kHeadDim, W, s.hq)));
     std::vector<MacQueryScale> ring_qs_host(ring_rows);
     for (size_t r = 0; r < ring_rows; ++r) {
       float row[kHeadDim];
@@ -556,7 +556,7 @@ int Run(const Options& opt) {
         // Rings: the shared content in every slot, tags for positions m-W .. m-1.
         for (int b = 0; b < B; ++b) {
           const size_t r0 = size_t(b) * ring_rows;
-          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_q + MacRingQueryIndex(kHeadDim, W, int64_t(b) * s.hq, 0, 0),
+          ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_q + MacRingQueryOffset(kHeadDim, W, int64_t(b) * s.hq),
                                       ring_q8.data(), ring_q8.size(), cudaMemcpyHostToDevice));
           ASMEM_CUDA_CHECK(cudaMemcpy(state.ring_qs + r0, ring_qs_host.data(),
                                       ring_qs_host.size() * sizeof(MacQueryScale), cudaMemcpyHostToDevice));

@@ -97,6 +97,16 @@ ASMEM_HOST_DEVICE float QueryDistance(float sq, int32_t a, float sr, int32_t b, 
   return FmaRn(SubRn(sq, sr), cross, main);
 }
 
+// The query ring's nibble planes (reuse.h): value r_i is kept as u_i = r_i + 128, high
+// nibble h_i = u_i >> 4, low l_i = u_i & 15, so sum_i q_i r_i = hi_dot + sum_i q_i l_i with
+// hi_dot = 16 sum_i q_i h_i - 128 sum_i q_i. As 0 <= l_i <= 15, the dot product is at most
+// hi_dot + 15 q_pos (q_pos = sum of the positive q_i), and the distance at that dot product
+// is a lower bound of the row's distance: each rounded step of QueryDistance is monotone
+// (non-increasing in c, as s_q s_r >= 0). NaN scales give NaN (no bound).
+ASMEM_HOST_DEVICE float QueryDistanceBound(float sq, int32_t a, float sr, int32_t b, int32_t hi_dot, int32_t q_pos) {
+  return QueryDistance(sq, a, sr, b, hi_dot + 15 * q_pos);
+}
+
 // ---------------------------------------------------------------------------------------
 // Decode plan: after the match, one CTA divides the step's KV work among kTargetChunks
 // attention CTAs (one wave of two per SM, as decode attention's split, decode_common.h
@@ -155,6 +165,8 @@ constexpr int32_t kSegmentFixedBlocks = 1;
 // per head 66.2, 67.0 -> 63.9, 63.6, all-hit 45.4, 45.6 -> 43.2, 43.4; B = 32 99% 75.9, 76.2 ->
 // 75.6, 75.5; GQA-8 B = 32 99% 62.7, 63.0 -> 60.6, 60.3; the rest within 1% but LLaMA-8B
 // all-hit at B >= 16 (1.7-3.1% faster) and GQA-8 B = 16 99% (1.1-3.1% faster).
+// Since the filtered match (session 21), a match of one wave of 64-thread CTAs ends about when
+// the plan CTA comes resident, and LaunchMatch sets no dry pass there (LaunchArgs::plan_dry).
 constexpr int32_t kPlanWarmHeads = 512;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.

@@ -19,11 +19,26 @@ float MacThreshold(const MacConfig& mac, int32_t head_dim) {
 }
 
 void MacReadRingQuery(int32_t d, int32_t W, const int8_t* ring_q, int64_t sh, int32_t w, int8_t* values) {
-  for (int32_t i = 0; i < d; ++i) values[i] = ring_q[MacRingQueryIndex(d, W, sh, w, i)];
+  const uint8_t* ring = reinterpret_cast<const uint8_t*>(ring_q);
+  for (int32_t i = 0; i < d; ++i) {
+    const int shift = (i % kMacRingBlockDims) < kMacRingBlock ? 0 : 4;
+    const int hi = (ring[MacRingQueryByte(d, W, sh, w, i, 0)] >> shift) & 15;
+    const int lo = (ring[MacRingQueryByte(d, W, sh, w, i, 1)] >> shift) & 15;
+    values[i] = int8_t(16 * hi + lo - 128);
+  }
 }
 
 void MacWriteRingQuery(int32_t d, int32_t W, int8_t* ring_q, int64_t sh, int32_t w, const int8_t* values) {
-  for (int32_t i = 0; i < d; ++i) ring_q[MacRingQueryIndex(d, W, sh, w, i)] = values[i];
+  uint8_t* ring = reinterpret_cast<uint8_t*>(ring_q);
+  for (int32_t i = 0; i < d; ++i) {
+    const int shift = (i % kMacRingBlockDims) < kMacRingBlock ? 0 : 4;
+    const unsigned u = unsigned(int(values[i]) + 128);  // offset binary: 0 .. 255
+    for (int low = 0; low < 2; ++low) {
+      uint8_t& byte = ring[MacRingQueryByte(d, W, sh, w, i, low)];
+      const unsigned nibble = low ? (u & 15u) : (u >> 4);
+      byte = uint8_t((byte & ~(15u << shift)) | (nibble << shift));
+    }
+  }
 }
 
 MacQueryScale MacQuantizeQuery(const float* x, int32_t d, int8_t* out) {
@@ -211,7 +226,7 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
                d = size_t(c.head_dim);
   size_t off = 0;
   L.ring_q = off;
-  off = AlignUp(off + size_t(MacRingQueryIndex(int32_t(d), int32_t(W), int64_t(S * Hq), 0, 0)));
+  off = AlignUp(off + size_t(MacRingQueryOffset(int32_t(d), int32_t(W), int64_t(S * Hq))));
   L.ring_qs = off;
   off = AlignUp(off + S * Hq * W * sizeof(MacQueryScale));
   L.ring_o = off;

@@ -3,12 +3,13 @@
 // A step is four kernels:
 //  * Match, one CTA per (request, query head, ring split): the pre-RoPE query quantized to
 //    8 bits (16 dims per lane, then the whole row gathered into every lane), one candidate
-//    row per thread (two in flight): the row's 16-dim blocks of the 8-bit query ring (a
-//    warp load reads one block of 32 consecutive rows: reuse.h's blocked layout) beside its
-//    scale and tag, the dot product by dp4a with no shuffles, the distance by QueryDistance
-//    (reuse_common.h, the CPU reference's sequence), the best candidate by the tie rule
-//    folded into a per-head u64 with one
-//    atomicMin (CandidateKey), after which the CTA ends.
+//    row per thread (two or four in flight): the row's 32-dim blocks of the query ring's two
+//    nibble planes (a warp load reads one block of 32 consecutive rows: reuse.h's layout)
+//    beside its scale and tag, the dot product by dp4a with no shuffles, the distance by
+//    QueryDistance (reuse_common.h, the CPU reference's sequence), the best candidate by the
+//    tie rule folded into a per-head u64 with one atomicMin (CandidateKey), after which the
+//    CTA ends. In grids past kMatchTargetCtas a row's low plane is read only when the bound
+//    from its high plane (QueryDistanceBound) is under the threshold.
 //  * Plan, one CTA launched with programmatic dependent launch after the match (resident
 //    while the match's last CTAs run, in which, where B Hq >= kPlanWarmHeads, it runs its
 //    code once without effect to cache it; griddepcontrol.wait): turns the keys into per-head
@@ -717,35 +718,64 @@ struct LaneQuery8 {
 };
 
 // Warp-wide: the 8-bit copy of a query row, kPer values per lane (lane l holds values
-// l kPer ..), into ring row w of `ring` (the first block of the row's (slot, head): reuse.h's
-// layout, W rows per 16-dim block), its scale and sum at `qs`.
+// l kPer ..), into ring row w of `ring` (the rows of the row's (slot, head): reuse.h's two
+// nibble planes, W rows per 32-dim block), its scale and sum at `qs`. The lanes that hold dims
+// 32 k + j (j < 16) write the bytes they share with dims 32 k + 16 + j, taken from the lane
+// 16 / kPer above.
 template <int kPer>
 __device__ __forceinline__ void StoreRingQuery(int8_t* ring, int32_t W, int32_t w, MacQueryScale* qs,
                                                const float (&x)[kPer]) {
   static_assert(kPer == 2 || kPer == 4, "head dims 64 and 128");
+  constexpr int kBlocks = 32 * kPer / kMacRingBlockDims;  // blocks per plane
   const int lane = threadIdx.x & 31;
   const LaneQuery8<32, kPer> q8(x);
-  const int c0 = lane * kPer;
-  int8_t* dst = ring + (int64_t(c0 / kMacRingBlock) * W + w) * kMacRingBlock + c0 % kMacRingBlock;
-  if (kPer == 4) {
-    *reinterpret_cast<uint32_t*>(dst) = q8.v[0];
-  } else {
-    *reinterpret_cast<uint16_t*>(dst) = uint16_t(q8.v[0]);
+  const uint32_t u = q8.v[0] ^ 0x80808080u;  // r + 128 per byte
+  const uint32_t up = __shfl_down_sync(0xffffffffu, u, kMacRingBlock / kPer);
+  const int c0 = lane * kPer, j = c0 % kMacRingBlockDims;
+  if (j < kMacRingBlock) {
+    const uint32_t hi = ((u >> 4) & 0x0f0f0f0fu) | (up & 0xf0f0f0f0u);
+    const uint32_t lo = (u & 0x0f0f0f0fu) | ((up & 0x0f0f0f0fu) << 4);
+    int8_t* dst = ring + (int64_t(c0 / kMacRingBlockDims) * W + w) * kMacRingBlock + j;
+    int8_t* dst_lo = dst + int64_t(kBlocks) * W * kMacRingBlock;
+    if (kPer == 4) {
+      *reinterpret_cast<uint32_t*>(dst) = hi;
+      *reinterpret_cast<uint32_t*>(dst_lo) = lo;
+    } else {
+      *reinterpret_cast<uint16_t*>(dst) = uint16_t(hi);
+      *reinterpret_cast<uint16_t*>(dst_lo) = uint16_t(lo);
+    }
   }
   if (lane == 0) *reinterpret_cast<int2*>(qs) = make_int2(__float_as_int(q8.scale), q8.sum_sq);
 }
 
-// One candidate row per thread: the thread reads the row's HEAD_DIM / 16 blocks of 16 bytes
-// (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its scale and
-// tag, and sums the dot product with the whole 8-bit query (every lane holds it) by dp4a; no
-// shuffles per row. UNROLL: rows per thread in flight.
-template <typename DType, int HEAD_DIM, int UNROLL, int MT>
-__global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const LaunchArgs a) {
+// sum over one 32-dim block of q_i n_i, n_i the nibbles of a plane's 16-byte block row `b`:
+// its words' low nibbles are dims 0-15 of the block (query words qa), the high ones dims
+// 16-31 (qb). Nibbles are 0 .. 15, so dp4a may take them as signed bytes.
+__device__ __forceinline__ int32_t NibbleDot(const uint4 b, const uint32_t (&qa)[4], const uint32_t (&qb)[4],
+                                             int32_t c) {
+  const uint32_t w[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    c = __dp4a(int(w[t] & 0x0f0f0f0fu), int(qa[t]), c);
+    c = __dp4a(int((w[t] >> 4) & 0x0f0f0f0fu), int(qb[t]), c);
+  }
+  return c;
+}
+
+// One candidate row per thread: the thread reads the row's 16-byte blocks of both nibble
+// planes (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its
+// scale and tag, and sums the dot product with the whole 8-bit query (every lane holds it)
+// by dp4a; no shuffles per row. UNROLL: rows per thread in flight. FILTER (large grids, where
+// the ring's bytes set the pace): the high plane first, and the low plane only of rows whose
+// distance bound is under the threshold (reuse.h).
+template <typename DType, int HEAD_DIM, int UNROLL, int MT, bool FILTER>
+__global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const LaunchArgs a) {
   constexpr int kMatchWarps = MT / 32;
-  constexpr int kVec = 16;                 // query values each lane quantizes
-  constexpr int kBlocks = HEAD_DIM / kVec; // 16-byte blocks per ring row: 8 or 4
-  constexpr int kLanes = kBlocks;          // lanes that quantize one copy of the query
-  static_assert(kVec == kMacRingBlock, "a lane's query values are one ring block");
+  constexpr int kVec = 16;                      // query values each lane quantizes
+  constexpr int kQBlocks = HEAD_DIM / kVec;     // 16-dim query blocks: 8 or 4
+  constexpr int kBlocks = HEAD_DIM / kMacRingBlockDims;  // ring blocks per plane: 4 or 2
+  constexpr int kLanes = kQBlocks;              // lanes that quantize one copy of the query
+  static_assert(kVec == kMacRingBlock, "a lane's query values are half a ring block");
   using P = Pack<DType>;
   TL(const unsigned long long tl0 = TlNow());
   GridLaunchDependents();  // the plan CTA may launch once every match CTA runs
@@ -773,12 +803,24 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
     P::ToFloat(qa, qf);
     P::ToFloat(qb, qf + 8);
     const LaneQuery8<kLanes, kVec> q8(qf);  // every group of kLanes lanes holds the row
-    uint32_t qw[kBlocks][4];                // the whole row in every lane: block k from lane k
+    uint32_t qw[kQBlocks][4];               // the whole row in every lane: block k from lane k
 #pragma unroll
-    for (int k = 0; k < kBlocks; ++k) {
+    for (int k = 0; k < kQBlocks; ++k) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) qw[k][i] = __shfl_sync(0xffffffffu, q8.v[i], k);
     }
+    // sum q_i (the 128 of u = r + 128) and, for FILTER, the most the low nibbles can add:
+    // 15 sum_{q_i > 0} q_i.
+    int32_t q_sum = 0, q_pos = 0;
+#pragma unroll
+    for (int k = 0; k < kQBlocks; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        q_sum = __dp4a(int(qw[k][i]), 0x01010101, q_sum);
+        if (FILTER) q_pos = __dp4a(int(__vmaxs4(qw[k][i], 0u)), 0x01010101, q_pos);
+      }
+    }
+    const int32_t q_bias = 128 * q_sum;
     // The slot's epoch and ready flag are loaded alongside the first batch of ring rows (the
     // ring of any slot is readable); a slot that is not ready stops after that batch.
     const MacSlot st = p.slots[slot];
@@ -786,11 +828,13 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
     const int32_t lo = max(0, m - W), n = m - lo;
     const int32_t x0 = lo + int32_t(int64_t(n) * s / S), x1 = lo + int32_t(int64_t(n) * (s + 1) / S);
     const int64_t sh = int64_t(slot) * a.hq + hq;
-    const uint4* ring = reinterpret_cast<const uint4*>(p.state.ring_q) + sh * kBlocks * W;  // block k, row w: + k W + w
+    // block k of plane l (0: high nibbles), row w: + (l kBlocks + k) W + w
+    const uint4* ring = reinterpret_cast<const uint4*>(p.state.ring_q) + sh * 2 * kBlocks * W;
+    const uint4* ring_lo = ring + int64_t(kBlocks) * W;
     const int2* scales = reinterpret_cast<const int2*>(p.state.ring_qs + sh * W);
     const MacTag* tags = p.state.ring_tag + int64_t(slot) * W;
     for (int32_t xb = x0 + tid; xb - tid < x1; xb += MT * UNROLL) {  // uniform over the CTA
-      uint4 u[UNROLL][kBlocks];
+      uint4 uh[UNROLL][kBlocks], ul[UNROLL][kBlocks];
       int2 sc[UNROLL];
       MacTag tg[UNROLL];
 #pragma unroll
@@ -799,31 +843,50 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 1) MacMatchKernel(const Lau
         if (x < x1) {
           const int32_t w = x % W;
 #pragma unroll
-          for (int k = 0; k < kBlocks; ++k) u[j][k] = __ldg(ring + int64_t(k) * W + w);
+          for (int k = 0; k < kBlocks; ++k) {
+            uh[j][k] = __ldg(ring + int64_t(k) * W + w);
+            if (!FILTER) ul[j][k] = __ldg(ring_lo + int64_t(k) * W + w);
+          }
           sc[j] = __ldg(scales + w);
           tg[j] = tags[w];
         } else {
 #pragma unroll
-          for (int k = 0; k < kBlocks; ++k) u[j][k] = make_uint4(0, 0, 0, 0);
+          for (int k = 0; k < kBlocks; ++k) uh[j][k] = ul[j][k] = make_uint4(0, 0, 0, 0);
           sc[j] = make_int2(0, 0);
           tg[j] = MacTag{-1, -1};
         }
       }
       if (!st.ready) break;  // uniform over the CTA
+      int32_t ch[UNROLL];
+      bool valid[UNROLL];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         int32_t c = 0;
 #pragma unroll
-        for (int k = 0; k < kBlocks; ++k) {
-          c = __dp4a(int(u[j][k].x), int(qw[k][0]), c);
-          c = __dp4a(int(u[j][k].y), int(qw[k][1]), c);
-          c = __dp4a(int(u[j][k].z), int(qw[k][2]), c);
-          c = __dp4a(int(u[j][k].w), int(qw[k][3]), c);
+        for (int k = 0; k < kBlocks; ++k) c = NibbleDot(uh[j][k], qw[2 * k], qw[2 * k + 1], c);
+        ch[j] = 16 * c - q_bias;
+        const int32_t x = xb + j * MT;
+        valid[j] = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
+        if (FILTER) {
+          // No distance of the row is below the bound (reuse_common.h).
+          const float bound = QueryDistanceBound(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, ch[j], q_pos);
+          valid[j] = valid[j] && !(bound >= a.threshold);
+          if (valid[j]) {
+            const int32_t w = x % W;
+#pragma unroll
+            for (int k = 0; k < kBlocks; ++k) uh[j][k] = __ldg(ring_lo + int64_t(k) * W + w);  // high plane used
+          }
         }
+      }
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        if (FILTER && !valid[j]) continue;
+        int32_t c = ch[j];
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) c = NibbleDot(FILTER ? uh[j][k] : ul[j][k], qw[2 * k], qw[2 * k + 1], c);
         const float dist = QueryDistance(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, c);
         const int32_t x = xb + j * MT;
-        const bool valid = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
-        if (valid && Better(dist, x, bd, bp)) {
+        if (valid[j] && Better(dist, x, bd, bp)) {
           bd = dist;
           bp = x;
         }
@@ -872,7 +935,7 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
   // (kPlanWarmHeads), then pass 1 after the wait. One loop body, not unrolled: both passes
   // run the same instructions.
 #pragma unroll 1
-  for (int pass = a.batch * a.hq >= kPlanWarmHeads ? 0 : 1; pass < 2; ++pass) {
+  for (int pass = a.plan_dry ? 0 : 1; pass < 2; ++pass) {
     if (pass == 1) {
       TL(if (threadIdx.x == 0) g_tl_plan[3] = TlNow());
       GridDependencyWait();
@@ -1815,33 +1878,41 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Launch functions (instantiated in reuse_attn_*.cu)
 // ---------------------------------------------------------------------------------------
 
-// Two rows per thread in flight at every grid size: one (84 registers instead of 121 at
-// d = 128) was no faster at B = 32 and 2-3 us slower at B = 64 (session 12).
-constexpr int kMatchRowsInFlight = 2;
-// Match CTAs of 128 threads (124 registers, 4 per SM) that fit on a 132-SM H200 at once;
-// larger grids take CTAs of 64 threads (121 registers, bounded to 128: 8 per SM): the same
-// threads per SM, twice the CTAs, and each CTA scans its head's W rows in four batches
-// instead of two.
+// Match CTAs of 128 threads (at most 128 registers: 4 per SM) that fit on a 132-SM H200 at
+// once; larger grids take CTAs of 64 threads (8 per SM): the same threads per SM, twice the
+// CTAs. Rows in flight per thread: 2 (one, at 84 registers instead of 121, was no faster at
+// B = 32 and 2-3 us slower at B = 64 in session 12), 4 for the filtered 128-thread match.
+// Past kMatchTargetCtas (one CTA per head, the scan no longer split) the match is filtered
+// (the high nibble plane first, reuse.h): ring bytes set its pace there. Timeline (session
+// 21, LLaMA-8B B = 32 32K, us from the first match CTA): the match grid ends at 20.7 reading
+// whole rows, 13.3 filtered (12.5 for a diagnostic that read half of each row and nothing
+// else). The plan CTA's dry pass (kPlanWarmHeads) then ran 2.3 us past the end of a
+// one-wave 64-thread match (the plan CTA comes resident as its first CTAs end, at 12.3), so
+// such grids skip it. A/B in the session-21 bullet at the top of this file.
 constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
   if (ctas > kMatchOneWave) {
-    MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight, 64><<<unsigned(ctas), 64, 0, stream>>>(a);
+    MacMatchKernel<DType, HEAD_DIM, 2, 64, true><<<unsigned(ctas), 64, 0, stream>>>(a);
+  } else if (ctas > kMatchTargetCtas) {
+    MacMatchKernel<DType, HEAD_DIM, 4, kThreads, true><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   } else {
-    MacMatchKernel<DType, HEAD_DIM, kMatchRowsInFlight, kThreads><<<unsigned(ctas), kThreads, 0, stream>>>(a);
+    MacMatchKernel<DType, HEAD_DIM, 2, kThreads, false><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   }
   ASMEM_CUDA_CHECK_LAUNCH();
+  LaunchArgs pa = a;
+  pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads && !(ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
   if (groups <= 128) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, a, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, pa, stream);
   } else if (groups <= 256) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 256>, 1u, 256, 0, true, a, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 256>, 1u, 256, 0, true, pa, stream);
   } else if (groups <= 512) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 512>, 1u, 512, 0, true, a, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 512>, 1u, 512, 0, true, pa, stream);
   } else {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 1024>, 1u, 1024, 0, true, a, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 1024>, 1u, 1024, 0, true, pa, stream);
   }
 }
 

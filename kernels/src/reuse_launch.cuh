@@ -52,6 +52,7 @@ struct LaunchArgs {
   // Fill: positions per request and splits per (request, position, KV head).
   int32_t fill_n = 0, fill_splits = 1;
   bool pdl = false;  // attend and combine launched as programmatic dependents
+  bool plan_dry = false;  // the plan CTA's dry pass (MacPlanKernel; set by LaunchMatch)
 };
 
 template <typename DType, int HEAD_DIM>

@@ -333,6 +333,29 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.8;
   v.push_back(c);
 
+  // B Hq between the match's CTA target and one wave (264 < B Hq <= 528): the filtered
+  // match of 128-thread CTAs (LaunchMatch), d 128 and 64.
+  c = MacCase{};
+  c.name = "mid-heads-filtered-match";
+  c.Hq = 32;
+  c.Hkv = 8;
+  c.d = 128;
+  c.mac = MakeMac(200, 32, 2, 0);
+  c.T0.clear();
+  for (int b = 0; b < 11; ++b) c.T0.push_back(260 + 37 * b);
+  c.steps = 12;
+  c.p_hit = 0.8;
+  v.push_back(c);
+  c.name = "mid-heads-filtered-match-d64-f16";
+  c.Hq = 16;
+  c.Hkv = 2;
+  c.d = 64;
+  c.dtype = KernelDType::kF16;
+  c.T0.clear();
+  for (int b = 0; b < 20; ++b) c.T0.push_back(240 + 23 * b);
+  c.clustered = true;
+  v.push_back(c);
+
   // Few heads and a long window: each head's ring scan split over several match CTAs
   // (MatchSplits > 1: W >= 128 and B Hq below the match's CTA target), which no case
   // above reaches.

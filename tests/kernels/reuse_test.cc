@@ -550,6 +550,69 @@ TEST(MacQuery8, RowsOfTheGridAreExact) {
   EXPECT_EQ(MacQueryDistance(s, v.data(), s, v.data(), 64), 0.f);
 }
 
+// The filtered match (reuse.h's nibble planes): the distance bound from a row's high
+// nibbles is never above its distance, so a row ruled out (bound >= threshold) is never a
+// hit; and it rules out unrelated rows.
+TEST(MacQuery8, HighNibbleBoundIsBelowEveryDistanceAndRulesOutFarRows) {
+  const int32_t d = 128;
+  MacConfig mac;
+  const float thr = MacThreshold(mac, d);
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> kind(0, 5);
+  int far = 0, far_out = 0, checked = 0;
+  for (int n = 0; n < 4000; ++n) {
+    std::vector<float> x(d), y(d);
+    const float qs_scale = n % 7 == 0 ? 1e-3f : (n % 11 == 0 ? 300.f : 1.f);
+    for (auto& v : x) v = qs_scale * nd(rng);
+    if (n % 13 == 0) x[size_t(n % d)] *= 20.f;  // an outlier dimension
+    const int k = kind(rng);
+    for (int32_t i = 0; i < d; ++i) {
+      switch (k) {
+        case 0: y[size_t(i)] = x[size_t(i)]; break;                             // a copy
+        case 1: y[size_t(i)] = x[size_t(i)] + 0.1f * qs_scale * nd(rng); break;  // near
+        case 2: y[size_t(i)] = -x[size_t(i)]; break;                            // opposite
+        case 3: y[size_t(i)] = (i % 2 ? 1.f : -1.f) * qs_scale; break;          // extremes
+        case 4: y[size_t(i)] = n % 17 == 0 ? 0.f : qs_scale * nd(rng); break;    // zero row or far
+        default: y[size_t(i)] = qs_scale * nd(rng); break;                       // far
+      }
+    }
+    std::vector<int8_t> q8(d), r8(d);
+    const MacQueryScale qs = MacQuantizeQuery(x.data(), d, q8.data());
+    MacQueryScale rs = MacQuantizeQuery(y.data(), d, r8.data());
+    if (n % 3 == 0) {  // the bound's worst case: low nibbles 15 where q_i > 0, 0 where q_i < 0
+      rs.sum_sq = 0;
+      for (int32_t i = 0; i < d; ++i) {
+        const int u = ((int(r8[size_t(i)]) + 128) & 0xf0) | (q8[size_t(i)] > 0 ? 15 : 0);
+        r8[size_t(i)] = int8_t(u - 128);
+        rs.sum_sq += (u - 128) * (u - 128);
+      }
+    }
+    const float exact = MacQueryDistance(qs, q8.data(), rs, r8.data(), d);
+    int32_t hi_dot = 0, q_sum = 0, q_pos = 0;
+    for (int32_t i = 0; i < d; ++i) {
+      const int u = int(r8[size_t(i)]) + 128;
+      hi_dot += 16 * int(q8[size_t(i)]) * (u >> 4);
+      q_sum += q8[size_t(i)];
+      q_pos += std::max(0, int(q8[size_t(i)]));
+    }
+    hi_dot -= 128 * q_sum;
+    const float bound = mac::QueryDistanceBound(qs.scale, qs.sum_sq, rs.scale, rs.sum_sq, hi_dot, q_pos);
+    ASSERT_FALSE(std::isnan(exact)) << n;
+    EXPECT_LE(bound, exact) << n << " kind " << k;
+    ++checked;
+    if (k == 5 && qs_scale == 1.f && n % 3 != 0) {  // the threshold is absolute: unit-variance queries
+      ++far;
+      far_out += bound >= thr;
+    }
+    if (n % 3 == 0) EXPECT_EQ(bound, exact) << n;  // tight
+    if (k <= 1 && n % 3 != 0) EXPECT_LT(bound, thr) << n << " a copy or a near row must be read whole";
+  }
+  EXPECT_EQ(checked, 4000);
+  ASSERT_GT(far, 200);
+  EXPECT_GE(far_out, far * 99 / 100) << far_out << " of " << far << " unrelated rows ruled out";
+}
+
 TEST(MacQuery8, RoundsHalfToEvenAndKeepsTheSign) {
   // amax 127: the factor is exactly 1.
   const std::vector<float> x = {127.f, 0.5f, 1.5f, 2.5f, -0.5f, -2.5f, -127.f, 3.49f};
@@ -605,15 +668,19 @@ TEST(MacQuery8, ZeroTinyAndNonFiniteRows) {
   test::expect_error<InvalidArgument>([&] { MacQuantizeQuery(q.data(), 0, qv.data()); }, {"MacQuantizeQuery", "d"});
 }
 
-TEST(MacQuery8, RingLayoutPutsBlocksOfSixteenDimsOfConsecutiveRowsTogether) {
-  // d = 40: blocks of dims 0-15, 16-31 and 32-39 (padded to 16 bytes); W = 3 rows each.
+TEST(MacQuery8, RingLayoutKeepsTwoNibblePlanesOfBlocksOfConsecutiveRows) {
+  // d = 40: blocks of dims 0-31 and 32-39 (padded to 32) per plane; W = 3 rows each.
   const int32_t d = 40, W = 3;
-  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 0, 0), 0);
-  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 1, 0), 16);         // the next row's block 0
-  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 2, 15), 2 * 16 + 15);
-  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 0, 16), 3 * 16);    // block 1 after block 0's W rows
-  EXPECT_EQ(MacRingQueryIndex(d, W, 0, 1, 39), (2 * 3 + 1) * 16 + 7);
-  EXPECT_EQ(MacRingQueryIndex(d, W, 2, 0, 0), 2 * 3 * 3 * 16);  // (slot, head) 2: 3 blocks of 3 rows each
+  EXPECT_EQ(MacRingQueryBlocks(d), 2);
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 0, 0, 0), 0);
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 0, 16, 0), 0);  // dims j and 16 + j share a byte
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 1, 0, 0), 16);  // the next row's block 0
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 2, 31, 0), 2 * 16 + 15);
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 0, 32, 0), 3 * 16);          // block 1 after block 0's W rows
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 0, 0, 1), 2 * 3 * 16);       // the low plane after the high one
+  EXPECT_EQ(MacRingQueryByte(d, W, 0, 1, 39, 1), (3 * 3 + 1) * 16 + 7);
+  EXPECT_EQ(MacRingQueryByte(d, W, 2, 0, 0, 0), 2 * 2 * 2 * 3 * 16);  // (slot, head) 2
+  EXPECT_EQ(MacRingQueryOffset(d, W, 2), 2 * 2 * 2 * 3 * 16);
   const MacDecodeConfig c = [] {
     MacDecodeConfig x;
     x.batch = 1;
@@ -627,22 +694,44 @@ TEST(MacQuery8, RingLayoutPutsBlocksOfSixteenDimsOfConsecutiveRowsTogether) {
   }();
   test::HostRing ring;
   ring.Init(c);
-  // Every (slot, head, row) written, read back whole, and no two rows share a byte.
-  std::vector<int8_t> seen(MacLayerStateBytes(c), 0);
+  const size_t ring_bytes = size_t(reinterpret_cast<const uint8_t*>(ring.state.ring_qs) - ring.base());
+  EXPECT_GE(ring_bytes, size_t(MacRingQueryOffset(d, W, 4)));
+  // Every (slot, head, row) written; no two values share a nibble; each row reads back whole
+  // after all rows are written.
+  std::vector<std::vector<int8_t>> rows;
+  std::vector<uint8_t> seen(ring_bytes, 0);
   for (int64_t sh = 0; sh < 4; ++sh) {
     for (int32_t w = 0; w < W; ++w) {
-      std::vector<int8_t> v(d), back(d);
-      for (int32_t i = 0; i < d; ++i) v[size_t(i)] = int8_t(sh * 31 + w * 7 + i - 64);
+      std::vector<int8_t> v(d);
+      for (int32_t i = 0; i < d; ++i) v[size_t(i)] = int8_t(sh * 31 + w * 7 + i * 5 - 128);
       MacWriteRingQuery(d, W, ring.state.ring_q, sh, w, v.data());
+      rows.push_back(v);
       for (int32_t i = 0; i < d; ++i) {
-        const int64_t at = MacRingQueryIndex(d, W, sh, w, i);
-        ASSERT_LT(size_t(at), size_t(reinterpret_cast<const uint8_t*>(ring.state.ring_qs) - ring.base()));
-        EXPECT_EQ(seen[size_t(at)]++, 0) << sh << " " << w << " " << i;
+        for (int low = 0; low < 2; ++low) {
+          const int64_t at = MacRingQueryByte(d, W, sh, w, i, low);
+          ASSERT_LT(size_t(at), ring_bytes);
+          const uint8_t bit = i % 32 < 16 ? 1 : 2;
+          EXPECT_EQ(seen[size_t(at)] & bit, 0) << sh << " " << w << " " << i << " " << low;
+          seen[size_t(at)] |= bit;
+        }
       }
-      MacReadRingQuery(d, W, ring.state.ring_q, sh, w, back.data());
-      EXPECT_EQ(v, back);
     }
   }
+  for (int64_t sh = 0, n = 0; sh < 4; ++sh) {
+    for (int32_t w = 0; w < W; ++w, ++n) {
+      std::vector<int8_t> back(d);
+      MacReadRingQuery(d, W, ring.state.ring_q, sh, w, back.data());
+      EXPECT_EQ(rows[size_t(n)], back) << sh << " " << w;
+    }
+  }
+  // The nibbles of u = r + 128: r = -127 (u = 0x01), r = 100 (u = 0xe4) at dims 0 and 16.
+  std::vector<int8_t> v(d, 0);
+  v[0] = -127;
+  v[16] = 100;
+  MacWriteRingQuery(d, W, ring.state.ring_q, 0, 0, v.data());
+  const uint8_t* r = reinterpret_cast<const uint8_t*>(ring.state.ring_q);
+  EXPECT_EQ(r[MacRingQueryByte(d, W, 0, 0, 0, 0)], 0xe0);  // high nibbles: 0x0 (dim 0), 0xe (dim 16)
+  EXPECT_EQ(r[MacRingQueryByte(d, W, 0, 0, 0, 1)], 0x41);  // low nibbles: 0x1, 0x4
 }
 
 TEST(MacQuery8, DistanceIsTheDequantizedRowsAndNearTheRawOne) {

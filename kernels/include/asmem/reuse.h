@@ -19,6 +19,12 @@
 // amax is below 2^-100 is all zero (s = 0); a row with a NaN or infinite value has s = NaN,
 // values 0. The row also keeps S_r = sum_i r_i^2. The current query is quantized the same way
 // (s_q, q_i, S_q), so the match reads d + 8 bytes per candidate instead of 2 d.
+// Each value is kept as the two nibbles of u_i = r_i + 128 (high h_i = u_i >> 4, low
+// l_i = u_i & 15) in two planes, so that sum_i q_i r_i = 16 sum q_i h_i + sum q_i l_i -
+// 128 sum q_i. A large batch's match reads the high plane of every candidate first (d / 2 + 8
+// bytes); since 0 <= l_i <= 15, that bounds the dot product from above and the distance from
+// below, and it reads the low plane only of candidates whose bound is under the threshold.
+// The distances it computes, and so the decisions, are exactly those of the 8-bit rows.
 //
 // One step (MacAttention), per request b and query head hq = h*G + g:
 //  Match.   Candidates p: positions m-W .. m-1 (>= 0) whose ring slot holds a tag equal to
@@ -69,9 +75,10 @@
 //   o            [B, Hq, d] DType with strides; lse [B, Hq] f32 (may be null);
 //   hit_pos      [B, Hq] int32: the reused position p, or -1 on a miss (may be null).
 // Ring (MacLayerState, one per layer; MacLayerStateBytes / MacBindLayerState lay it out):
-//   ring_q [num_slots, Hq, ceil(d / 16), W, 16] int8 (each row's values in blocks of 16
-//   dims, a block's W rows side by side: MacRingQueryIndex; MacReadRingQuery and
-//   MacWriteRingQuery move one row), ring_qs [num_slots, Hq, W] MacQueryScale,
+//   ring_q [num_slots, Hq, 2, ceil(d / 32), W, 16] bytes (per (slot, head): the high plane,
+//   then the low plane; a plane holds blocks of 32 dims, a block's W rows side by side, 16
+//   bytes per row: MacRingQueryByte; MacReadRingQuery and MacWriteRingQuery move one row),
+//   ring_qs [num_slots, Hq, W] MacQueryScale,
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
 //   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step).
@@ -154,13 +161,27 @@ float MacQueryDistance(MacQueryScale q, const int8_t* qv, MacQueryScale r, const
 // exact in fp32.
 constexpr int32_t kMacMaxHeadDim = 1024;
 
-// Where value i of the 8-bit query of ring row (sh, w) lies in ring_q, sh = slot * Hq + hq:
-// the values go in blocks of 16 dims (the last block padded), and a block's W rows lie side
-// by side, so that the match reads one 16-byte block of 32 consecutive rows per warp load.
+// The query ring's planes (see above). A plane holds blocks of kMacRingBlockDims dims (the
+// last padded), and a block's W rows lie side by side, kMacRingBlock bytes each, so that the
+// match reads one 16-byte block of 32 consecutive rows per warp load. Byte j of a block row
+// holds the nibble of dim 32 k + j in its low four bits and that of dim 32 k + 16 + j in its
+// high four bits.
 constexpr int32_t kMacRingBlock = 16;
-inline int64_t MacRingQueryIndex(int32_t head_dim, int32_t window, int64_t sh, int32_t w, int32_t i) {
-  const int64_t blocks = (int64_t(head_dim) + kMacRingBlock - 1) / kMacRingBlock;
-  return ((sh * blocks + i / kMacRingBlock) * window + w) * kMacRingBlock + i % kMacRingBlock;
+constexpr int32_t kMacRingBlockDims = 32;
+inline int64_t MacRingQueryBlocks(int32_t head_dim) {
+  return (int64_t(head_dim) + kMacRingBlockDims - 1) / kMacRingBlockDims;
+}
+// Byte offset of the rows of (slot, head) sh = slot * Hq + hq in ring_q (sh = num_slots * Hq:
+// the ring's size).
+inline int64_t MacRingQueryOffset(int32_t head_dim, int32_t window, int64_t sh) {
+  return sh * 2 * MacRingQueryBlocks(head_dim) * window * kMacRingBlock;
+}
+// The byte of ring_q that holds the nibble of value i of row (sh, w) in plane `low` (0: the
+// high nibbles h_i, 1: the low nibbles l_i); bits 0-3 when i % 32 < 16, else bits 4-7.
+inline int64_t MacRingQueryByte(int32_t head_dim, int32_t window, int64_t sh, int32_t w, int32_t i, int low) {
+  const int64_t blocks = MacRingQueryBlocks(head_dim);
+  const int64_t block = (sh * 2 + low) * blocks + i / kMacRingBlockDims;
+  return (block * window + w) * kMacRingBlock + i % kMacRingBlock;
 }
 // Copies the head_dim values of ring row (sh, w) out of / into ring_q (host memory).
 void MacReadRingQuery(int32_t head_dim, int32_t window, const int8_t* ring_q, int64_t sh, int32_t w,
