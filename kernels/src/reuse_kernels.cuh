@@ -8,8 +8,8 @@
 //    beside its scale and tag, the dot product by dp4a with no shuffles, the distance by
 //    QueryDistance (reuse_common.h, the CPU reference's sequence), the best candidate by the
 //    tie rule folded into a per-head u64 with one atomicMin (CandidateKey), after which the
-//    CTA ends. In grids past kMatchTargetCtas a row's low plane is read only when the bound
-//    from its high plane (QueryDistanceBound) is under the threshold.
+//    CTA ends. Where a full scan reads at least kMatchFilterBytes, a row's low plane is read
+//    only when the bound from its high plane (QueryDistanceBound) is under the threshold.
 //  * Plan, one CTA launched with programmatic dependent launch after the match (resident
 //    while the match's last CTAs run, in which, where B Hq >= kPlanWarmHeads, it runs its
 //    code once without effect to cache it; griddepcontrol.wait): turns the keys into per-head
@@ -361,6 +361,19 @@
 //    size is not the whole cause either; what makes those tiles slow was not found. In every
 //    form no early tile ran beside the match, and the plan ran slower beside the streaming
 //    CTAs (B = 32 99%: it ended at 26.9, 28.2, 28.9 us in (1), (2), (3); 25.9 in (2)'s base).
+//  * Session 21 (bench_mac, clustered, two runs each, us, 6d1a577 -> the filtered match with
+//    LaunchMatch's rules, one machine session; reuse GPU tests 6/6, with two cases added for
+//    the filtered match's two CTA sizes): the query ring in two nibble planes, and where a
+//    full scan reads at least kMatchFilterBytes the high plane first (reuse.h). A diagnostic
+//    that read half of each ring row ended the match at 12.5 us instead of 20.7 (LLaMA-8B
+//    B = 32 32K, timeline): the match there is bound by ring bytes, unlike session 11's
+//    reading at two waves. LLaMA-8B B = 32 99% per group 32K 75.8, 76.3 -> 69.3, 69.0, 128K
+//    115.6, 115.9 -> 109.0, 109.3, all-hit 63.7, 63.8 -> 57.0, 56.8; B = 16 99% 48.4, 48.2 ->
+//    46.2, 46.0; B = 64 99% 133.5, 133.7 -> 121.3, 121.2; GQA-8 B = 32 99% 60.0, 60.1 -> 56.3,
+//    56.0, B = 64 99% 103.4, 103.4 -> 92.9, 92.7; B = 1 all-hit 22.8, 22.9 -> 23.2, 23.2 (the
+//    unfiltered match puts the bytes back together: ByteDot). SmolLM2 query trace (Hq 9,
+//    d = 64, no cell filtered): B = 1 32K 21.6, 21.6 -> 22.1, 21.9, B = 32 128K 51.3, 51.3 ->
+//    52.1, 52.7, B = 64 128K 57.9, 57.7 -> 56.9, 58.6.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -762,6 +775,24 @@ __device__ __forceinline__ int32_t NibbleDot(const uint4 b, const uint32_t (&qa)
   return c;
 }
 
+// The same for both planes of a block row at once (the unfiltered match): the bytes u_i =
+// 16 h_i + l_i put back together, so sum q_i u_i by dp4a of unsigned by signed bytes.
+__device__ __forceinline__ int32_t Dp4aUS(uint32_t u, uint32_t q, int32_t c) {
+  int32_t d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(u), "r"(q), "r"(c));
+  return d;
+}
+__device__ __forceinline__ int32_t ByteDot(const uint4 h, const uint4 l, const uint32_t (&qa)[4],
+                                           const uint32_t (&qb)[4], int32_t c) {
+  const uint32_t wh[4] = {h.x, h.y, h.z, h.w}, wl[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    c = Dp4aUS(((wh[t] & 0x0f0f0f0fu) << 4) | (wl[t] & 0x0f0f0f0fu), qa[t], c);
+    c = Dp4aUS((wh[t] & 0xf0f0f0f0u) | ((wl[t] >> 4) & 0x0f0f0f0fu), qb[t], c);
+  }
+  return c;
+}
+
 // One candidate row per thread: the thread reads the row's 16-byte blocks of both nibble
 // planes (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its
 // scale and tag, and sums the dot product with the whole 8-bit query (every lane holds it)
@@ -862,9 +893,15 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const Lau
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         int32_t c = 0;
+        if (FILTER) {
 #pragma unroll
-        for (int k = 0; k < kBlocks; ++k) c = NibbleDot(uh[j][k], qw[2 * k], qw[2 * k + 1], c);
-        ch[j] = 16 * c - q_bias;
+          for (int k = 0; k < kBlocks; ++k) c = NibbleDot(uh[j][k], qw[2 * k], qw[2 * k + 1], c);
+          ch[j] = 16 * c - q_bias;
+        } else {
+#pragma unroll
+          for (int k = 0; k < kBlocks; ++k) c = ByteDot(uh[j][k], ul[j][k], qw[2 * k], qw[2 * k + 1], c);
+          ch[j] = c - q_bias;  // the whole dot product
+        }
         const int32_t x = xb + j * MT;
         valid[j] = x < x1 && tg[j].position == x && tg[j].epoch == st.epoch;
         if (FILTER) {
@@ -882,8 +919,10 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const Lau
       for (int j = 0; j < UNROLL; ++j) {
         if (FILTER && !valid[j]) continue;
         int32_t c = ch[j];
+        if (FILTER) {
 #pragma unroll
-        for (int k = 0; k < kBlocks; ++k) c = NibbleDot(FILTER ? uh[j][k] : ul[j][k], qw[2 * k], qw[2 * k + 1], c);
+          for (int k = 0; k < kBlocks; ++k) c = NibbleDot(uh[j][k], qw[2 * k], qw[2 * k + 1], c);
+        }
         const float dist = QueryDistance(q8.scale, q8.sum_sq, __int_as_float(sc[j].x), sc[j].y, c);
         const int32_t x = xb + j * MT;
         if (valid[j] && Better(dist, x, bd, bp)) {
@@ -1882,28 +1921,40 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // once; larger grids take CTAs of 64 threads (8 per SM): the same threads per SM, twice the
 // CTAs. Rows in flight per thread: 2 (one, at 84 registers instead of 121, was no faster at
 // B = 32 and 2-3 us slower at B = 64 in session 12), 4 for the filtered 128-thread match.
-// Past kMatchTargetCtas (one CTA per head, the scan no longer split) the match is filtered
-// (the high nibble plane first, reuse.h): ring bytes set its pace there. Timeline (session
-// 21, LLaMA-8B B = 32 32K, us from the first match CTA): the match grid ends at 20.7 reading
-// whole rows, 13.3 filtered (12.5 for a diagnostic that read half of each row and nothing
-// else). The plan CTA's dry pass (kPlanWarmHeads) then ran 2.3 us past the end of a
-// one-wave 64-thread match (the plan CTA comes resident as its first CTAs end, at 12.3), so
-// such grids skip it. A/B in the session-21 bullet at the top of this file.
+// Where a full scan reads at least kMatchFilterBytes (both planes and the scales: LLaMA-8B
+// and GQA-8 heads from B = 16 at W = 512) ring bytes set the match's pace, and it is filtered
+// (the high nibble plane first, reuse.h). Below that the extra round trip costs more than
+// the bytes it saves: filtered from 265 CTAs, the SmolLM2 query trace (9 heads of d = 64)
+// was 0.5-3 us slower at B = 16-64, where 63% of its rows need their low plane (their
+// bound under the threshold; 18% are under it). Timeline (session 21, LLaMA-8B B = 32 32K,
+// us from the first match CTA): the match grid ends at 20.7 reading whole rows, 13.3
+// filtered (12.5 for a diagnostic that read half of each row and nothing else). The plan
+// CTA's dry pass (kPlanWarmHeads) then ran 2.3 us past the end of the filtered match (the
+// plan CTA comes resident only as its first CTAs end, at 12.3, when 64-thread CTAs fill the
+// SMs), so a filtered one-wave match of more than seven 64-thread CTAs per SM sets none.
+// A/B in the session-21 bullet at the top of this file.
 constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
+constexpr int64_t kMatchFilterBytes = int64_t(24) << 20;
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
+  const bool filter = int64_t(a.batch) * a.hq * a.window * (HEAD_DIM + 8) >= kMatchFilterBytes;
   if (ctas > kMatchOneWave) {
-    MacMatchKernel<DType, HEAD_DIM, 2, 64, true><<<unsigned(ctas), 64, 0, stream>>>(a);
-  } else if (ctas > kMatchTargetCtas) {
+    if (filter) {
+      MacMatchKernel<DType, HEAD_DIM, 2, 64, true><<<unsigned(ctas), 64, 0, stream>>>(a);
+    } else {
+      MacMatchKernel<DType, HEAD_DIM, 2, 64, false><<<unsigned(ctas), 64, 0, stream>>>(a);
+    }
+  } else if (filter) {
     MacMatchKernel<DType, HEAD_DIM, 4, kThreads, true><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   } else {
     MacMatchKernel<DType, HEAD_DIM, 2, kThreads, false><<<unsigned(ctas), kThreads, 0, stream>>>(a);
   }
   ASMEM_CUDA_CHECK_LAUNCH();
   LaunchArgs pa = a;
-  pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads && !(ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
+  pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads &&
+                !(filter && ctas > 7 * kDecodePlanSms && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
   if (groups <= 128) {
     decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, pa, stream);

@@ -333,26 +333,33 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.8;
   v.push_back(c);
 
-  // B Hq between the match's CTA target and one wave (264 < B Hq <= 528): the filtered
-  // match of 128-thread CTAs (LaunchMatch), d 128 and 64.
+  // Rings large enough for the filtered match (LaunchMatch: a full scan past
+  // kMatchFilterBytes): its 128-thread CTAs (B Hq <= 528, d 128) and its 64-thread CTAs
+  // (d 64). Only the first requests' rings are filled before the steps (the CPU reference
+  // builds every filled entry); the others decode from empty rings.
   c = MacCase{};
-  c.name = "mid-heads-filtered-match";
-  c.Hq = 32;
-  c.Hkv = 8;
+  c.name = "filtered-match-d128";
+  c.Hq = 16;
+  c.Hkv = 4;
   c.d = 128;
-  c.mac = MakeMac(200, 32, 2, 0);
+  c.mac = MakeMac(512, 32, 2, 0);
   c.T0.clear();
-  for (int b = 0; b < 11; ++b) c.T0.push_back(260 + 37 * b);
-  c.steps = 12;
+  for (int b = 0; b < 25; ++b) c.T0.push_back(b < 3 ? 530 + 40 * b : 30 + 3 * b);
+  c.fill.assign(c.T0.size(), 0);
+  c.fill[0] = c.fill[1] = c.fill[2] = 1;
+  c.steps = 10;
   c.p_hit = 0.8;
   v.push_back(c);
-  c.name = "mid-heads-filtered-match-d64-f16";
+  c.name = "filtered-match-d64-f16-clustered";
   c.Hq = 16;
   c.Hkv = 2;
   c.d = 64;
   c.dtype = KernelDType::kF16;
+  c.mac = MakeMac(600, 32, 0, 0);
   c.T0.clear();
-  for (int b = 0; b < 20; ++b) c.T0.push_back(240 + 23 * b);
+  for (int b = 0; b < 40; ++b) c.T0.push_back(b < 3 ? 610 + 50 * b : 20 + 2 * b);
+  c.fill.assign(c.T0.size(), 0);
+  c.fill[0] = c.fill[1] = c.fill[2] = 1;
   c.clustered = true;
   v.push_back(c);
 
