@@ -796,9 +796,9 @@ __device__ __forceinline__ int32_t ByteDot(const uint4 h, const uint4 l, const u
 // One candidate row per thread: the thread reads the row's 16-byte blocks of both nibble
 // planes (a warp load covers one block of 32 consecutive rows: reuse.h's ring layout), its
 // scale and tag, and sums the dot product with the whole 8-bit query (every lane holds it)
-// by dp4a; no shuffles per row. UNROLL: rows per thread in flight. FILTER (large grids, where
-// the ring's bytes set the pace): the high plane first, and the low plane only of rows whose
-// distance bound is under the threshold (reuse.h).
+// by dp4a; no shuffles per row. UNROLL: rows per thread in flight. FILTER (rings of at least
+// kMatchFilterBytes, where their bytes set the pace): the high plane first, and the low plane
+// only of rows whose distance bound is under the threshold (reuse.h).
 template <typename DType, int HEAD_DIM, int UNROLL, int MT, bool FILTER>
 __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const LaunchArgs a) {
   constexpr int kMatchWarps = MT / 32;
@@ -911,7 +911,7 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const Lau
           if (valid[j]) {
             const int32_t w = x % W;
 #pragma unroll
-            for (int k = 0; k < kBlocks; ++k) uh[j][k] = __ldg(ring_lo + int64_t(k) * W + w);  // high plane used
+            for (int k = 0; k < kBlocks; ++k) uh[j][k] = __ldg(ring_lo + int64_t(k) * W + w);  // in the high plane's place
           }
         }
       }
