@@ -373,7 +373,13 @@
 //    56.0, B = 64 99% 103.4, 103.4 -> 92.9, 92.7; B = 1 all-hit 22.8, 22.9 -> 23.2, 23.2 (the
 //    unfiltered match puts the bytes back together: ByteDot). SmolLM2 query trace (Hq 9,
 //    d = 64, no cell filtered): B = 1 32K 21.6, 21.6 -> 22.1, 21.9, B = 32 128K 51.3, 51.3 ->
-//    52.1, 52.7, B = 64 128K 57.9, 57.7 -> 56.9, 58.6.
+//    52.1, 52.7, B = 64 128K 57.9, 57.7 -> 56.9, 58.6. Timeline at 701cd73 (32K, us from
+//    the first match CTA): all-miss, the attend CTAs end unevenly (GQA-8 B = 16 p50 253.7,
+//    last 264.4; B = 32 490.5, 503.8; LLaMA-8B B = 16 484.6, 501.8) after starting at 14.8,
+//    18.9, 14.8; at B = 16 the plan's dry pass outlasts the filtered match (GQA-8: match last
+//    end 8.7, plan at its wait 10.8); GQA-8 B = 1 all-miss: plan done 9.2, attend last 31.7,
+//    combine (64 partial rows per head) last 39.2; GQA-8 B = 32 99% per group: attend p50
+//    38.1, last 43.8, combine last 52.0 (step 55.7).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
