@@ -21,9 +21,10 @@
 // (s_q, q_i, S_q), so the match reads d + 8 bytes per candidate instead of 2 d.
 // Each value is kept as the two nibbles of u_i = r_i + 128 (high h_i = u_i >> 4, low
 // l_i = u_i & 15) in two planes, so that sum_i q_i r_i = 16 sum q_i h_i + sum q_i l_i -
-// 128 sum q_i. A large batch's match reads the high plane of every candidate first (d / 2 + 8
-// bytes); since 0 <= l_i <= 15, that bounds the dot product from above and the distance from
-// below, and it reads the low plane only of candidates whose bound is under the threshold.
+// 128 sum q_i. Where a full scan reads many bytes (the CUDA op: at least 24 MiB of ring per
+// step), the match reads the high plane of every candidate first (d / 2 + 8 bytes); since
+// 0 <= l_i <= 15, that bounds the dot product from above and the distance from below, and it
+// reads the low plane only of candidates whose bound is under the threshold.
 // The distances it computes, and so the decisions, are exactly those of the 8-bit rows.
 //
 // One step (MacAttention), per request b and query head hq = h*G + g:
