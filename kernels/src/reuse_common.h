@@ -165,9 +165,9 @@ constexpr int32_t kSegmentFixedBlocks = 1;
 // per head 66.2, 67.0 -> 63.9, 63.6, all-hit 45.4, 45.6 -> 43.2, 43.4; B = 32 99% 75.9, 76.2 ->
 // 75.6, 75.5; GQA-8 B = 32 99% 62.7, 63.0 -> 60.6, 60.3; the rest within 1% but LLaMA-8B
 // all-hit at B >= 16 (1.7-3.1% faster) and GQA-8 B = 16 99% (1.1-3.1% faster).
-// Since the filtered match (session 21), a filtered match of one wave of 64-thread CTAs that
-// fills the SMs ends about when the plan CTA comes resident, and LaunchMatch sets no dry
-// pass there (LaunchArgs::plan_dry).
+// Since the filtered match (session 21), a filtered match of one wave of 64-thread CTAs ends
+// about when the plan CTA comes resident, and LaunchMatch sets no dry pass there
+// (LaunchArgs::plan_dry).
 constexpr int32_t kPlanWarmHeads = 512;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.

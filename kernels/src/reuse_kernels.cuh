@@ -365,8 +365,8 @@
 //    LaunchMatch's rules, one machine session; reuse GPU tests 6/6, with two cases added for
 //    the filtered match's two CTA sizes): the query ring in two nibble planes, and where a
 //    full scan reads at least kMatchFilterBytes the high plane first (reuse.h). A diagnostic
-//    that read half of each ring row ended the match at 12.5 us instead of 20.7 (LLaMA-8B
-//    B = 32 32K, timeline): the match there is bound by ring bytes, unlike session 11's
+//    that read half of each ring row ended the match at 12.3-13.6 us instead of 19.7-20.7
+//    (LLaMA-8B B = 32 32K, timeline): the match there is bound by ring bytes, unlike session 11's
 //    reading at two waves. LLaMA-8B B = 32 99% per group 32K 75.8, 76.3 -> 69.3, 69.0, 128K
 //    115.6, 115.9 -> 109.0, 109.3, all-hit 63.7, 63.8 -> 57.0, 56.8; B = 16 99% 48.4, 48.2 ->
 //    46.2, 46.0; B = 64 99% 133.5, 133.7 -> 121.3, 121.2; GQA-8 B = 32 99% 60.0, 60.1 -> 56.3,
@@ -1930,14 +1930,14 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 // Where a full scan reads at least kMatchFilterBytes (both planes and the scales: LLaMA-8B
 // and GQA-8 heads from B = 16 at W = 512) ring bytes set the match's pace, and it is filtered
 // (the high nibble plane first, reuse.h). Below that the extra round trip costs more than
-// the bytes it saves: filtered from 265 CTAs, the SmolLM2 query trace (9 heads of d = 64)
-// was 0.5-3 us slower at B = 16-64, where 63% of its rows need their low plane (their
-// bound under the threshold; 18% are under it). Timeline (session 21, LLaMA-8B B = 32 32K,
-// us from the first match CTA): the match grid ends at 20.7 reading whole rows, 13.3
-// filtered (12.5 for a diagnostic that read half of each row and nothing else). The plan
-// CTA's dry pass (kPlanWarmHeads) then ran 2.3 us past the end of the filtered match (the
-// plan CTA comes resident only as its first CTAs end, at 12.3, when 64-thread CTAs fill the
-// SMs), so a filtered one-wave match of more than seven 64-thread CTAs per SM sets none.
+// the bytes it saves: filtered from 265 CTAs (a form that also dropped the plan's dry pass
+// at B = 64), the SmolLM2 query trace (9 heads of d = 64) was 0.6-3.3 us slower at B = 16-64,
+// where 63% of its rows need their low plane (their bound under the threshold; 18% are under
+// it). Timeline (session 21, LLaMA-8B B = 32 32K, us from the first match CTA): the match
+// grid ends at 19.7-20.7 reading whole rows, 13.3 filtered (12.3-13.6 for a diagnostic that
+// read half of each row and nothing else). The plan CTA's dry pass (kPlanWarmHeads) then ran
+// 2.3 us past the end of the filtered match (the plan CTA comes resident only as its first
+// CTAs end, at 12.3), so a filtered match of one wave of 64-thread CTAs sets none.
 // A/B in the session-21 bullet at the top of this file.
 constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
 constexpr int64_t kMatchFilterBytes = int64_t(24) << 20;
@@ -1960,7 +1960,7 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   ASMEM_CUDA_CHECK_LAUNCH();
   LaunchArgs pa = a;
   pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads &&
-                !(filter && ctas > 7 * kDecodePlanSms && ctas <= 2 * kMatchOneWave);
+                !(filter && ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
   if (groups <= 128) {
     decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, pa, stream);
