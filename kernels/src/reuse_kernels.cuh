@@ -380,6 +380,12 @@
 //    end 8.7, plan at its wait 10.8); GQA-8 B = 1 all-miss: plan done 9.2, attend last 31.7,
 //    combine (64 partial rows per head) last 39.2; GQA-8 B = 32 99% per group: attend p50
 //    38.1, last 43.8, combine last 52.0 (step 55.7).
+//  * Session 22 (bench_mac, 32K, clustered, two runs each, us, one build): every MAC kernel
+//    at the largest shared-memory carveout (an environment knob, not merged). GQA-8 B = 1
+//    all-miss 45.2, 44.9 -> 43.7, 43.3, LLaMA-8B 57.5, 56.8 -> 56.6, 56.2; but B = 32 slower
+//    with hits: LLaMA-8B 99% per group 69.1, 69.6 -> 71.4, 71.4, all-hit 56.1, 55.8 -> 58.4,
+//    57.9; GQA-8 99% 54.2, 54.1 -> 56.3, 56.2, all-hit 48.4, 48.3 -> 51.5, 50.9; all-miss at
+//    B >= 16 within 0.5%.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
