@@ -308,6 +308,7 @@ struct WorkspaceLayout {
   size_t plan_info = 0;   // uint32 [2]: portion tokens, segments
   size_t heads = 0;       // [B, Hq] HeadDecision
   size_t units = 0;       // [B, Hkv] UnitPlan
+  size_t group_done = 0;  // int32 [B, Hkv]: the group's segments whose partials are written
   size_t chunks = 0;      // [MaxChunks] ChunkDesc
   size_t cta_first = 0;   // int32 [kTargetChunks + 1]: CTA k's segments are
                           // [cta_first[k], cta_first[k + 1])

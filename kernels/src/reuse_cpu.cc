@@ -253,6 +253,8 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   off = AlignUp(off + B * Hq * sizeof(HeadDecision));
   w.units = off;
   off = AlignUp(off + B * Hkv * sizeof(UnitPlan));
+  w.group_done = off;
+  off = AlignUp(off + B * Hkv * sizeof(int32_t));
   w.chunks = off;
   off = AlignUp(off + chunks * sizeof(ChunkDesc));
   w.cta_first = off;

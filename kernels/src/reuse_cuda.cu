@@ -86,6 +86,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.plan_info = reinterpret_cast<uint32_t*>(ws + L.plan_info);
   a.heads = reinterpret_cast<HeadDecision*>(ws + L.heads);
   a.units = reinterpret_cast<UnitPlan*>(ws + L.units);
+  a.group_done = reinterpret_cast<int32_t*>(ws + L.group_done);
   a.chunks = reinterpret_cast<ChunkDesc*>(ws + L.chunks);
   a.cta_first = reinterpret_cast<int32_t*>(ws + L.cta_first);
   a.max_chunks = MaxChunks(p.batch, c.num_kv_heads);

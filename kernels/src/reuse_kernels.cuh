@@ -460,6 +460,17 @@ __device__ __forceinline__ bool Better(float d1, int32_t p1, float d2, int32_t p
   return d1 < d2 || (d1 == d2 && p1 < p2);
 }
 
+// A count published across grids: the add releases this CTA's writes ordered before it
+// (its barrier), the load acquires them (gpu scope).
+__device__ __forceinline__ void ReleaseAdd(int32_t* p, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t AcquireLoad(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
   return slot_ids ? slot_ids[b] : b;
 }
@@ -578,7 +589,11 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
       tok += SegmentCost(work);
       most = max(most, int32_t(WorkBlocks(work)));
     }
-    if (!dry) a.units[u] = up;  // ranges now, segments below (read back by this thread only)
+    if (!dry) {
+      a.units[u] = up;  // ranges now, segments below (read back by this thread only)
+      if (a.group_wait) a.group_done[u] = 0;  // counted up by the attend CTAs (the previous
+                                              // step's combine is done)
+    }
     if (u == tid) mine = up;
   }
   TL(if (tid == 0 && !dry) g_tl_plan_steps[0] = TlNow());
@@ -1514,6 +1529,14 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
       StoreSegmentStates<HEAD_DIM, GROUP>(
           a, cp.row_band, cp.row_out, sb, so, reinterpret_cast<float*>(tiles + (f % kStages) * 2 * kTile),
           reinterpret_cast<float*>(qs + (cs % Sm::kQSlots) * GROUP * Sm::kQStride));
+      if constexpr (!kFill) {
+        // The segment's partial rows are written: one release per segment on its group's
+        // count, which the group's combine CTAs wait for instead of the whole grid.
+        if (a.group_wait) {
+          __syncthreads();
+          if (tid == 0) ReleaseAdd(a.group_done + cp.b * a.hkv + cp.h, 1);
+        }
+      }
       ++cs;
       ct = 0;
     } else {
@@ -1561,6 +1584,29 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
 // ---------------------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------------------
+
+// LoadRow, and one float; with CG through L2 (ld.global.cg): what another grid wrote while
+// this one runs (the per-group combine wait).
+template <int kPer, bool CG>
+__device__ __forceinline__ void LoadRowAny(const float* src, float* dst) {
+  if constexpr (!CG) {
+    LoadRow<kPer>(src, dst);
+  } else if constexpr (kPer == 4) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
+    dst[0] = x.x; dst[1] = x.y; dst[2] = x.z; dst[3] = x.w;
+  } else {
+    const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+    dst[0] = x.x; dst[1] = x.y;
+  }
+}
+template <bool CG>
+__device__ __forceinline__ float LoadF(const float* p) {
+  if constexpr (CG) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
 
 // Lane-held state of kPer dims.
 template <int kPer>
@@ -1619,7 +1665,7 @@ __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
 // wave take EBATCH = BATCH; grids bounded to 64 registers EBATCH = 1 (groups of up to two
 // segments: at BATCH it spilled).
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
-template <int HEAD_DIM, int kPer, int BATCH, int EBATCH>
+template <int HEAD_DIM, int kPer, int BATCH, int EBATCH, bool CG>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
                                               int group, int g, LaneState<kPer>* st) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1630,8 +1676,8 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
   __shared__ int32_t sm_scan[kWarps];
   __shared__ __align__(16) float sm_o[kWarps][2][HEAD_DIM];
   // Rows tid and tid + kThreads: both of state tid & 1 (kThreads is even).
-  const float l0 = tid < n_all ? part_lse[(row0 + tid) * group + g] : -INFINITY;
-  const float l1 = tid + kThreads < n_all ? part_lse[(row0 + tid + kThreads) * group + g] : -INFINITY;
+  const float l0 = tid < n_all ? LoadF<CG>(part_lse + (row0 + tid) * group + g) : -INFINITY;
+  const float l1 = tid + kThreads < n_all ? LoadF<CG>(part_lse + (row0 + tid + kThreads) * group + g) : -INFINITY;
   constexpr bool kEager = EBATCH > 0;
   const bool eager = kEager && n_all <= kWarps * EBATCH;  // uniform over the CTA
   float eo[kEager ? EBATCH : 1][kPer];
@@ -1645,8 +1691,8 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 #pragma unroll
         for (int e = 0; e < kPer; ++e) eo[k][e] = 0.f;
         if (i < n_all) {
-          el[k] = part_lse[(row0 + i) * group + g];
-          LoadRow<kPer>(part_o + ((row0 + i) * group + g) * HEAD_DIM + c0, eo[k]);
+          el[k] = LoadF<CG>(part_lse + (row0 + i) * group + g);
+          LoadRowAny<kPer, CG>(part_o + ((row0 + i) * group + g) * HEAD_DIM + c0, eo[k]);
         }
       }
     }
@@ -1709,7 +1755,7 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
       for (int k = 0; k < BATCH; ++k) {
         const int i = i0 + k * kWarps;
         if (i < n) {
-          LoadRow<kPer>(part_o + ((row0 + sm_j[i]) * group + g) * HEAD_DIM + c0, o2[k]);
+          LoadRowAny<kPer, CG>(part_o + ((row0 + sm_j[i]) * group + g) * HEAD_DIM + c0, o2[k]);
         } else {
 #pragma unroll
           for (int e = 0; e < kPer; ++e) o2[k][e] = 0.f;
@@ -1756,6 +1802,17 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
+  // Only the bounded grids (past one wave) wait per group (CombineGroupWait); the one-wave
+  // variant's code is as it was. With a group wait, CTA 0 ends only after the attend grid
+  // (griddepcontrol.wait on its way out), so that this grid never completes before the one
+  // it reads: stream order for what follows.
+  constexpr bool kGroupWait = MIN_BLOCKS > 1;
+  struct EndWait {
+    bool on;
+    __device__ ~EndWait() {
+      if (on) GridDependencyWait();
+    }
+  } end_wait{kGroupWait && a.group_wait && blockIdx.x == 0 && threadIdx.x == 0};
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_combine[blockIdx.x][0] = TlNow(); if (blockIdx.x == 0) g_tl_grid[2] = gridDim.x; });
   const MacParams& p = a.p;
   const int bhq = int(blockIdx.x);
@@ -1822,11 +1879,25 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
       }
     }
   }
-  GridDependencyWait();  // the attend partials are visible
+  // The attend partials are visible. With a.group_wait, once every segment of the group is
+  // counted (release by the attend CTA that wrote it, acquire here), not once the whole
+  // attend grid is done, so that the combine of the groups whose CTAs are done runs while
+  // the last attend CTAs still stream. Every attend CTA has started before this grid
+  // launches (each lets its dependents launch after its wait for the plan), so the wait
+  // cannot hold one back.
+  if (kGroupWait && a.group_wait) {
+    if (threadIdx.x == 0) {
+      const int32_t* done = a.group_done + b * a.hkv + h;
+      while (AcquireLoad(done) < n_chunks) __nanosleep(64);
+    }
+    __syncthreads();
+  } else {
+    GridDependencyWait();
+  }
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][1] = TlNow());
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-  MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1>(a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks,
-                                               a.group, g, st);
+  MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1, kGroupWait>(a.part_o, a.part_lse, int64_t(first_chunk) * 2,
+                                                           2 * n_chunks, a.group, g, st);
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][3] = TlNow());
   if (warp != 0) return;
   if constexpr (!kEarly) {  // written by warp 0 before MergePartials' barriers
@@ -1948,6 +2019,28 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
 constexpr int64_t kMatchFilterBytes = int64_t(24) << 20;
 
+// Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with
+// 8-row batches (92 registers at d = 128: 5 CTAs per SM). Larger grids take 4-row batches
+// bounded to 8 CTAs per SM (64 registers), measured at 32K context (asmem_bench_mac, us,
+// 8-row -> 4-row bounded): LLaMA-8B B = 32 all-hit 88.0 -> 78.2 and 99% clustered 111.3 ->
+// 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
+// Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
+// flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
+constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
+
+// Whether the combine waits for its group's count instead of the attend grid
+// (LaunchArgs::group_wait): programmatic launch, and a combine grid past one wave (the
+// bounded combine). Session 22 (bench_mac, 32K, clustered, two runs each, us, one machine
+// session; every grid waiting per group): LLaMA-8B B = 32 99% per group 69.9, 70.1 -> 69.0,
+// 68.8, B = 64 99% 119.4, 118.9 -> 117.2, 117.5; GQA-8 B = 32 99% 55.7, 55.6 -> 54.0, 53.9,
+// B = 64 99% 92.5, 92.4 -> 91.1, 90.8, all-hit 79.1, 78.5 -> 79.8, 79.8; all-miss at B >= 16
+// within 0.4%; but one-wave grids lost: B = 1 all-miss LLaMA-8B 57.1, 57.8 -> 60.0, 60.3,
+// GQA-8 43.9, 44.9 -> 45.2, 45.7, all-hit 23.2, 23.0 -> 23.5, 23.4; B = 16 all-hit LLaMA-8B
+// 41.3, 41.1 -> 42.0, 41.6, 99% 46.0, 45.8 -> 47.0, 46.8.
+inline bool CombineGroupWait(const LaunchArgs& a) {
+  return a.pdl && int64_t(a.batch) * a.hq > kCombineOneWave;
+}
+
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
@@ -1965,6 +2058,7 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   }
   ASMEM_CUDA_CHECK_LAUNCH();
   LaunchArgs pa = a;
+  pa.group_wait = CombineGroupWait(a);
   pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads &&
                 !(filter && ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
@@ -1982,8 +2076,10 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
 // Fill: one CTA per static split. Decode: `ctas` = kTargetChunks, one per portion of the
 // plan (the CTAs past the plan's portions exit at once).
 template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
+void LaunchAttend(const LaunchArgs& args, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
+  LaunchArgs a = args;
+  a.group_wait = !a.fill && CombineGroupWait(a);
   constexpr size_t kSmem = SegSmem<HEAD_DIM, GROUP>::kBytes;
   if (a.fill) {
     decode::AllowDynamicSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
@@ -1996,17 +2092,11 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
                          stream);
 }
 
-// Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with
-// 8-row batches (92 registers at d = 128: 5 CTAs per SM). Larger grids take 4-row batches
-// bounded to 8 CTAs per SM (64 registers), measured at 32K context (asmem_bench_mac, us,
-// 8-row -> 4-row bounded): LLaMA-8B B = 32 all-hit 88.0 -> 78.2 and 99% clustered 111.3 ->
-// 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
-// Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
-// flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
-constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
 
 template <typename DType, int HEAD_DIM>
-void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
+void LaunchCombine(const LaunchArgs& args, cudaStream_t stream) {
+  LaunchArgs a = args;
+  a.group_wait = CombineGroupWait(a);
   const int64_t ctas = int64_t(a.batch) * a.hq;
   if (ctas > kCombineOneWave) {
     decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 4, 8>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);

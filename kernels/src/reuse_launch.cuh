@@ -43,6 +43,10 @@ struct LaunchArgs {
   uint32_t* plan_info = nullptr;  // [0]: portion tokens, [1]: segments
   HeadDecision* heads = nullptr;
   UnitPlan* units = nullptr;
+  int32_t* group_done = nullptr;  // [B, Hkv] segments with their partials written (attend ->
+                                  // combine; zeroed by the plan)
+  bool group_wait = false;  // the combine waits for its group's count, not the attend grid
+                            // (set by LaunchAttend and LaunchCombine: CombineGroupWait)
   ChunkDesc* chunks = nullptr;  // [max_chunks] the planned segments
   int32_t* cta_first = nullptr;  // [kTargetChunks + 1] each attention CTA's first segment
   int32_t max_chunks = 0;

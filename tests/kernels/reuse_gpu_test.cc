@@ -376,6 +376,22 @@ std::vector<MacCase> GpuCases() {
   c.p_hit = 0.8;
   v.push_back(c);
 
+  // A combine grid past one wave (B Hq > 660): the combine CTAs wait for their group's
+  // count of written segments, not for the attend grid (reuse_kernels.cuh
+  // CombineGroupWait); groups of 8 heads over several segments each, sink and chained steps.
+  c = MacCase{};
+  c.name = "group-wait-gqa8";
+  c.Hq = 32;
+  c.Hkv = 4;
+  c.d = 128;
+  c.mac = MakeMac(48, 64, 2, 0);
+  c.T0.clear();
+  for (int b = 0; b < 24; ++b) c.T0.push_back(500 + 37 * b);
+  c.steps = 4;
+  c.p_hit = 0.6;
+  c.clustered = true;
+  v.push_back(c);
+
   c = v[0];  // plain stream order instead of the default programmatic dependent launches
   c.name = "base-no-pdl";
   c.programmatic_launch = false;
