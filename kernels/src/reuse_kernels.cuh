@@ -43,7 +43,8 @@
 // With programmatic launch (MacDecodeConfig::programmatic_launch, on by default since
 // session 14), attend and combine start while their predecessor drains and wait
 // (griddepcontrol.wait) before reading anything it wrote; the combine loads its other
-// inputs before that wait.
+// inputs before that wait. A combine grid past one wave waits instead for its group's count
+// of written segments (LaunchArgs::group_wait, CombineGroupWait; since session 22).
 //
 // Measured (H200, bf16, asmem_bench_mac; tools/results/bench_mac_h200.json) with the
 // earlier attend kernel (CUDA cores, 32-token tiles, four CTAs per SM, about eight chunks
@@ -2030,13 +2031,16 @@ constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
 
 // Whether the combine waits for its group's count instead of the attend grid
 // (LaunchArgs::group_wait): programmatic launch, and a combine grid past one wave (the
-// bounded combine). Session 22 (bench_mac, 32K, clustered, two runs each, us, one machine
-// session; every grid waiting per group): LLaMA-8B B = 32 99% per group 69.9, 70.1 -> 69.0,
-// 68.8, B = 64 99% 119.4, 118.9 -> 117.2, 117.5; GQA-8 B = 32 99% 55.7, 55.6 -> 54.0, 53.9,
-// B = 64 99% 92.5, 92.4 -> 91.1, 90.8, all-hit 79.1, 78.5 -> 79.8, 79.8; all-miss at B >= 16
-// within 0.4%; but one-wave grids lost: B = 1 all-miss LLaMA-8B 57.1, 57.8 -> 60.0, 60.3,
-// GQA-8 43.9, 44.9 -> 45.2, 45.7, all-hit 23.2, 23.0 -> 23.5, 23.4; B = 16 all-hit LLaMA-8B
-// 41.3, 41.1 -> 42.0, 41.6, 99% 46.0, 45.8 -> 47.0, 46.8.
+// bounded combine). Session 22 (bench_mac, 32K, clustered, two runs each, us, each A/B in
+// one machine session). First with every grid waiting per group: LLaMA-8B B = 32 99% per
+// group 69.9, 70.1 -> 69.0, 68.8, B = 64 99% 119.4, 118.9 -> 117.2, 117.5; GQA-8 B = 32 99%
+// 55.7, 55.6 -> 54.0, 53.9; all-miss at B >= 16 within 0.4%; but the one-wave grids lost: B = 1
+// all-miss LLaMA-8B 57.1, 57.8 -> 60.0, 60.3, GQA-8 43.9, 44.9 -> 45.2, 45.7; B = 16 all-hit
+// LLaMA-8B 41.3, 41.1 -> 42.0, 41.6, 99% 46.0, 45.8 -> 47.0, 46.8. This rule (8d65325): LLaMA-8B
+// B = 32 99% 69.5, 69.5 -> 68.2, 68.5, B = 64 99% 118.3, 118.1 -> 115.4, 115.6; GQA-8 B = 32 99%
+// 55.8, 55.4 -> 54.1, 54.2, B = 64 99% 91.5, 91.9 -> 90.7, 90.7; all-hit at B >= 32 -0.4% ..
+// +1.2% (GQA-8 B = 64 78.5, 79.1 -> 80.0, 79.6); all-miss at B >= 32 within 0.5%; B <= 16 (the
+// grid wait, as before) within 1.4% (LLaMA-8B B = 1 all-miss 57.4, 56.8 -> 58.1, 57.8).
 inline bool CombineGroupWait(const LaunchArgs& a) {
   return a.pdl && int64_t(a.batch) * a.hq > kCombineOneWave;
 }
