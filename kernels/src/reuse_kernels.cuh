@@ -2096,7 +2096,6 @@ void LaunchAttend(const LaunchArgs& args, int32_t ctas, cudaStream_t stream) {
                          stream);
 }
 
-
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& args, cudaStream_t stream) {
   LaunchArgs a = args;
