@@ -93,6 +93,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.pdl = c.programmatic_launch;
+  a.group_wait = CombineGroupWait(a);
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

@@ -2020,31 +2020,6 @@ __global__ void __launch_bounds__(kThreads) MacFillCombineKernel(const LaunchArg
 constexpr int64_t kMatchOneWave = 4 * kDecodePlanSms;
 constexpr int64_t kMatchFilterBytes = int64_t(24) << 20;
 
-// Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with
-// 8-row batches (92 registers at d = 128: 5 CTAs per SM). Larger grids take 4-row batches
-// bounded to 8 CTAs per SM (64 registers), measured at 32K context (asmem_bench_mac, us,
-// 8-row -> 4-row bounded): LLaMA-8B B = 32 all-hit 88.0 -> 78.2 and 99% clustered 111.3 ->
-// 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
-// Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
-// flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
-constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
-
-// Whether the combine waits for its group's count instead of the attend grid
-// (LaunchArgs::group_wait): programmatic launch, and a combine grid past one wave (the
-// bounded combine). Session 22 (bench_mac, 32K, clustered, two runs each, us, each A/B in
-// one machine session). First with every grid waiting per group: LLaMA-8B B = 32 99% per
-// group 69.9, 70.1 -> 69.0, 68.8, B = 64 99% 119.4, 118.9 -> 117.2, 117.5; GQA-8 B = 32 99%
-// 55.7, 55.6 -> 54.0, 53.9; all-miss at B >= 16 within 0.4%; but the one-wave grids lost: B = 1
-// all-miss LLaMA-8B 57.1, 57.8 -> 60.0, 60.3, GQA-8 43.9, 44.9 -> 45.2, 45.7; B = 16 all-hit
-// LLaMA-8B 41.3, 41.1 -> 42.0, 41.6, 99% 46.0, 45.8 -> 47.0, 46.8. This rule (8d65325): LLaMA-8B
-// B = 32 99% 69.5, 69.5 -> 68.2, 68.5, B = 64 99% 118.3, 118.1 -> 115.4, 115.6; GQA-8 B = 32 99%
-// 55.8, 55.4 -> 54.1, 54.2, B = 64 99% 91.5, 91.9 -> 90.7, 90.7; all-hit at B >= 32 -0.4% ..
-// +1.2% (GQA-8 B = 64 78.5, 79.1 -> 80.0, 79.6); all-miss at B >= 32 within 0.5%; B <= 16 (the
-// grid wait, as before) within 1.4% (LLaMA-8B B = 1 all-miss 57.4, 56.8 -> 58.1, 57.8).
-inline bool CombineGroupWait(const LaunchArgs& a) {
-  return a.pdl && int64_t(a.batch) * a.hq > kCombineOneWave;
-}
-
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq * a.match_splits;
@@ -2062,7 +2037,6 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   }
   ASMEM_CUDA_CHECK_LAUNCH();
   LaunchArgs pa = a;
-  pa.group_wait = CombineGroupWait(a);
   pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads &&
                 !(filter && ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
@@ -2080,10 +2054,8 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
 // Fill: one CTA per static split. Decode: `ctas` = kTargetChunks, one per portion of the
 // plan (the CTAs past the plan's portions exit at once).
 template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchAttend(const LaunchArgs& args, int32_t ctas, cudaStream_t stream) {
+void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   if (ctas <= 0) return;
-  LaunchArgs a = args;
-  a.group_wait = !a.fill && CombineGroupWait(a);
   constexpr size_t kSmem = SegSmem<HEAD_DIM, GROUP>::kBytes;
   if (a.fill) {
     decode::AllowDynamicSmem(MacFillAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
@@ -2097,9 +2069,7 @@ void LaunchAttend(const LaunchArgs& args, int32_t ctas, cudaStream_t stream) {
 }
 
 template <typename DType, int HEAD_DIM>
-void LaunchCombine(const LaunchArgs& args, cudaStream_t stream) {
-  LaunchArgs a = args;
-  a.group_wait = CombineGroupWait(a);
+void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq;
   if (ctas > kCombineOneWave) {
     decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 4, 8>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "asmem/decode.h"  // kDecodePlanSms
 #include "asmem/reuse.h"
 #include "reuse_common.h"
 
@@ -46,7 +47,7 @@ struct LaunchArgs {
   int32_t* group_done = nullptr;  // [B, Hkv] segments with their partials written (attend ->
                                   // combine; zeroed by the plan)
   bool group_wait = false;  // the combine waits for its group's count, not the attend grid
-                            // (set by LaunchAttend and LaunchCombine: CombineGroupWait)
+                            // (MacAttention sets it: CombineGroupWait)
   ChunkDesc* chunks = nullptr;  // [max_chunks] the planned segments
   int32_t* cta_first = nullptr;  // [kTargetChunks + 1] each attention CTA's first segment
   int32_t max_chunks = 0;
@@ -58,6 +59,32 @@ struct LaunchArgs {
   bool pdl = false;  // attend and combine launched as programmatic dependents
   bool plan_dry = false;  // the plan CTA's dry pass (MacPlanKernel; set by LaunchMatch)
 };
+
+// Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with
+// 8-row batches (92 registers at d = 128 when measured: 5 CTAs per SM; ptxas gives 105, 4
+// per SM, in session 22's build). Larger grids take 4-row batches
+// bounded to 8 CTAs per SM (64 registers), measured at 32K context (asmem_bench_mac, us,
+// 8-row -> 4-row bounded): LLaMA-8B B = 32 all-hit 88.0 -> 78.2 and 99% clustered 111.3 ->
+// 105.5, B = 64 156.7 -> 137.0 and 178.9 -> 162.5; GQA-8 B = 32 all-miss 555.3 -> 546.3.
+// Smaller grids lost with it: GQA-8 B = 1 all-miss 57.9 -> 63.1 (fewer partial rows in
+// flight for groups of many chunks), LLaMA-8B B = 16 99% clustered 77.6 -> 81.4.
+constexpr int64_t kCombineOneWave = 5 * kDecodePlanSms;
+
+// Whether the combine waits for its group's count instead of the attend grid
+// (LaunchArgs::group_wait): programmatic launch, and a combine grid past one wave (the
+// bounded combine). Session 22 (bench_mac, 32K, clustered, two runs each, us, each A/B in
+// one machine session). First with every grid waiting per group: LLaMA-8B B = 32 99% per
+// group 69.9, 70.1 -> 69.0, 68.8, B = 64 99% 119.4, 118.9 -> 117.2, 117.5; GQA-8 B = 32 99%
+// 55.7, 55.6 -> 54.0, 53.9; all-miss at B >= 16 within 0.4%; but the one-wave grids lost: B = 1
+// all-miss LLaMA-8B 57.1, 57.8 -> 60.0, 60.3, GQA-8 43.9, 44.9 -> 45.2, 45.7; B = 16 all-hit
+// LLaMA-8B 41.3, 41.1 -> 42.0, 41.6, 99% 46.0, 45.8 -> 47.0, 46.8. This rule (8d65325): LLaMA-8B
+// B = 32 99% 69.5, 69.5 -> 68.2, 68.5, B = 64 99% 118.3, 118.1 -> 115.4, 115.6; GQA-8 B = 32 99%
+// 55.8, 55.4 -> 54.1, 54.2, B = 64 99% 91.5, 91.9 -> 90.7, 90.7; all-hit at B >= 32 -0.4% ..
+// +1.2% (GQA-8 B = 64 78.5, 79.1 -> 80.0, 79.6); all-miss at B >= 32 within 0.5%; B <= 16 (the
+// grid wait, as before) within 1.4% (LLaMA-8B B = 1 all-miss 57.4, 56.8 -> 58.1, 57.8).
+inline bool CombineGroupWait(const LaunchArgs& a) {
+  return a.pdl && int64_t(a.batch) * a.hq > kCombineOneWave;
+}
 
 template <typename DType, int HEAD_DIM>
 void LaunchMatch(const LaunchArgs& a, cudaStream_t stream);
