@@ -387,6 +387,16 @@
 //    with hits: LLaMA-8B 99% per group 69.1, 69.6 -> 71.4, 71.4, all-hit 56.1, 55.8 -> 58.4,
 //    57.9; GQA-8 99% 54.2, 54.1 -> 56.3, 56.2, all-hit 48.4, 48.3 -> 51.5, 50.9; all-miss at
 //    B >= 16 within 0.5%.
+//  * Session 23 (bench_mac, 32K, clustered, two runs each, us; not merged; the tables are in
+//    tools/results/decode_h200_diagnostics.md). The all-miss portions prefetched into L2 by
+//    each attend CTA before its wait for the plan, where every group streamed its whole
+//    range the step before: at most 0.8 faster than the same binary with it off (LLaMA-8B
+//    B = 1 all-miss 69.0, 68.9 -> 68.0, 68.3). But that prefetch's inlined code, about 23 KB
+//    of SASS ahead of this kernel's 72 KB and never executed with it off, made every step
+//    slower: LLaMA-8B B = 1 all-miss 58.4, 60.0 -> 68.8, 68.6, all-hit 23.0, 23.1 -> 27.2,
+//    27.6, B = 32 all-hit 57.5, 57.4 -> 63.3, 63.5; without the call, as the base. So this
+//    kernel's code size is a cost of its own (the decode lookup's no-instruction stalls,
+//    session 16, point the same way).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
