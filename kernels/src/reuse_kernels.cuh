@@ -394,9 +394,10 @@
 //    B = 1 all-miss 69.0, 68.9 -> 68.0, 68.3). But that prefetch's inlined code, about 23 KB
 //    of SASS ahead of this kernel's 72 KB and never executed with it off, made every step
 //    slower: LLaMA-8B B = 1 all-miss 58.4, 60.0 -> 68.8, 68.6, all-hit 23.0, 23.1 -> 27.2,
-//    27.6, B = 32 all-hit 57.5, 57.4 -> 63.3, 63.5; without the call, as the base. So this
-//    kernel's code size is a cost of its own (the decode lookup's no-instruction stalls,
-//    session 16, point the same way).
+//    27.6, B = 32 all-hit 57.5, 57.4 -> 63.3, 63.5; without the call, as the base. So code
+//    this kernel carries costs time even where it never runs (its size or its place ahead of
+//    the rest: not yet told apart; the decode lookup's no-instruction stalls, session 16,
+//    point the same way).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
