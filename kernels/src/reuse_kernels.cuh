@@ -394,10 +394,15 @@
 //    B = 1 all-miss 69.0, 68.9 -> 68.0, 68.3). But that prefetch's inlined code, about 23 KB
 //    of SASS ahead of this kernel's 72 KB and never executed with it off, made every step
 //    slower: LLaMA-8B B = 1 all-miss 58.4, 60.0 -> 68.8, 68.6, all-hit 23.0, 23.1 -> 27.2,
-//    27.6, B = 32 all-hit 57.5, 57.4 -> 63.3, 63.5; without the call, as the base. So code
-//    this kernel carries costs time even where it never runs (its size or its place ahead of
-//    the rest: not yet told apart; the decode lookup's no-instruction stalls, session 16,
-//    point the same way).
+//    27.6, B = 32 all-hit 57.5, 57.4 -> 63.3, 63.5; without the call, as the base.
+//  * Session 24 told place from size (one machine session, the same four builds against the
+//    base). The same 23 KB of never-run code ahead of the body: B = 1 all-miss 58.6, 58.3 ->
+//    67.4, 67.6, all-hit 23.2, 23.2 -> 27.7, 27.6, GQA-8 B = 32 all-hit 49.1, 49.6 -> 53.9,
+//    54.3; at the kernel's end instead: every cell within 2.2%. The prologue's loops not
+//    unrolled (72 -> 56 KB) or also the query-row copy (50 KB): within 1.7% either way. So
+//    it is the place: keep code that a step may skip out of the way of the code it runs (at
+//    the end, or in a __noinline__ function), and the size of the code that runs matters
+//    little.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
