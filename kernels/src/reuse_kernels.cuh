@@ -401,11 +401,11 @@
 //    54.3; at the kernel's end instead: every cell within 2.2%. The prologue's loops not
 //    unrolled (72 -> 56 KB) or also the query-row copy (50 KB): within 1.7% either way. So
 //    it is the place: code that a step may skip must not sit at the kernel's entry, ahead of
-//    all the code it runs (at the end, or in a __noinline__ function, whose code follows the
-//    kernel's, it costs nothing measured). Skipped blocks between the pieces a step runs were
-//    not seen to cost: at B = 1 all-hit this kernel jumps over about 33 KB of code that other
-//    steps run (ncu), and removing the prologue's unrolled copies among them (the 50 KB
-//    build) did not change that cell.
+//    all the code it runs (at the kernel's end the same code cost nothing measured; a
+//    __noinline__ form was only measured called, session 23). Skipped blocks between the
+//    pieces a step runs were not seen to cost: at B = 1 all-hit this kernel jumps over about
+//    33 KB of code that other steps run (ncu), and removing the prologue's unrolled copies
+//    among them (the 50 KB build) did not change that cell.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
