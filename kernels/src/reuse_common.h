@@ -169,6 +169,14 @@ constexpr int32_t kSegmentFixedBlocks = 1;
 // about when the plan CTA comes resident, and LaunchMatch sets no dry pass there
 // (LaunchArgs::plan_dry).
 constexpr int32_t kPlanWarmHeads = 512;
+// The speculative all-miss plan (reuse_launch.cuh LaunchArgs::spec) only where the batch
+// holds at most this many query heads. It streams beside the match only where the match
+// grid leaves the attend CTAs room: one machine session, two runs each, 32K, clustered,
+// all-miss, us, without this bound (the verdict polled every 8 tiles): B = 1 LLaMA-8B
+// 59.2, 58.2 -> 56.9, 56.7 and GQA-8 44.7, 45.2 -> 42.5, 42.4, but B = 16 505.7, 505.6 ->
+// 510.8, 511.4 and B = 32 981.2, 982.3 -> 1002.5, 1003.8 (CTAs that start after the match
+// end late all the same, and the rest contend with it).
+constexpr int32_t kSpecMaxHeads = 256;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
@@ -300,7 +308,8 @@ void CheckParams(const MacDecodeConfig& config, const MacParams& params, const c
 void CheckFillParams(const MacDecodeConfig& config, const MacFillParams& params, const char* fn);
 // Ring byte offsets inside one layer's state block.
 struct StateLayout {
-  size_t ring_q = 0, ring_qs = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, total = 0;
+  size_t ring_q = 0, ring_qs = 0, ring_o = 0, ring_lse = 0, ring_tag = 0, match_best = 0, step_spec = 0,
+         total = 0;
 };
 StateLayout LayoutState(const MacDecodeConfig& config);
 
@@ -312,6 +321,8 @@ struct WorkspaceLayout {
   size_t chunks = 0;      // [MaxChunks] ChunkDesc
   size_t cta_first = 0;   // int32 [kTargetChunks + 1]: CTA k's segments are
                           // [cta_first[k], cta_first[k + 1])
+  // The speculative all-miss plan (heads, units, chunks, cta_first as above).
+  size_t spec_heads = 0, spec_units = 0, spec_chunks = 0, spec_cta_first = 0;
   size_t part_o = 0;      // [MaxChunks, 2, G, d] f32: per chunk the band state, then the
                           // sink-and-tail state
   size_t part_lse = 0;    // [MaxChunks, 2, G] f32

@@ -237,6 +237,8 @@ StateLayout LayoutState(const MacDecodeConfig& c) {
   off = AlignUp(off + S * W * sizeof(MacTag));
   L.match_best = off;
   off = AlignUp(off + S * Hq * sizeof(unsigned long long));
+  L.step_spec = off;
+  off = AlignUp(off + 4 * sizeof(uint32_t));
   L.total = off;
   return L;
 }
@@ -258,6 +260,14 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   w.chunks = off;
   off = AlignUp(off + chunks * sizeof(ChunkDesc));
   w.cta_first = off;
+  off = AlignUp(off + size_t(kTargetChunks + 1) * sizeof(int32_t));
+  w.spec_heads = off;
+  off = AlignUp(off + B * Hq * sizeof(HeadDecision));
+  w.spec_units = off;
+  off = AlignUp(off + B * Hkv * sizeof(UnitPlan));
+  w.spec_chunks = off;
+  off = AlignUp(off + chunks * sizeof(ChunkDesc));
+  w.spec_cta_first = off;
   off = AlignUp(off + size_t(kTargetChunks + 1) * sizeof(int32_t));
   w.part_o = off;
   off = AlignUp(off + chunks * 2 * G * d * sizeof(float));
@@ -401,6 +411,7 @@ MacLayerState MacBindLayerState(const MacDecodeConfig& config, void* base) {
   s.ring_lse = reinterpret_cast<float*>(p + L.ring_lse);
   s.ring_tag = reinterpret_cast<MacTag*>(p + L.ring_tag);
   s.match_best = reinterpret_cast<unsigned long long*>(p + L.match_best);
+  s.step_spec = reinterpret_cast<uint32_t*>(p + L.step_spec);
   return s;
 }
 
@@ -413,6 +424,7 @@ void MacInitLayerStateCpu(const MacDecodeConfig& config, const MacLayerState& st
     const int64_t nb = int64_t(config.num_slots) * config.num_q_heads;
     for (int64_t i = 0; i < nb; ++i) state.match_best[i] = mac::kNoCandidate;
   }
+  if (state.step_spec) std::fill_n(state.step_spec, 4, 0u);
 }
 
 void MacUpdateSlotsCpu(MacSlot* slots, int32_t num_slots, const int32_t* slot_ids, int32_t n,

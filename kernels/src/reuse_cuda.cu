@@ -94,6 +94,12 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   a.pdl = c.programmatic_launch;
   a.group_wait = CombineGroupWait(a);
+  a.spec = a.pdl && p.state.step_spec != nullptr && int64_t(p.batch) * c.num_q_heads <= kSpecMaxHeads;
+  a.step_spec = p.state.step_spec;
+  a.spec_heads = reinterpret_cast<HeadDecision*>(ws + L.spec_heads);
+  a.spec_units = reinterpret_cast<UnitPlan*>(ws + L.spec_units);
+  a.spec_chunks = reinterpret_cast<ChunkDesc*>(ws + L.spec_chunks);
+  a.spec_cta_first = reinterpret_cast<int32_t*>(ws + L.spec_cta_first);
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
@@ -150,6 +156,7 @@ void MacInitLayerState(const MacDecodeConfig& c, const MacLayerState& state, cud
     ASMEM_CUDA_CHECK(cudaMemsetAsync(state.match_best, 0xff,
                                      size_t(c.num_slots) * size_t(c.num_q_heads) * sizeof(unsigned long long), stream));
   }
+  if (state.step_spec) ASMEM_CUDA_CHECK(cudaMemsetAsync(state.step_spec, 0, 4 * sizeof(uint32_t), stream));
 }
 
 void MacUpdateSlots(MacSlot* slots, const int32_t* slot_ids, int32_t n, bool new_epoch, int32_t ready,

@@ -490,6 +490,24 @@ __device__ __forceinline__ int32_t AcquireLoad(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// A flag word published the same way (the speculative plan's, LaunchArgs::spec), and its
+// plain reads and writes at gpu scope (no ordering of other accesses).
+__device__ __forceinline__ void ReleaseStore(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t AcquireLoadU32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void RelaxedStore(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t RelaxedLoad(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ int32_t SlotOfDev(const int32_t* slot_ids, int b) {
   return slot_ids ? slot_ids[b] : b;
@@ -537,11 +555,21 @@ __device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u)
 }
 
 // NT threads (MacPlanKernel's block): group u of the first NT is thread u's, and its inputs
-// (`first`) were loaded before the wait for the match.
-// dry: the same code with no global write and no key load (every head a miss), run
-// before the wait for the match so that the real pass finds its instructions cached.
+// (`first`) were loaded before the wait for the match. Modes (one code path):
+//  * kPlanReal: the step's plan from the match's keys (reset for the next step), the groups'
+//    miss hints and, where a speculative plan is live (`spec_live`), its verdict;
+//  * kPlanSpec: every head a miss, no key load, written to the spec_* arrays (LaunchArgs::spec);
+//  * kPlanDry: the same with no global write, run before the wait for the match so that the
+//    real pass finds its instructions cached.
+constexpr int kPlanDry = 0, kPlanSpec = 1, kPlanReal = 2;
 template <int NT>
-__device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bool dry) {
+__device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, int mode, bool spec_live) {
+  const bool dry = mode == kPlanDry;       // no global write
+  const bool keys_on = mode == kPlanReal;  // the match's keys (else every head misses)
+  HeadDecision* const o_heads = mode == kPlanSpec ? a.spec_heads : a.heads;
+  UnitPlan* const o_units = mode == kPlanSpec ? a.spec_units : a.units;
+  ChunkDesc* const o_chunks = mode == kPlanSpec ? a.spec_chunks : a.chunks;
+  int32_t* const o_cta_first = mode == kPlanSpec ? a.spec_cta_first : a.cta_first;
   constexpr int kPlanWarps = NT / 32;
   const MacParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -562,6 +590,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
   // no global round trip between them).
   long long tok = 0;  // the groups' costs (reuse_common.h SegmentCost)
   int32_t most = 0;   // the most work blocks of a group
+  bool all_miss = true;  // every head of this thread's groups
   UnitPlan mine{};
   for (int u = tid; u < nu; u += NT) {
     const int b = u / a.hkv, h = u % a.hkv;
@@ -579,12 +608,13 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     unsigned long long keys[8];
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
-      keys[g] = g < G && !dry ? __ldcg(p.state.match_best + int64_t(slot) * a.hq + h * G + g) : kNoCandidate;
+      keys[g] = g < G && keys_on ? __ldcg(p.state.match_best + int64_t(slot) * a.hq + h * G + g) : kNoCandidate;
     }
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
-      if (g < G && !dry) p.state.match_best[int64_t(slot) * a.hq + h * G + g] = kNoCandidate;
+      if (g < G && keys_on) p.state.match_best[int64_t(slot) * a.hq + h * G + g] = kNoCandidate;
     }
+    bool group_miss = true;
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
       if (g >= G) break;
@@ -595,9 +625,11 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
       HeadDecision hd;
       hd.hit_pos = (T > 0 && pos >= 0 && dist < a.threshold) ? pos : -1;
       hd.band_start = T > 0 ? BandStart(a.front_sink, a.band, T - 1, hd.hit_pos) : 0;
-      if (!dry) a.heads[b * a.hq + hq] = hd;
+      if (!dry) o_heads[b * a.hq + hq] = hd;
       lo = min(lo, hd.band_start);
+      group_miss &= hd.hit_pos < 0;
     }
+    all_miss &= group_miss;
     UnitPlan up{};
     if (T > 0) {
       const UnitRanges R = GroupRanges(a.front_sink, a.band, T, lo);
@@ -610,13 +642,13 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
       most = max(most, int32_t(WorkBlocks(work)));
     }
     if (!dry) {
-      a.units[u] = up;  // ranges now, segments below (read back by this thread only)
-      if (a.group_wait) a.group_done[u] = 0;  // counted up by the attend CTAs (the previous
-                                              // step's combine is done)
+      o_units[u] = up;  // ranges now, segments below (read back by this thread only)
+      if (keys_on && a.group_wait) a.group_done[u] = 0;  // counted up by the attend CTAs (the
+                                                         // previous step's combine is done)
     }
     if (u == tid) mine = up;
   }
-  TL(if (tid == 0 && !dry) g_tl_plan_steps[0] = TlNow());
+  TL(if (tid == 0 && keys_on) g_tl_plan_steps[0] = TlNow());
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     tok += __shfl_xor_sync(0xffffffffu, tok, o);
@@ -626,7 +658,13 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     sm_tok[warp] = tok;
     sm_most[warp] = most;
   }
-  __syncthreads();
+  // The verdict on a live speculative plan, as soon as the decisions are known (the attend
+  // CTAs that stream it poll this word; the word is final once this grid is done).
+  if (__syncthreads_and(all_miss) == 0) all_miss = false;
+  if (keys_on && a.step_spec && tid == 0) {
+    if (spec_live) RelaxedStore(a.step_spec + 1, all_miss ? 1u : 2u);
+    RelaxedStore(a.step_spec + 2, all_miss ? 1u : 0u);  // the next step's guess
+  }
   long long total = 0;
   most = 0;
 #pragma unroll
@@ -635,7 +673,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     most = max(most, sm_most[w]);
   }
   const long long S = PortionBlocks(total, most);
-  TL(if (tid == 0 && !dry) g_tl_plan_steps[1] = TlNow());
+  TL(if (tid == 0 && keys_on) g_tl_plan_steps[1] = TlNow());
   const long long n_cta = (total + S - 1) / S;  // <= kTargetChunks
   // Divisions on the line in 32 bits where it fits (a 64-bit division is a long
   // subroutine; the plan CTA's time is on the step's critical path).
@@ -659,7 +697,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     int32_t work = 0;
     long long cost = 0;
     if (u < nu) {
-      up = first == 0 ? mine : dry ? UnitPlan{} : a.units[u];
+      up = first == 0 ? mine : dry ? UnitPlan{} : o_units[u];
       work = UnitWork(up);
       cost = SegmentCost(work);
     }
@@ -680,10 +718,10 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     if (nseg > 0 && !dry) {
       up.first_chunk = first_chunk;
       up.n_chunks = nseg;
-      a.units[u] = up;
+      o_units[u] = up;
       // Portions within the group's fixed cost (shorter than it) hold no segment; their
       // CTAs' bound is the group's first segment.
-      for (int32_t e = gl.empty0; e < gl.empty1; ++e) a.cta_first[e] = first_chunk;
+      for (int32_t e = gl.empty0; e < gl.empty1; ++e) o_cta_first[e] = first_chunk;
     }
     // The batch's segments, one per thread in turn: segment i is segment j of the group of
     // thread L, the last whose segments start at or before i (a binary search over the
@@ -696,7 +734,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
     sm_seg.band_lo[tid] = up.band_lo;
     sm_seg.band_end[tid] = up.band_end;
     __syncthreads();
-    TL(if (tid == 0 && !dry && first == 0) g_tl_plan_steps[2] = TlNow());
+    TL(if (tid == 0 && keys_on && first == 0) g_tl_plan_steps[2] = TlNow());
     for (int32_t i = tid; i < seg_all; i += NT) {
       int L = 0;
 #pragma unroll
@@ -715,18 +753,18 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, bo
       d.b = d.u / a.hkv;
       d.h = d.u - d.b * a.hkv;
       if (!dry) {
-        a.chunks[c] = d;
-        if (j > 0 || (lpf >> 16)) a.cta_first[(lpf & 0xffff) + j] = c;
+        o_chunks[c] = d;
+        if (j > 0 || (lpf >> 16)) o_cta_first[(lpf & 0xffff) + j] = c;
       }
     }
     __syncthreads();  // the batch's arrays are read before the next batch writes them
-    TL(if (tid == 0 && !dry && first == 0) g_tl_plan_steps[3] = TlNow());
+    TL(if (tid == 0 && keys_on && first == 0) g_tl_plan_steps[3] = TlNow());
     carry_cost += cost_all;
     carry_seg += seg_all;
   }
   if (dry) return;
-  for (int k = int(n_cta) + tid; k <= kTargetChunks; k += NT) a.cta_first[k] = carry_seg;
-  if (tid == 0) {
+  for (int k = int(n_cta) + tid; k <= kTargetChunks; k += NT) o_cta_first[k] = carry_seg;
+  if (keys_on && tid == 0) {
     a.plan_info[0] = uint32_t(min(S * kChunkAlign, 0xffffffffll));
     a.plan_info[1] = uint32_t(carry_seg);
   }
@@ -1016,12 +1054,16 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const Lau
 template <typename DType, int NT>
 __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
   TL(if (threadIdx.x == 0) g_tl_plan[0] = TlNow());
-  const PlanInputs first = LoadPlanInputs(a, int(threadIdx.x));  // inputs: before the wait
-  // Pass 0 (dry) while the match's last CTAs run, where the match takes long enough
-  // (kPlanWarmHeads), then pass 1 after the wait. One loop body, not unrolled: both passes
-  // run the same instructions.
+  const int tid = int(threadIdx.x);
+  const PlanInputs first = LoadPlanInputs(a, tid);  // inputs: before the wait
+  // The speculative all-miss plan (LaunchArgs::spec) where every head of the layer's last
+  // step missed (a guess: the batch may have changed; the inputs are the step's own).
+  const bool spec = a.spec && __ldcg(a.step_spec + 2) == 1u;
+  // Pass 0 while the match's last CTAs run: the speculative plan, or (dry) where the match
+  // takes long enough (kPlanWarmHeads); then pass 1 after the wait. One loop body, not
+  // unrolled: the passes run the same instructions.
 #pragma unroll 1
-  for (int pass = a.plan_dry ? 0 : 1; pass < 2; ++pass) {
+  for (int pass = a.plan_dry || spec ? 0 : 1; pass < 2; ++pass) {
     if (pass == 1) {
       TL(if (threadIdx.x == 0) g_tl_plan[3] = TlNow());
       GridDependencyWait();
@@ -1029,11 +1071,25 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
       // The attend grid (a programmatic dependent with MacDecodeConfig::programmatic_launch)
       // may launch now: its CTAs come resident while the plan is made, once the match grid,
       // which they would crowd, is done; they wait for this grid before reading the plan.
+      if (!spec) GridLaunchDependents();
+    }
+    PlanStep<NT>(a, first, pass == 1 ? kPlanReal : spec ? kPlanSpec : kPlanDry, spec);
+    if (pass == 0 && spec) {
+      // Publish the speculative plan (verdict pending) and let the attend grid launch now,
+      // beside the match.
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        RelaxedStore(a.step_spec + 1, 0u);
+        ReleaseStore(a.step_spec, 1u);
+      }
       GridLaunchDependents();
     }
-    PlanStep<NT>(a, first, pass == 0);
     __syncthreads();
   }
+  // Withdrawn for the next step (attend CTAs that read it later plan after the wait; the
+  // verdict stays for the ones streaming it).
+  if (spec && tid == 0) RelaxedStore(a.step_spec, 0u);
   TL(if (threadIdx.x == 0) g_tl_plan[2] = TlNow());
 }
 
@@ -1252,10 +1308,19 @@ __device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t 
 // reader is past a barrier).
 //
 // kFill: one segment, `fill_cp`, no band starts (every head's band starts at band_lo).
-// Otherwise segments c0 .. c0 + n_seg - 1 of the plan (ChunkDesc, LocateDecodeChunk).
+// Otherwise segments c0 .. c0 + n_seg - 1 of the plan (ChunkDesc, LocateDecodeChunk) in
+// `chunks`, their heads' band starts in `heads`.
+// spec: the plan is the speculative all-miss one (LaunchArgs::spec). The plan CTA's
+// verdict is polled every kSpecPollTiles tiles (thread 0 loads it, the tile barrier that
+// many tiles on shares it: a load from L2 while every CTA streams can take longer than a
+// tile, and a poll read at the next tile held each tile back: all-miss 7-25% slower), and
+// before the first partial write this CTA waits for the plan grid and reads it once more:
+// on any verdict but 1 it drains its copies and returns true, having written nothing; on 1
+// it lets its dependents launch and goes on as with the step's own plan (the same plan).
+constexpr int kSpecPollTiles = 8;
 template <typename DType, int HEAD_DIM, int GROUP, bool kFill>
-__device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int n_seg, const ChunkPos& fill_cp,
-                                               char* smem) {
+__device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkDesc* chunks, const HeadDecision* heads,
+                                               int c0, int n_seg, const ChunkPos& fill_cp, char* smem, bool spec) {
   using Cfg = decode::AttnTile<HEAD_DIM>;
   using Sm = SegSmem<HEAD_DIM, GROUP>;
   using P = Pack<DType>;
@@ -1296,7 +1361,7 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
     if constexpr (!kFill) {
       if (s < n_seg && tid < 2) {
         CpAsync16(reinterpret_cast<int4*>(descs + s % Sm::kDescSlots) + tid,
-                  reinterpret_cast<const int4*>(a.chunks + c0 + s) + tid, true);
+                  reinterpret_cast<const int4*>(chunks + c0 + s) + tid, true);
       }
     }
   };
@@ -1312,7 +1377,7 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
     }
     if constexpr (!kFill) {
       if (tid < GROUP) {
-        CpAsync4(starts + (s % Sm::kQSlots) * 8 + tid, &a.heads[cp.b * a.hq + cp.h * GROUP + tid].band_start);
+        CpAsync4(starts + (s % Sm::kQSlots) * 8 + tid, &heads[cp.b * a.hq + cp.h * GROUP + tid].band_start);
       }
     }
   };
@@ -1464,10 +1529,20 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
   uint32_t qf[kKSteps][2];  // Q^T as the B operand: column g = query head h*G + g (zero past the group)
   int32_t w0 = 0, w1 = 0, sink_end = 0, gap = 0, band_lo = 0, band_end = 0, lo0 = 0, lo1 = 0;
   int f = 0, cs = 0, ct = 0, cn = 0;
+  uint32_t verdict = 0;  // thread 0's last poll (spec)
   TL(int tl_tokens = 0);
   while (cs < n_seg) {
     CpAsyncWait<kStages - 2>();  // this thread's copies of tile f have landed
-    __syncthreads();             // everyone's have; the stage of tile f - 1 is free again
+    if (!spec || f % kSpecPollTiles != 0) {
+      __syncthreads();  // everyone's have; the stage of tile f - 1 is free again
+    } else {
+      if (__syncthreads_or(tid == 0 && verdict > 1)) {  // the same barrier, and the poll
+        CpAsyncWait<0>();
+        __syncthreads();
+        return true;
+      }
+      if (tid == 0) verdict = RelaxedLoad(a.step_spec + 1);  // read kSpecPollTiles tiles on
+    }
     TL(if (f == 0 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[3] = TlNow());
     issue_tile();
     if (ct == 0) {  // the segment's ranges, query fragments and band starts; fresh states
@@ -1543,6 +1618,18 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
       }
     }
     if (ct == cn - 1) {  // the segment's last tile: its states into its partial rows
+      if constexpr (!kFill) {
+        if (spec) {  // the plan is made: keep this work only if it is the step's plan
+          GridDependencyWait();
+          if (__ldcg(a.step_spec + 1) != 1u) {
+            CpAsyncWait<0>();
+            __syncthreads();
+            return true;
+          }
+          GridLaunchDependents();
+          spec = false;
+        }
+      }
       __syncthreads();   // every warp is done with tile f's stage, which stages the states
       TL(if (cs == n_seg - 1 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[4] = TlNow());
       const ChunkPos cp = pos_of(cs);
@@ -1565,6 +1652,7 @@ __device__ __forceinline__ void AttendSegments(const LaunchArgs& a, int c0, int 
     ++f;
   }
   TL(if (tid == 0 && !a.fill && TlCta()) { g_tl_attend[blockIdx.x].tiles = f; g_tl_attend[blockIdx.x].tokens = tl_tokens; });
+  return false;
 }
 
 // Two CTAs per SM (97 KB of tiles and page ids and up to 13 KB of segment inputs each at
@@ -1578,26 +1666,50 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
   extern __shared__ float4 mac_smem[];
   ChunkPos cp;
   if (!LocateFillChunk(a, int(blockIdx.x), GROUP, &cp)) return;
-  AttendSegments<DType, HEAD_DIM, GROUP, true>(a, 0, 1, cp, reinterpret_cast<char*>(mac_smem));
+  AttendSegments<DType, HEAD_DIM, GROUP, true>(a, nullptr, nullptr, 0, 1, cp, reinterpret_cast<char*>(mac_smem), false);
 }
 
 // Decode: CTA k streams the plan's segments cta_first[k] .. cta_first[k + 1] - 1 (the plan
 // writes all kTargetChunks + 1 bounds; the CTAs past its portions have none and exit).
+// Where the plan CTA published a speculative all-miss plan (LaunchArgs::spec) the CTA
+// streams that one's portion at once; if the step's plan turns out different, it takes
+// its portion of that one instead, having written nothing.
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
   TL(const unsigned long long tl0 = TlNow());
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
                              g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
-  GridDependencyWait();  // the plan is complete and visible
+  bool spec = false;
+  if (a.spec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoadU32(a.step_spec) == 1u) != 0;
+  if (!spec) {
+    GridDependencyWait();  // the plan is complete and visible
+    GridLaunchDependents();
+  }
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[1] = TlNow());
-  GridLaunchDependents();
   const int k = int(blockIdx.x);
-  const int c_begin = __ldcg(a.cta_first + k), c_end = __ldcg(a.cta_first + k + 1);  // the plan grid's: not __ldg
-  if (c_end <= c_begin) return;
-  TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].chunk = c_begin);
-  AttendSegments<DType, HEAD_DIM, GROUP, false>(a, c_begin, c_end - c_begin, ChunkPos{},
-                                                reinterpret_cast<char*>(mac_smem));
+#pragma unroll 1
+  for (;;) {
+    const int32_t* cta_first = spec ? a.spec_cta_first : a.cta_first;
+    const int c_begin = __ldcg(cta_first + k), c_end = __ldcg(cta_first + k + 1);  // the plan grid's: not __ldg
+    if (c_end > c_begin) {
+      TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].chunk = c_begin);
+      if (!AttendSegments<DType, HEAD_DIM, GROUP, false>(a, spec ? a.spec_chunks : a.chunks, spec ? a.spec_heads : a.heads,
+                                                         c_begin, c_end - c_begin, ChunkPos{},
+                                                         reinterpret_cast<char*>(mac_smem), spec)) {
+        break;
+      }
+    } else if (!spec) {
+      break;
+    } else {
+      GridDependencyWait();
+      if (__ldcg(a.step_spec + 1) == 1u) break;  // no portion in the step's plan either
+    }
+    // The step's plan is not the speculative one: this CTA's portion of it.
+    GridDependencyWait();
+    GridLaunchDependents();
+    spec = false;
+  }
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[5] = TlNow());
 }
 

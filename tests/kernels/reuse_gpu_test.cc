@@ -28,6 +28,9 @@ using test::MakeMac;
 
 struct Counts {
   int64_t sequences = 0, steps = 0, decisions = 0, hits = 0, ties = 0, mixed = 0, empty = 0, mismatches = 0;
+  // Steps planned speculatively as all-miss (LaunchArgs::spec): kept, or found different
+  // from the step's plan (the attend CTAs then took the step's own portions).
+  int64_t spec_kept = 0, spec_dropped = 0;
   double max_rel_l2 = 0;
 };
 Counts g_counts;
@@ -38,10 +41,12 @@ class CountsReporter : public ::testing::Environment {
     std::printf(
         "[mac gpu] %lld sequences, %lld steps, %lld decisions (%lld hits, %lld ties, %lld mixed groups), "
         "%lld empty rows: "
-        "%lld decisions differ from the CPU reference; max relative L2 vs oracle %.3e\n",
+        "%lld decisions differ from the CPU reference; max relative L2 vs oracle %.3e; "
+        "speculative all-miss plans: %lld kept, %lld dropped\n",
         (long long)g_counts.sequences, (long long)g_counts.steps, (long long)g_counts.decisions,
         (long long)g_counts.hits, (long long)g_counts.ties, (long long)g_counts.mixed,
-        (long long)g_counts.empty, (long long)g_counts.mismatches, g_counts.max_rel_l2);
+        (long long)g_counts.empty, (long long)g_counts.mismatches, g_counts.max_rel_l2,
+        (long long)g_counts.spec_kept, (long long)g_counts.spec_dropped);
   }
 };
 const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
@@ -169,6 +174,9 @@ class CudaMac : public test::MacDevice {
     p.o = o_.p;
     p.lse = static_cast<float*>(lse_.p);
     p.hit_pos = static_cast<int32_t*>(hit_.p);
+    // The speculative plan's verdict word, set to a value the op never writes: after the
+    // step it says whether the step was planned speculatively, and how that went.
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(state_.step_spec + 1, 0x5a, sizeof(uint32_t), stream_));
     if (!graph_) {
       MacAttention(c_, p, ws_.p, ws_.n, stream_);
     } else {
@@ -185,6 +193,17 @@ class CudaMac : public test::MacDevice {
     o_.Get(h.o, qb, stream_);
     lse_.Get(h.lse, hb, stream_);
     hit_.Get(h.hit_pos, hb, stream_);
+    uint32_t spec[2] = {};
+    ASMEM_CUDA_CHECK(cudaMemcpyAsync(spec, state_.step_spec, sizeof spec, cudaMemcpyDeviceToHost, stream_));
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    EXPECT_EQ(spec[0], 0u) << "the speculative plan's flag is left set";
+    if (spec[1] == 1u) {
+      ++g_counts.spec_kept;
+    } else if (spec[1] == 2u) {
+      ++g_counts.spec_dropped;
+    } else {
+      EXPECT_EQ(spec[1], 0x5a5a5a5au) << "speculative plan verdict";
+    }
   }
 
   void ReadRing(void* host) override { ring_.Get(host, ring_bytes_, stream_); }
@@ -407,11 +426,16 @@ TEST(MacGpu, ChainedSequencesMatchReferenceAndOracle) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(601);
   SCOPED_TRACE(test::seed_trace(seed));
+  const Counts before = g_counts;
   int i = 0;
   for (const MacCase& c : GpuCases()) {
     RunOnGpu(c, seed + 31 * i++);
     if (HasFailure()) break;
   }
+  // The sweep's steps before min_context all miss, and its later steps hit: both outcomes
+  // of the speculative all-miss plan are taken, and each matched the reference above.
+  EXPECT_GT(g_counts.spec_kept, before.spec_kept);
+  EXPECT_GT(g_counts.spec_dropped, before.spec_dropped);
 }
 
 // One captured graph per sequence, replayed every step; the slot's epoch is bumped and its

@@ -82,7 +82,9 @@
 //   ring_qs [num_slots, Hq, W] MacQueryScale,
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
-//   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step).
+//   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step) and
+//   step_spec [4] u32 (the speculative all-miss plan's flag, verdict, and whether the
+//   layer's last step missed everywhere; null: every step is planned after its match).
 //   Initialize once with MacInitLayerState (every tag empty). A layer's state serves one
 //   step at a time.
 // Outputs must not alias inputs. Only the first params.batch requests are read or written.
@@ -198,6 +200,7 @@ struct MacLayerState {
   float* ring_lse = nullptr;
   MacTag* ring_tag = nullptr;
   unsigned long long* match_best = nullptr;  // CUDA op only
+  uint32_t* step_spec = nullptr;             // CUDA op only (null: no speculative plan)
 };
 
 // Bytes of one layer's rings laid out by MacBindLayerState (each array 256-byte aligned).
