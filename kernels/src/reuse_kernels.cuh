@@ -561,15 +561,17 @@ __device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u)
 //  * kPlanSpec: every head a miss, no key load, written to the spec_* arrays (LaunchArgs::spec);
 //  * kPlanDry: the same with no global write, run before the wait for the match so that the
 //    real pass finds its instructions cached.
+// kSpec: the plan kernel may speculate (LaunchArgs::spec); without it kPlanSpec is not used.
 constexpr int kPlanDry = 0, kPlanSpec = 1, kPlanReal = 2;
-template <int NT>
+template <int NT, bool kSpec>
 __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, int mode, bool spec_live) {
   const bool dry = mode == kPlanDry;       // no global write
   const bool keys_on = mode == kPlanReal;  // the match's keys (else every head misses)
-  HeadDecision* const o_heads = mode == kPlanSpec ? a.spec_heads : a.heads;
-  UnitPlan* const o_units = mode == kPlanSpec ? a.spec_units : a.units;
-  ChunkDesc* const o_chunks = mode == kPlanSpec ? a.spec_chunks : a.chunks;
-  int32_t* const o_cta_first = mode == kPlanSpec ? a.spec_cta_first : a.cta_first;
+  const bool to_spec = kSpec && mode == kPlanSpec;
+  HeadDecision* const o_heads = to_spec ? a.spec_heads : a.heads;
+  UnitPlan* const o_units = to_spec ? a.spec_units : a.units;
+  ChunkDesc* const o_chunks = to_spec ? a.spec_chunks : a.chunks;
+  int32_t* const o_cta_first = to_spec ? a.spec_cta_first : a.cta_first;
   constexpr int kPlanWarps = NT / 32;
   const MacParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -660,10 +662,14 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
   }
   // The verdict on a live speculative plan, as soon as the decisions are known (the attend
   // CTAs that stream it poll this word; the word is final once this grid is done).
-  if (__syncthreads_and(all_miss) == 0) all_miss = false;
-  if (keys_on && a.step_spec && tid == 0) {
-    if (spec_live) RelaxedStore(a.step_spec + 1, all_miss ? 1u : 2u);
-    RelaxedStore(a.step_spec + 2, all_miss ? 1u : 0u);  // the next step's guess
+  if constexpr (kSpec) {
+    if (__syncthreads_and(all_miss) == 0) all_miss = false;
+    if (keys_on && tid == 0) {
+      if (spec_live) RelaxedStore(a.step_spec + 1, all_miss ? 1u : 2u);
+      RelaxedStore(a.step_spec + 2, all_miss ? 1u : 0u);  // the next step's guess
+    }
+  } else {
+    __syncthreads();
   }
   long long total = 0;
   most = 0;
@@ -1051,14 +1057,15 @@ __global__ void __launch_bounds__(MT, MT == 64 ? 8 : 4) MacMatchKernel(const Lau
 // the match grid: resident while the match's last CTAs run, it loads its groups' T and
 // slots, and starts planning once the grid is complete and its keys are visible
 // (griddepcontrol.wait).
-template <typename DType, int NT>
+// kSpec: launched where LaunchArgs::spec is set (the speculative all-miss plan).
+template <typename DType, int NT, bool kSpec>
 __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
   TL(if (threadIdx.x == 0) g_tl_plan[0] = TlNow());
   const int tid = int(threadIdx.x);
   const PlanInputs first = LoadPlanInputs(a, tid);  // inputs: before the wait
   // The speculative all-miss plan (LaunchArgs::spec) where every head of the layer's last
   // step missed (a guess: the batch may have changed; the inputs are the step's own).
-  const bool spec = a.spec && __ldcg(a.step_spec + 2) == 1u;
+  const bool spec = kSpec && __ldcg(a.step_spec + 2) == 1u;
   // Pass 0 while the match's last CTAs run: the speculative plan, or (dry) where the match
   // takes long enough (kPlanWarmHeads); then pass 1 after the wait. One loop body, not
   // unrolled: the passes run the same instructions.
@@ -1073,7 +1080,7 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
       // which they would crowd, is done; they wait for this grid before reading the plan.
       if (!spec) GridLaunchDependents();
     }
-    PlanStep<NT>(a, first, pass == 1 ? kPlanReal : spec ? kPlanSpec : kPlanDry, spec);
+    PlanStep<NT, kSpec>(a, first, pass == 1 ? kPlanReal : spec ? kPlanSpec : kPlanDry, spec);
     if (pass == 0 && spec) {
       // Publish the speculative plan (verdict pending) and let the attend grid launch now,
       // beside the match.
@@ -1671,17 +1678,18 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
 
 // Decode: CTA k streams the plan's segments cta_first[k] .. cta_first[k + 1] - 1 (the plan
 // writes all kTargetChunks + 1 bounds; the CTAs past its portions have none and exit).
-// Where the plan CTA published a speculative all-miss plan (LaunchArgs::spec) the CTA
-// streams that one's portion at once; if the step's plan turns out different, it takes
-// its portion of that one instead, having written nothing.
-template <typename DType, int HEAD_DIM, int GROUP>
+// kSpec (launched where LaunchArgs::spec is set; without it none of this kernel's code
+// speculates): where the plan CTA published a speculative all-miss plan, the CTA streams
+// that one's portion at once; if the step's plan turns out different, it takes its
+// portion of that one instead, having written nothing.
+template <typename DType, int HEAD_DIM, int GROUP, bool kSpec>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   extern __shared__ float4 mac_smem[];
   TL(const unsigned long long tl0 = TlNow());
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
                              g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
   bool spec = false;
-  if (a.spec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoadU32(a.step_spec) == 1u) != 0;
+  if constexpr (kSpec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoadU32(a.step_spec) == 1u) != 0;
   if (!spec) {
     GridDependencyWait();  // the plan is complete and visible
     GridLaunchDependents();
@@ -2171,14 +2179,21 @@ void LaunchMatch(const LaunchArgs& a, cudaStream_t stream) {
   pa.plan_dry = a.batch * a.hq >= kPlanWarmHeads &&
                 !(filter && ctas > kMatchOneWave && ctas <= 2 * kMatchOneWave);
   const int64_t groups = int64_t(a.batch) * a.hkv;
-  if (groups <= 128) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 128>, 1u, 128, 0, true, pa, stream);
+  static_assert(kSpecMaxHeads <= 256, "a speculating plan has at most 256 groups");
+  if (a.spec) {  // B Hq <= kSpecMaxHeads
+    if (groups <= 128) {
+      decode::LaunchMaybePdl(MacPlanKernel<DType, 128, true>, 1u, 128, 0, true, pa, stream);
+    } else {
+      decode::LaunchMaybePdl(MacPlanKernel<DType, 256, true>, 1u, 256, 0, true, pa, stream);
+    }
+  } else if (groups <= 128) {
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 128, false>, 1u, 128, 0, true, pa, stream);
   } else if (groups <= 256) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 256>, 1u, 256, 0, true, pa, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 256, false>, 1u, 256, 0, true, pa, stream);
   } else if (groups <= 512) {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 512>, 1u, 512, 0, true, pa, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 512, false>, 1u, 512, 0, true, pa, stream);
   } else {
-    decode::LaunchMaybePdl(MacPlanKernel<DType, 1024>, 1u, 1024, 0, true, pa, stream);
+    decode::LaunchMaybePdl(MacPlanKernel<DType, 1024, false>, 1u, 1024, 0, true, pa, stream);
   }
 }
 
@@ -2194,9 +2209,15 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
     ASMEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  decode::AllowDynamicSmem(MacAttendKernel<DType, HEAD_DIM, GROUP>, kSmem, false);
-  decode::LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP>, unsigned(ctas), kThreads, kSmem, a.pdl, a,
-                         stream);
+  if (a.spec) {
+    decode::AllowDynamicSmem(MacAttendKernel<DType, HEAD_DIM, GROUP, true>, kSmem, false);
+    decode::LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP, true>, unsigned(ctas), kThreads, kSmem, a.pdl, a,
+                           stream);
+  } else {
+    decode::AllowDynamicSmem(MacAttendKernel<DType, HEAD_DIM, GROUP, false>, kSmem, false);
+    decode::LaunchMaybePdl(MacAttendKernel<DType, HEAD_DIM, GROUP, false>, unsigned(ctas), kThreads, kSmem, a.pdl,
+                           a, stream);
+  }
 }
 
 template <typename DType, int HEAD_DIM>
