@@ -841,6 +841,31 @@ TEST(MacConfigCheck, SupportedSet) {
   test::expect_error<InvalidArgument>([&] { MacWorkspaceBytes(c2); }, {"window"});
 }
 
+// The CUDA op's speculative-plan words sit in the layer state past every ring, inside its
+// bytes, and start at zero (no plan published, no verdict, no guess); the CPU path leaves
+// them alone.
+TEST(MacConfigCheck, LayerStateHoldsTheSpeculativePlanWords) {
+  MacDecodeConfig c;
+  c.batch = 2;
+  c.num_q_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.num_slots = 3;
+  c.mac.window = 16;
+  const size_t size = MacLayerStateBytes(c);
+  std::vector<uint8_t> bytes(size + 256, uint8_t(0xa5));  // not zero: Init must clear the words
+  const uintptr_t p = reinterpret_cast<uintptr_t>(bytes.data());
+  char* base = reinterpret_cast<char*>((p + 255) / 256 * 256);
+  const MacLayerState st = MacBindLayerState(c, base);
+  ASSERT_NE(st.step_spec, nullptr);
+  const char* words = reinterpret_cast<const char*>(st.step_spec);
+  EXPECT_GE(words, reinterpret_cast<const char*>(st.match_best + int64_t(c.num_slots) * c.num_q_heads));
+  EXPECT_LE(words + 4 * sizeof(uint32_t), base + size);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(words) % 16, 0u);
+  MacInitLayerStateCpu(c, st);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(st.step_spec[i], 0u) << "word " << i;
+}
+
 TEST(MacCpu, BadArgumentsThrow) {
   Tiny t(21, MakeMac(8, 2, 0, 0, 0.5f));
   auto expect_bad = [&](auto edit, const char* what) {
