@@ -406,6 +406,12 @@
 //    pieces a step runs were not seen to cost: at B = 1 all-hit this kernel jumps over about
 //    33 KB of code that other steps run (ncu), and removing the prologue's unrolled copies
 //    among them (the 50 KB build) did not change that cell.
+//  * Session 25 (branch wip/spec-cache, one machine session against 033a61d): one static
+//    __shared__ word added to the speculating attend kernel moved its dynamic shared memory
+//    from byte 1024 to 1040 (ptxas). Each 64-token tile then took 2.11 instead of 1.81 us
+//    (timeline), and LLaMA-8B B = 8 all-miss went 269 -> 307 us; with the word read through
+//    barriers instead, the loss went away. The likely cause is the tiles' alignment (not
+//    checked further): keep this kernel's static shared memory at 1024 bytes.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
@@ -1684,6 +1690,8 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
 // portion of that one instead, having written nothing.
 template <typename DType, int HEAD_DIM, int GROUP, bool kSpec>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
+  // The tiles' base: no more static __shared__ in this kernel, which would move it (session
+  // 25 bullet at the top of this file).
   extern __shared__ float4 mac_smem[];
   TL(const unsigned long long tl0 = TlNow());
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
