@@ -496,15 +496,14 @@ __device__ __forceinline__ int32_t AcquireLoad(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// A flag word published the same way (the speculative plan's, LaunchArgs::spec), and its
-// plain reads and writes at gpu scope (no ordering of other accesses).
+// A flag word published the same way (the speculative plan's, LaunchArgs::spec): stored
+// with release, read back by AcquireLoad (the same 32-bit load); and its plain reads and
+// writes at gpu scope (no ordering of other accesses).
 __device__ __forceinline__ void ReleaseStore(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ uint32_t AcquireLoadU32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ uint32_t AcquireLoad(const uint32_t* p) {
+  return uint32_t(AcquireLoad(reinterpret_cast<const int32_t*>(p)));
 }
 __device__ __forceinline__ void RelaxedStore(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -1697,7 +1696,7 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
                              g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
   bool spec = false;
-  if constexpr (kSpec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoadU32(a.step_spec) == 1u) != 0;
+  if constexpr (kSpec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoad(a.step_spec) == 1u) != 0;
   if (!spec) {
     GridDependencyWait();  // the plan is complete and visible
     GridLaunchDependents();
