@@ -321,8 +321,6 @@ struct WorkspaceLayout {
   size_t chunks = 0;      // [MaxChunks] ChunkDesc
   size_t cta_first = 0;   // int32 [kTargetChunks + 1]: CTA k's segments are
                           // [cta_first[k], cta_first[k + 1])
-  // The speculative all-miss plan (heads, units, chunks, cta_first as above).
-  size_t spec_heads = 0, spec_units = 0, spec_chunks = 0, spec_cta_first = 0;
   size_t part_o = 0;      // [MaxChunks, 2, G, d] f32: per chunk the band state, then the
                           // sink-and-tail state
   size_t part_lse = 0;    // [MaxChunks, 2, G] f32

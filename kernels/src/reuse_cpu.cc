@@ -261,14 +261,6 @@ WorkspaceLayout LayoutWorkspace(const MacDecodeConfig& c) {
   off = AlignUp(off + chunks * sizeof(ChunkDesc));
   w.cta_first = off;
   off = AlignUp(off + size_t(kTargetChunks + 1) * sizeof(int32_t));
-  w.spec_heads = off;
-  off = AlignUp(off + B * Hq * sizeof(HeadDecision));
-  w.spec_units = off;
-  off = AlignUp(off + B * Hkv * sizeof(UnitPlan));
-  w.spec_chunks = off;
-  off = AlignUp(off + chunks * sizeof(ChunkDesc));
-  w.spec_cta_first = off;
-  off = AlignUp(off + size_t(kTargetChunks + 1) * sizeof(int32_t));
   w.part_o = off;
   off = AlignUp(off + chunks * 2 * G * d * sizeof(float));
   w.part_lse = off;

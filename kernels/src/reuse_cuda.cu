@@ -96,10 +96,6 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.group_wait = CombineGroupWait(a);
   a.spec = a.pdl && p.state.step_spec != nullptr && int64_t(p.batch) * c.num_q_heads <= kSpecMaxHeads;
   a.step_spec = p.state.step_spec;
-  a.spec_heads = reinterpret_cast<HeadDecision*>(ws + L.spec_heads);
-  a.spec_units = reinterpret_cast<UnitPlan*>(ws + L.spec_units);
-  a.spec_chunks = reinterpret_cast<ChunkDesc*>(ws + L.spec_chunks);
-  a.spec_cta_first = reinterpret_cast<int32_t*>(ws + L.spec_cta_first);
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

@@ -496,15 +496,8 @@ __device__ __forceinline__ int32_t AcquireLoad(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// A flag word published the same way (the speculative plan's, LaunchArgs::spec): stored
-// with release, read back by AcquireLoad (the same 32-bit load); and its plain reads and
-// writes at gpu scope (no ordering of other accesses).
-__device__ __forceinline__ void ReleaseStore(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t AcquireLoad(const uint32_t* p) {
-  return uint32_t(AcquireLoad(reinterpret_cast<const int32_t*>(p)));
-}
+// The speculative plan's words (LaunchArgs::spec): plain reads and writes at gpu scope (no
+// ordering of other accesses).
 __device__ __forceinline__ void RelaxedStore(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -561,22 +554,20 @@ __device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u)
 
 // NT threads (MacPlanKernel's block): group u of the first NT is thread u's, and its inputs
 // (`first`) were loaded before the wait for the match. Modes (one code path):
-//  * kPlanReal: the step's plan from the match's keys (reset for the next step), the groups'
-//    miss hints and, where a speculative plan is live (`spec_live`), its verdict;
-//  * kPlanSpec: every head a miss, no key load, written to the spec_* arrays (LaunchArgs::spec);
-//  * kPlanDry: the same with no global write, run before the wait for the match so that the
-//    real pass finds its instructions cached.
-// kSpec: the plan kernel may speculate (LaunchArgs::spec); without it kPlanSpec is not used.
-constexpr int kPlanDry = 0, kPlanSpec = 1, kPlanReal = 2;
+//  * kPlanReal: the step's plan from the match's keys (reset for the next step) and, with
+//    kSpec (LaunchArgs::spec), the step's words in step_spec: whether it speculated
+//    (`spec_live`), the verdict and the next step's guess;
+//  * kPlanDry: every head a miss, no key load and no global write, run before the wait for
+//    the match so that the real pass finds its instructions cached.
+constexpr int kPlanDry = 0, kPlanReal = 2;
 template <int NT, bool kSpec>
 __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, int mode, bool spec_live) {
   const bool dry = mode == kPlanDry;       // no global write
   const bool keys_on = mode == kPlanReal;  // the match's keys (else every head misses)
-  const bool to_spec = kSpec && mode == kPlanSpec;
-  HeadDecision* const o_heads = to_spec ? a.spec_heads : a.heads;
-  UnitPlan* const o_units = to_spec ? a.spec_units : a.units;
-  ChunkDesc* const o_chunks = to_spec ? a.spec_chunks : a.chunks;
-  int32_t* const o_cta_first = to_spec ? a.spec_cta_first : a.cta_first;
+  HeadDecision* const o_heads = a.heads;
+  UnitPlan* const o_units = a.units;
+  ChunkDesc* const o_chunks = a.chunks;
+  int32_t* const o_cta_first = a.cta_first;
   constexpr int kPlanWarps = NT / 32;
   const MacParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -665,13 +656,15 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
     sm_tok[warp] = tok;
     sm_most[warp] = most;
   }
-  // The verdict on a live speculative plan, as soon as the decisions are known (the attend
-  // CTAs that stream it poll this word; the word is final once this grid is done).
+  // The verdict, as soon as the decisions are known, on every step a speculating attend CTA
+  // may have streamed (they poll this word; it is final once this grid is done): 1 where
+  // every head missed, so the all-miss plan is the step's own, 2 where not.
   if constexpr (kSpec) {
     if (__syncthreads_and(all_miss) == 0) all_miss = false;
     if (keys_on && tid == 0) {
-      if (spec_live) RelaxedStore(a.step_spec + 1, all_miss ? 1u : 2u);
+      RelaxedStore(a.step_spec + 1, all_miss ? 1u : 2u);
       RelaxedStore(a.step_spec + 2, all_miss ? 1u : 0u);  // the next step's guess
+      RelaxedStore(a.step_spec, spec_live ? 1u : 0u);
     }
   } else {
     __syncthreads();
@@ -1068,14 +1061,16 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
   TL(if (threadIdx.x == 0) g_tl_plan[0] = TlNow());
   const int tid = int(threadIdx.x);
   const PlanInputs first = LoadPlanInputs(a, tid);  // inputs: before the wait
-  // The speculative all-miss plan (LaunchArgs::spec) where every head of the layer's last
-  // step missed (a guess: the batch may have changed; the inputs are the step's own).
+  // Where every head of the layer's last step missed (a guess: the batch may have changed),
+  // the attend grid launches at once: its CTAs find their portions of the all-miss plan
+  // themselves (FindSpecPortion) and stream them beside the match.
   const bool spec = kSpec && __ldcg(a.step_spec + 2) == 1u;
-  // Pass 0 while the match's last CTAs run: the speculative plan, or (dry) where the match
-  // takes long enough (kPlanWarmHeads); then pass 1 after the wait. One loop body, not
-  // unrolled: the passes run the same instructions.
+  if (spec) GridLaunchDependents();
+  // Pass 0 (dry) while the match's last CTAs run where it takes long enough
+  // (kPlanWarmHeads), then pass 1 after the wait. One loop body, not unrolled: the passes run
+  // the same instructions.
 #pragma unroll 1
-  for (int pass = a.plan_dry || spec ? 0 : 1; pass < 2; ++pass) {
+  for (int pass = a.plan_dry ? 0 : 1; pass < 2; ++pass) {
     if (pass == 1) {
       TL(if (threadIdx.x == 0) g_tl_plan[3] = TlNow());
       GridDependencyWait();
@@ -1085,23 +1080,9 @@ __global__ void __launch_bounds__(NT) MacPlanKernel(const LaunchArgs a) {
       // which they would crowd, is done; they wait for this grid before reading the plan.
       if (!spec) GridLaunchDependents();
     }
-    PlanStep<NT, kSpec>(a, first, pass == 1 ? kPlanReal : spec ? kPlanSpec : kPlanDry, spec);
-    if (pass == 0 && spec) {
-      // Publish the speculative plan (verdict pending) and let the attend grid launch now,
-      // beside the match.
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        RelaxedStore(a.step_spec + 1, 0u);
-        ReleaseStore(a.step_spec, 1u);
-      }
-      GridLaunchDependents();
-    }
+    PlanStep<NT, kSpec>(a, first, pass == 1 ? kPlanReal : kPlanDry, spec);
     __syncthreads();
   }
-  // Withdrawn for the next step (attend CTAs that read it later plan after the wait; the
-  // verdict stays for the ones streaming it).
-  if (spec && tid == 0) RelaxedStore(a.step_spec, 0u);
   TL(if (threadIdx.x == 0) g_tl_plan[2] = TlNow());
 }
 
@@ -1302,6 +1283,95 @@ __device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t 
   TL(if (tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[8] = TlNow());
 }
 
+// The speculative all-miss plan, found by each attend CTA for itself (LaunchArgs::spec):
+// the plan kernel's line (reuse_common.h) with every head a miss, so group u's work is its
+// request's T tokens, [0, T), and its cost SegmentCost(T). PlanStep lays out the same line
+// when the step misses everywhere, so the segments, their numbers (the partial rows) and
+// the groups' first segments are the step's own.
+//
+// Warp 0 finds CTA k's portion: the groups' costs (a lane per group, 32 at a time), the
+// portion size S, the groups' places and segment counts by warp scans, and CTA k's
+// segments: those of the groups whose portions span k, consecutive in the numbering. The
+// lane of each such group writes its segment's descriptor straight into the CTA's
+// descriptor ring (`descs`, kSpecMaxSegs slots, none reused: AttendSegments then requests
+// none), and the CTA's threads get the first segment's number and the count through
+// shared memory (`scratch`: three words the CTA does not use before its pipeline's first
+// barrier). The costs are summed at every step of the kSpec kernel, beside the load of
+// the guess (step_spec[2]); the rest runs only where it is 1. The code is kept short (loops
+// not unrolled, 32-bit divisions): code at the kernel's entry that a step jumps over costs
+// it (session 23 bullet at the top of this file), and a step that does not speculate waits
+// for the plan, which takes longer.
+// Returns whether to speculate: the guess is 1, the line's cost fits 31 bits and the
+// portion holds at most kSpecMaxSegs segments.
+constexpr int kSpecMaxSegs = 8;  // SegSmem::kDescSlots
+struct SpecPortion {
+  int32_t c_begin = 0, n_seg = 0;
+};
+__device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int32_t* scratch, ChunkDesc* descs,
+                                                SpecPortion* out) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid < 32) {
+    const uint32_t guess = lane == 0 ? __ldcg(a.step_spec + 2) : 0u;
+    const int nu = a.batch * a.hkv;
+    long long total = 0;
+    int32_t most = 0;
+#pragma unroll 1
+    for (int u = lane; u < nu; u += 32) {
+      const int32_t T = a.p.seq_lens[u / a.hkv];
+      total += SegmentCost(T);
+      most = max(most, int32_t(WorkBlocks(T)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      total += __shfl_xor_sync(0xffffffffu, total, o);
+      most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+    }
+    const bool fits = total < (1ll << 31);
+    const bool speculate = __shfl_sync(0xffffffffu, guess, 0) == 1u;
+    const uint32_t S = uint32_t(PortionBlocks(total, most));
+    auto div_s = [&](long long x) -> long long { return static_cast<uint32_t>(x) / S; };
+    uint32_t carry = 0;
+    int32_t seg_carry = 0, c_begin = 0, n_seg = 0;
+#pragma unroll 1
+    for (int base = 0; fits && speculate && base < nu; base += 32) {
+      const int u = base + lane;
+      const int32_t T = u < nu ? a.p.seq_lens[u / a.hkv] : 0;
+      const uint32_t cost = uint32_t(SegmentCost(T));
+      const uint32_t incl = decode::WarpInclusiveSum(cost);
+      const GroupLine gl = PlaceGroup(carry + incl - cost, T, S, div_s);
+      const int32_t sincl = decode::WarpInclusiveSum(gl.nseg);
+      const bool in = gl.nseg > 0 && gl.p_first <= k && k < gl.p_first + gl.nseg;
+      const unsigned m = __ballot_sync(0xffffffffu, in);
+      const int idx = n_seg + __popc(m & ((1u << lane) - 1u));
+      if (in && idx < kSpecMaxSegs && speculate) {
+        ChunkDesc d;
+        d.u = u;
+        SegmentTokens(k - gl.p_first, S, gl.q0, T, &d.w0, &d.w1);
+        d.sink_end = SinkEnd(a.front_sink, T - 1);
+        d.band_lo = d.sink_end;
+        d.band_end = EntryEnd(a.front_sink, a.band, T - 1);
+        d.b = u / a.hkv;
+        d.h = u - d.b * a.hkv;
+        descs[idx] = d;
+        if (idx == 0) c_begin = seg_carry + sincl - gl.nseg + k - gl.p_first;
+      }
+      n_seg += __popc(m);
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+      seg_carry += __shfl_sync(0xffffffffu, sincl, 31);
+    }
+    c_begin = __reduce_max_sync(0xffffffffu, c_begin);  // the one lane that set it (0 elsewhere)
+    if (lane == 0) {
+      scratch[0] = c_begin;
+      scratch[1] = n_seg;
+      scratch[2] = fits && speculate && n_seg <= kSpecMaxSegs;
+    }
+  }
+  __syncthreads();
+  out->c_begin = scratch[0];
+  out->n_seg = scratch[1];
+  return scratch[2] != 0;
+}
+
 // Exact attention of the group's heads over a CTA's segments, streamed back to back: decode
 // attention's tensor-core CTA (decode_kernels.cuh AttentionBlock: 64- (d 128) or 128-token
 // (d 64) K/V tiles through a 3-stage cp.async pipeline with swizzled rows, S^T = K Q^T and
@@ -1322,17 +1392,22 @@ __device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t 
 // kFill: one segment, `fill_cp`, no band starts (every head's band starts at band_lo).
 // Otherwise segments c0 .. c0 + n_seg - 1 of the plan (ChunkDesc, LocateDecodeChunk) in
 // `chunks`, their heads' band starts in `heads`.
-// spec: the plan is the speculative all-miss one (LaunchArgs::spec). The plan CTA's
-// verdict is polled every kSpecPollTiles tiles (thread 0 loads it, the tile barrier that
-// many tiles on shares it: a load from L2 while every CTA streams can take longer than a
-// tile, and a poll read at the next tile held each tile back: all-miss 7-25% slower), and
-// before the first partial write this CTA waits for the plan grid and reads it once more:
-// on any verdict but 1 it drains its copies and returns true, having written nothing; on 1
-// it lets its dependents launch and goes on as with the step's own plan (the same plan).
+// spec: the segments are the speculative all-miss plan's (LaunchArgs::spec); with `gen`
+// their descriptors are in the ring already (FindSpecPortion) and their heads' band starts
+// are band_lo. The plan CTA's verdict is polled every kSpecPollTiles tiles (thread 0 loads
+// it, the tile barrier that many tiles on shares it: a load from L2 while every CTA streams
+// can take longer than a tile, and a poll read at the next tile held each tile back:
+// all-miss 7-25% slower), and before the first partial write this CTA waits for the plan
+// grid and reads it once more. A poll may see an earlier step's word (the same as the
+// guess it speculated on, so the CTA streams on) or a test's marker (neither 1 nor 2);
+// after the wait the word is this step's. On 2 at a poll, or any verdict but 1 after the
+// wait, it drains its copies and returns true, having written nothing; on 1 it lets its
+// dependents launch and goes on as with the step's own plan (the same plan).
 constexpr int kSpecPollTiles = 8;
 template <typename DType, int HEAD_DIM, int GROUP, bool kFill>
 __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkDesc* chunks, const HeadDecision* heads,
-                                               int c0, int n_seg, const ChunkPos& fill_cp, char* smem, bool spec) {
+                                               int c0, int n_seg, const ChunkPos& fill_cp, char* smem, bool spec,
+                                               bool gen = false) {
   using Cfg = decode::AttnTile<HEAD_DIM>;
   using Sm = SegSmem<HEAD_DIM, GROUP>;
   using P = Pack<DType>;
@@ -1371,6 +1446,7 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
   auto tiles_of = [&](const ChunkPos& cp) { return (cp.w1 - cp.w0 + kBlockN - 1) / kBlockN; };
   auto request_desc = [&](int s) {
     if constexpr (!kFill) {
+      if (gen) return;  // every descriptor is in the ring (FindSpecPortion)
       if (s < n_seg && tid < 2) {
         CpAsync16(reinterpret_cast<int4*>(descs + s % Sm::kDescSlots) + tid,
                   reinterpret_cast<const int4*>(chunks + c0 + s) + tid, true);
@@ -1389,7 +1465,11 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
     }
     if constexpr (!kFill) {
       if (tid < GROUP) {
-        CpAsync4(starts + (s % Sm::kQSlots) * 8 + tid, &heads[cp.b * a.hq + cp.h * GROUP + tid].band_start);
+        if (gen) {  // every head a miss: its band starts at the sink's end
+          starts[(s % Sm::kQSlots) * 8 + tid] = cp.band_lo;
+        } else {
+          CpAsync4(starts + (s % Sm::kQSlots) * 8 + tid, &heads[cp.b * a.hq + cp.h * GROUP + tid].band_start);
+        }
       }
     }
   };
@@ -1548,7 +1628,7 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
     if (!spec || f % kSpecPollTiles != 0) {
       __syncthreads();  // everyone's have; the stage of tile f - 1 is free again
     } else {
-      if (__syncthreads_or(tid == 0 && verdict > 1)) {  // the same barrier, and the poll
+      if (__syncthreads_or(tid == 0 && verdict == 2u)) {  // the same barrier, and the poll
         CpAsyncWait<0>();
         __syncthreads();
         return true;
@@ -1684,9 +1764,9 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacFillAttendKerne
 // Decode: CTA k streams the plan's segments cta_first[k] .. cta_first[k + 1] - 1 (the plan
 // writes all kTargetChunks + 1 bounds; the CTAs past its portions have none and exit).
 // kSpec (launched where LaunchArgs::spec is set; without it none of this kernel's code
-// speculates): where the plan CTA published a speculative all-miss plan, the CTA streams
-// that one's portion at once; if the step's plan turns out different, it takes its
-// portion of that one instead, having written nothing.
+// speculates): where the layer's last step missed everywhere, the CTA finds its portion of
+// the all-miss plan (FindSpecPortion) and streams it at once; if the step's plan turns out
+// different, it takes its portion of that one instead, having written nothing.
 template <typename DType, int HEAD_DIM, int GROUP, bool kSpec>
 __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(const LaunchArgs a) {
   // The tiles' base: no more static __shared__ in this kernel, which would move it (session
@@ -1695,23 +1775,33 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   TL(const unsigned long long tl0 = TlNow());
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
                              g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
+  const int k = int(blockIdx.x);
   bool spec = false;
-  if constexpr (kSpec) spec = __syncthreads_or(threadIdx.x == 0 && AcquireLoad(a.step_spec) == 1u) != 0;
+  SpecPortion sp;
+  if constexpr (kSpec) {
+    // The page-id ring is first written after AttendSegments' first barrier.
+    using Sm = SegSmem<HEAD_DIM, GROUP>;
+    static_assert(Sm::kDescSlots >= kSpecMaxSegs, "the speculative portion's descriptors fit the ring");
+    char* smem = reinterpret_cast<char*>(mac_smem);
+    spec = FindSpecPortion(a, k, reinterpret_cast<int32_t*>(smem + Sm::Cfg::kBytes),
+                           reinterpret_cast<ChunkDesc*>(smem + Sm::kDescs), &sp);
+  }
   if (!spec) {
     GridDependencyWait();  // the plan is complete and visible
     GridLaunchDependents();
   }
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].t[1] = TlNow());
-  const int k = int(blockIdx.x);
 #pragma unroll 1
   for (;;) {
-    const int32_t* cta_first = spec ? a.spec_cta_first : a.cta_first;
-    const int c_begin = __ldcg(cta_first + k), c_end = __ldcg(cta_first + k + 1);  // the plan grid's: not __ldg
+    int c_begin = sp.c_begin, c_end = sp.c_begin + sp.n_seg;
+    if (!spec) {
+      c_begin = __ldcg(a.cta_first + k);  // the plan grid's: not __ldg
+      c_end = __ldcg(a.cta_first + k + 1);
+    }
     if (c_end > c_begin) {
       TL(if (threadIdx.x == 0 && TlCta()) g_tl_attend[blockIdx.x].chunk = c_begin);
-      if (!AttendSegments<DType, HEAD_DIM, GROUP, false>(a, spec ? a.spec_chunks : a.chunks, spec ? a.spec_heads : a.heads,
-                                                         c_begin, c_end - c_begin, ChunkPos{},
-                                                         reinterpret_cast<char*>(mac_smem), spec)) {
+      if (!AttendSegments<DType, HEAD_DIM, GROUP, false>(a, a.chunks, a.heads, c_begin, c_end - c_begin, ChunkPos{},
+                                                         reinterpret_cast<char*>(mac_smem), spec, spec)) {
         break;
       }
     } else if (!spec) {

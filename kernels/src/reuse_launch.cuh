@@ -60,18 +60,14 @@ struct LaunchArgs {
   bool plan_dry = false;  // the plan CTA's dry pass (MacPlanKernel; set by LaunchMatch)
   // The speculative all-miss plan (MacPlanKernel, MacAttendKernel): with programmatic
   // launch, the layer state's step_spec and at most kSpecMaxHeads query heads in the batch.
-  // Where every head of the layer's last step missed (step_spec[2]), the plan CTA plans the
-  // step as all-miss into the spec_* arrays before its wait for the match, publishes them
-  // (step_spec[0], release) and lets the attend grid launch; attend CTAs that see the flag
-  // stream that plan at once, and before their first partial write wait for the plan grid
-  // and keep their work only where its verdict (step_spec[1]: 1 every head missed, 2 not)
-  // says the step's plan is the same.
+  // Where every head of the layer's last step missed (step_spec[2]), the plan CTA lets the
+  // attend grid launch at its start; each attend CTA finds its portion of the step planned
+  // as all-miss (FindSpecPortion: the plan's line with every group's work its request's T)
+  // and streams it at once, and before its first partial write waits for the plan grid and
+  // keeps its work only where the verdict (step_spec[1]: 1 every head missed, 2 not) says
+  // the step's plan is that one. step_spec[0]: 1 where the step speculated (for tests).
   bool spec = false;
   uint32_t* step_spec = nullptr;
-  HeadDecision* spec_heads = nullptr;
-  UnitPlan* spec_units = nullptr;
-  ChunkDesc* spec_chunks = nullptr;
-  int32_t* spec_cta_first = nullptr;
 };
 
 // Combine CTAs (one per request and query head) that fit on a 132-SM H200 at once with

@@ -842,7 +842,7 @@ TEST(MacConfigCheck, SupportedSet) {
 }
 
 // The CUDA op's speculative-plan words sit in the layer state past every ring, inside its
-// bytes, and start at zero (no plan published, no verdict, no guess); the CPU path leaves
+// bytes, and start at zero (no speculation, no verdict, no guess); the CPU path leaves
 // them alone.
 TEST(MacConfigCheck, LayerStateHoldsTheSpeculativePlanWords) {
   MacDecodeConfig c;
