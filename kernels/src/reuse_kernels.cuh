@@ -412,6 +412,15 @@
 //    (timeline), and LLaMA-8B B = 8 all-miss went 269 -> 307 us; with the word read through
 //    barriers instead, the loss went away. The likely cause is the tiles' alignment (not
 //    checked further): keep this kernel's static shared memory at 1024 bytes.
+//  * Session 26 (FindSpecPortion; one machine session per form against 033a61d, two runs
+//    each): the attend CTAs finding their own all-miss portions gained only in the form
+//    merged, whose search is short and writes the descriptors itself. With thread 0 making
+//    each descriptor as the tile loop reached it (code inside the loop), every B <= 8 cell
+//    was slower, all-hit too (LLaMA-8B B = 1 all-hit 23.4, 23.4 -> 27.4, 27.4) and a tile took
+//    2.07 us instead of 1.84; with the search also unrolled at the entry, 23.0, 23.2 -> 28.2,
+//    28.3. A form with the planned path and the speculating one as two inlined copies, the
+//    second marked unlikely, compiled with the speculating copy first and the planned one
+//    116 KB into the kernel (not run).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
