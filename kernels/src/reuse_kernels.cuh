@@ -475,6 +475,9 @@ struct TlAttend {
   int sm, chunk, tiles, tokens;
 };
 __device__ TlAttend g_tl_attend[kTlCtas];
+// Attend CTA of more than one segment: its first segment's last tile consumed, its verdict
+// read (speculating CTAs), its partials stored (0: not stamped this step).
+__device__ unsigned long long g_tl_seg0[kTlCtas][3];
 __device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
 __device__ unsigned long long g_tl_plan[4];              // start, match waited, end, at its wait
 // The real plan pass, thread 0: keys read and reset with the ranges set, totals (S), its
@@ -1719,6 +1722,8 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
       }
     }
     if (ct == cn - 1) {  // the segment's last tile: its states into its partial rows
+      TL(const bool tl_seg0 = cs == 0 && n_seg > 1 && tid == 0 && !a.fill && TlCta());
+      TL(if (tl_seg0) g_tl_seg0[blockIdx.x][0] = TlNow());
       if constexpr (!kFill) {
         if (spec) {  // the plan is made: keep this work only if it is the step's plan
           GridDependencyWait();
@@ -1731,12 +1736,14 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
           spec = false;
         }
       }
+      TL(if (tl_seg0) g_tl_seg0[blockIdx.x][1] = TlNow());
       __syncthreads();   // every warp is done with tile f's stage, which stages the states
       TL(if (cs == n_seg - 1 && tid == 0 && !a.fill && TlCta()) g_tl_attend[blockIdx.x].t[4] = TlNow());
       const ChunkPos cp = pos_of(cs);
       StoreSegmentStates<HEAD_DIM, GROUP>(
           a, cp.row_band, cp.row_out, sb, so, reinterpret_cast<float*>(tiles + (f % kStages) * 2 * kTile),
           reinterpret_cast<float*>(qs + (cs % Sm::kQSlots) * GROUP * Sm::kQStride));
+      TL(if (tl_seg0) g_tl_seg0[blockIdx.x][2] = TlNow());
       if constexpr (!kFill) {
         // The segment's partial rows are written: one release per segment on its group's
         // count, which the group's combine CTAs wait for instead of the whole grid.
@@ -1783,7 +1790,8 @@ __global__ void __launch_bounds__(kThreads, kAttendMinBlocks) MacAttendKernel(co
   extern __shared__ float4 mac_smem[];
   TL(const unsigned long long tl0 = TlNow());
   TL(if (threadIdx.x == 0 && TlCta()) { g_tl_attend[blockIdx.x].t[0] = tl0; g_tl_attend[blockIdx.x].chunk = -1;
-                             g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x; });
+                             g_tl_attend[blockIdx.x].sm = TlSm(); if (blockIdx.x == 0) g_tl_grid[1] = gridDim.x;
+                             g_tl_seg0[blockIdx.x][0] = 0; });
   const int k = int(blockIdx.x);
   bool spec = false;
   SpecPortion sp;
