@@ -64,6 +64,14 @@ def summarize(step):
         out.append("  last to end: " + "; ".join(
             f"first segment {a[0]} on SM {a[1]}, {a[2]} tiles / {a[3]} tokens, first tile {a[7]:.1f}, "
             f"last tile {a[8]:.1f}, end {a[9]:.1f}" for a in last))
+    seg0 = step.get("seg0", [])
+    if seg0:  # attend CTAs of several segments: their first segment's end
+        verdict = [s[2] - s[1] for s in seg0]
+        stored = [s[3] - s[2] for s in seg0]
+        out.append(f"  first segments of {len(seg0)} CTAs of several: last tile {min(s[1] for s in seg0):.1f}-"
+                   f"{max(s[1] for s in seg0):.1f}, to the verdict p50 {quantile(verdict, 0.5):.1f}, "
+                   f"then to the partials stored p50 {quantile(stored, 0.5):.1f} (stored "
+                   f"{min(s[3] for s in seg0):.1f}-{max(s[3] for s in seg0):.1f})")
     if combine:
         waited = [c[1] for c in combine]
         merged = [c[2] - c[1] for c in combine]
