@@ -72,6 +72,11 @@ def summarize(step):
                    f"{max(s[1] for s in seg0):.1f}, to the verdict p50 {quantile(verdict, 0.5):.1f}, "
                    f"then to the partials stored p50 {quantile(stored, 0.5):.1f} (stored "
                    f"{min(s[3] for s in seg0):.1f}-{max(s[3] for s in seg0):.1f})")
+        if len(seg0[0]) > 5:  # the epilogue's own stamps: staged, weights
+            staged = [s[4] - s[2] for s in seg0]
+            weights = [s[5] - s[4] for s in seg0]
+            out.append(f"    of that: verdict to states staged p50 {quantile(staged, 0.5):.1f}, "
+                       f"to weights p50 {quantile(weights, 0.5):.1f}")
     if combine:
         waited = [c[1] for c in combine]
         merged = [c[2] - c[1] for c in combine]

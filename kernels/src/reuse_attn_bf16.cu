@@ -62,14 +62,15 @@ void MacTimelineDump(const char* label, std::FILE* out) {
     std::fprintf(out, "%s[%.2f, %.2f, %.2f, %.2f]", i ? ", " : "", us(ct[4 * i]), us(ct[4 * i + 1]), us(ct[4 * i + 3]),
                  us(ct[4 * i + 2]));
   }
-  std::vector<unsigned long long> s0(3 * size_t(grid[1]));
+  std::vector<unsigned long long> s0(5 * size_t(grid[1]));
   ASMEM_CUDA_CHECK(cudaMemcpyFromSymbol(s0.data(), g_tl_seg0, sizeof(unsigned long long) * s0.size()));
   std::fprintf(out, "], \"seg0\": [");
   bool first0 = true;
   for (int i = 0; i < grid[1]; ++i) {
-    if (s0[3 * i] == 0) continue;  // not a CTA of several segments this step
-    std::fprintf(out, "%s[%d, %.2f, %.2f, %.2f]", first0 ? "" : ", ", i, us(s0[3 * i]), us(s0[3 * i + 1]),
-                 us(s0[3 * i + 2]));
+    const unsigned long long* x = &s0[5 * i];
+    if (x[0] == 0) continue;  // not a CTA of several segments this step
+    std::fprintf(out, "%s[%d, %.2f, %.2f, %.2f, %.2f, %.2f]", first0 ? "" : ", ", i, us(x[0]), us(x[1]), us(x[2]),
+                 us(x[3]), us(x[4]));
     first0 = false;
   }
   std::fprintf(out, "], \"attend\": [");

@@ -476,8 +476,9 @@ struct TlAttend {
 };
 __device__ TlAttend g_tl_attend[kTlCtas];
 // Attend CTA of more than one segment: its first segment's last tile consumed, its verdict
-// read (speculating CTAs), its partials stored (0: not stamped this step).
-__device__ unsigned long long g_tl_seg0[kTlCtas][3];
+// read (speculating CTAs), its partials stored, then its epilogue's states staged and merge
+// weights written (0: not stamped this step).
+__device__ unsigned long long g_tl_seg0[kTlCtas][5];
 __device__ unsigned long long g_tl_match[kTlCtas][2];    // start, end
 __device__ unsigned long long g_tl_plan[4];              // start, match waited, end, at its wait
 // The real plan pass, thread 0: keys read and reset with the ranges set, totals (S), its
@@ -1743,7 +1744,11 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
       StoreSegmentStates<HEAD_DIM, GROUP>(
           a, cp.row_band, cp.row_out, sb, so, reinterpret_cast<float*>(tiles + (f % kStages) * 2 * kTile),
           reinterpret_cast<float*>(qs + (cs % Sm::kQSlots) * GROUP * Sm::kQStride));
-      TL(if (tl_seg0) g_tl_seg0[blockIdx.x][2] = TlNow());
+      TL(if (tl_seg0) {
+        g_tl_seg0[blockIdx.x][2] = TlNow();
+        g_tl_seg0[blockIdx.x][3] = g_tl_attend[blockIdx.x].t[6];  // this epilogue's stamps
+        g_tl_seg0[blockIdx.x][4] = g_tl_attend[blockIdx.x].t[7];
+      });
       if constexpr (!kFill) {
         // The segment's partial rows are written: one release per segment on its group's
         // count, which the group's combine CTAs wait for instead of the whole grid.
