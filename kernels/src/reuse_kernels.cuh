@@ -1411,11 +1411,14 @@ __device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int3
 // it, the tile barrier that many tiles on shares it: a load from L2 while every CTA streams
 // can take longer than a tile, and a poll read at the next tile held each tile back:
 // all-miss 7-25% slower), and before the first partial write this CTA waits for the plan
-// grid and reads it once more. A poll may see an earlier step's word (the same as the
-// guess it speculated on, so the CTA streams on) or a test's marker (neither 1 nor 2);
-// after the wait the word is this step's. On 2 at a poll, or any verdict but 1 after the
-// wait, it drains its copies and returns true, having written nothing; on 1 it lets its
-// dependents launch and goes on as with the step's own plan (the same plan).
+// grid and reads it once more. A poll may see an earlier step's word or a test's marker
+// (neither 1 nor 2); after the wait the word is this step's. The earlier word is the one
+// written with the guess the CTA read, except where the CTA read a guess this step's plan
+// had just written (its plan did not speculate, the step missed everywhere): a poll may
+// then see the earlier 2 and drop work the step would have kept, which costs time only.
+// On 2 at a poll, or any verdict but 1 after the wait, it drains its copies and returns
+// true, having written nothing; on 1 it lets its dependents launch and goes on as with the
+// step's own plan (the same plan).
 constexpr int kSpecPollTiles = 8;
 template <typename DType, int HEAD_DIM, int GROUP, bool kFill>
 __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkDesc* chunks, const HeadDecision* heads,

@@ -65,7 +65,9 @@ struct LaunchArgs {
   // as all-miss (FindSpecPortion: the plan's line with every group's work its request's T)
   // and streams it at once, and before its first partial write waits for the plan grid and
   // keeps its work only where the verdict (step_spec[1]: 1 every head missed, 2 not) says
-  // the step's plan is that one. step_spec[0]: 1 where the step speculated (for tests).
+  // the step's plan is that one. step_spec[0]: 1 where the plan kernel speculated (for
+  // tests; attend CTAs that read a guess this step's plan had just written may speculate
+  // where it is 0).
   bool spec = false;
   uint32_t* step_spec = nullptr;
 };

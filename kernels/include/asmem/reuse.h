@@ -83,9 +83,10 @@
 //   ring_o [num_slots, Hq, W, d] f32,
 //   ring_lse [num_slots, Hq, W] f32, ring_tag [num_slots, W] MacTag, and the CUDA op's
 //   own bookkeeping: match_best [num_slots, Hq] u64 (left initialized after every step) and
-//   step_spec [4] u32 (whether the step was streamed as all-miss before its match ended,
-//   the verdict on that, and whether the layer's last step missed everywhere; null: every
-//   step's attention waits for its plan).
+//   step_spec [4] u32 (whether the plan kernel speculated, that is let the attention start
+//   on the all-miss plan before the match ended; the verdict, whether the step missed
+//   everywhere; and the guess for the layer's next step; null: every step's attention waits
+//   for its plan).
 //   Initialize once with MacInitLayerState (every tag empty). A layer's state serves one
 //   step at a time.
 // Outputs must not alias inputs. Only the first params.batch requests are read or written.
