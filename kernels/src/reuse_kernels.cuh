@@ -1356,7 +1356,7 @@ __device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int3
       const bool in = gl.nseg > 0 && gl.p_first <= k && k < gl.p_first + gl.nseg;
       const unsigned m = __ballot_sync(0xffffffffu, in);
       const int idx = n_seg + __popc(m & ((1u << lane) - 1u));
-      if (in && idx < kSpecMaxSegs && speculate) {
+      if (in && idx < kSpecMaxSegs) {
         ChunkDesc d;
         d.u = u;
         SegmentTokens(k - gl.p_first, S, gl.q0, T, &d.w0, &d.w1);
