@@ -116,7 +116,8 @@ ASMEM_HOST_DEVICE float QueryDistanceBound(float sq, int32_t a, float sr, int32_
 // kSegmentFixedBlocks (what starting a segment costs a CTA: its states' write-back, the
 // pipeline's turn to another group) plus its work blocks. The costs are laid end to end in
 // group order and the line is cut into portions of S blocks, S = PortionBlocks(total, most
-// work blocks of a group); CTA k takes portion k, one or more segments: the parts of the
+// work blocks of a group), or, where the groups are long and of one cost, each padded to
+// whole portions (AlignedPortionBlocks); CTA k takes portion k, one or more segments: the parts of the
 // groups' work in it (ChunkDesc, written out whole; a group's segments are numbered in
 // order, so its partial rows stay consecutive). A segment may span the sink, the band and
 // the tail of its group: the attention CTA keeps two states (band -> entry, sink and tail
@@ -203,6 +204,33 @@ ASMEM_HOST_DEVICE int64_t PortionBlocks(int64_t total, int64_t most) {
   if (s < by_group) s = by_group;
   return s < 1 ? 1 : s;
 }
+
+// The aligned line. Where every group with work has the same cost c (one request's groups
+// at an all-miss step: the same T) of at least two portions of S0 = PortionBlocks(total,
+// most) blocks, each group's cost is padded to whole portions if its nw groups then fit
+// kAlignedPortions portions of S = S0 or S0 + 1 blocks: no portion then holds the end of one
+// group and the start of the next. A CTA that streams two groups writes the first one's
+// states mid-stream, and that epilogue's instructions, first needed while every CTA streams
+// KV, took 2.6 to 13.6 us to come in at B = 1 all-miss, against about 2 for the same code at
+// a CTA's end (tools/results/decode_h200_diagnostics.md, sessions 26 and 27). At most two
+// CTAs fewer than the wave: the plan CTA's SM holds one attention CTA until the plan ends
+// (with 264 aligned portions at LLaMA-8B B = 1 the last ones started 4.6 us late).
+// `least` and `largest`: the smallest and largest cost of a group with work. Returns the
+// aligned line's S, or 0 (the packed line of S0).
+constexpr int32_t kAlignedPortions = kTargetChunks - 2;
+ASMEM_HOST_DEVICE int32_t AlignedPortionBlocks(int64_t S0, int32_t least, int32_t largest, int32_t nw) {
+  if (nw <= 0 || least != largest || S0 > least / 2) return 0;
+  const uint32_t c = uint32_t(least), s0 = uint32_t(S0);  // 32-bit divisions on the device
+  if (int64_t(nw) * ((c + s0 - 1) / s0) <= kAlignedPortions) return int32_t(s0);
+  if (int64_t(nw) * ((c + s0) / (s0 + 1)) <= kAlignedPortions) return int32_t(s0 + 1);
+  return 0;
+}
+// A group's padded cost on an aligned line of portions of S blocks.
+ASMEM_HOST_DEVICE int32_t AlignedCost(int32_t cost, int32_t S) {
+  return int32_t((uint32_t(cost) + uint32_t(S) - 1) / uint32_t(S) * uint32_t(S));
+}
+// A group's cost on the line (the CPU reference and tests).
+inline int64_t LineCost(int64_t cost, int64_t S, bool aligned) { return aligned ? (cost + S - 1) / S * S : cost; }
 
 // A group's place on the plan's line, its cost starting at F, portions of S blocks: its
 // first portion p_first, the offset q0 of its first work block in that portion, its
@@ -339,10 +367,11 @@ FillLayout LayoutFill(const MacDecodeConfig& config, int32_t batch, int32_t num_
 
 // The plan kernel's work plan on the host, from the groups' work tokens in group order
 // (PlaceGroup and SegmentTokens in turn, where the kernel runs them a thread per group):
-// the portion size, the CTAs with a portion, each segment (group, work tokens), each
+// the portion size, whether the line is aligned, the CTAs with a portion, each segment (group, work tokens), each
 // group's first segment and count, and each CTA's first segment (kTargetChunks + 1 bounds).
 struct WorkPlanRef {
   int64_t portion_blocks = 0;
+  bool aligned = false;  // each group's cost padded to whole portions (AlignedPortionBlocks)
   int32_t ctas = 0;
   struct Segment {
     int32_t u, w0, w1;

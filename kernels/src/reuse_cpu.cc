@@ -292,11 +292,24 @@ FillLayout LayoutFill(const MacDecodeConfig& c, int32_t batch, int32_t n) {
 WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work, int32_t fixed) {
   WorkPlanRef p;
   int64_t total = 0, most = 0;
+  int32_t least = 0, largest = 0, nw = 0;  // the costs of the groups with work, their count
   for (const int32_t w : work) {
-    total += SegmentCost(w, fixed);
+    const int32_t c = int32_t(SegmentCost(w, fixed));
+    total += c;
     most = std::max(most, WorkBlocks(w));
+    if (c > 0) {
+      least = nw == 0 ? c : std::min(least, c);
+      largest = std::max(largest, c);
+      ++nw;
+    }
   }
-  const int64_t S = PortionBlocks(total, most);
+  int64_t S = PortionBlocks(total, most);
+  const int32_t sa = AlignedPortionBlocks(S, least, largest, nw);
+  if (sa > 0) {
+    S = sa;
+    p.aligned = true;
+    total = int64_t(AlignedCost(least, sa)) * nw;
+  }
   p.portion_blocks = S;
   p.ctas = int32_t((total + S - 1) / S);
   p.cta_first.assign(size_t(kTargetChunks) + 1, -1);
@@ -314,7 +327,7 @@ WorkPlanRef PlanWorkRef(const std::vector<int32_t>& work, int32_t fixed) {
       if (j > 0 || g.starts_here) p.cta_first[size_t(g.p_first + j)] = int32_t(p.segments.size());
       p.segments.push_back(seg);
     }
-    F += SegmentCost(work[u], fixed);
+    F += LineCost(SegmentCost(work[u], fixed), S, p.aligned);
   }
   for (size_t k = size_t(p.ctas); k < p.cta_first.size(); ++k) p.cta_first[k] = int32_t(p.segments.size());
   return p;

@@ -429,6 +429,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "asmem/cuda_check.cuh"
@@ -588,7 +589,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
   const int nu = a.batch * a.hkv;
   __shared__ long long sm_tok[kPlanWarps];
   __shared__ long long sm_scan64[kPlanWarps];
-  __shared__ int32_t sm_most[kPlanWarps];
+  __shared__ int32_t sm_most[kPlanWarps], sm_least[kPlanWarps], sm_nw[kPlanWarps];
   __shared__ int32_t sm_scan[kPlanWarps];
   // Per group of a batch of NT: its segments' inclusive end within the batch, its first
   // portion (| 0x10000: the portion starts in its range), its first work block's offset in
@@ -601,6 +602,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
   // no global round trip between them).
   long long tok = 0;  // the groups' costs (reuse_common.h SegmentCost)
   int32_t most = 0;   // the most work blocks of a group
+  int32_t least = INT_MAX, nw = 0;  // the smallest cost of a group with work, their count
   bool all_miss = true;  // every head of this thread's groups
   UnitPlan mine{};
   for (int u = tid; u < nu; u += NT) {
@@ -649,8 +651,13 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
       up.band_end = R.band_end;
       up.end = R.end;
       const int32_t work = UnitWork(up);
-      tok += SegmentCost(work);
+      const int32_t cost = int32_t(SegmentCost(work));
+      tok += cost;
       most = max(most, int32_t(WorkBlocks(work)));
+      if (cost > 0) {
+        least = min(least, cost);
+        ++nw;
+      }
     }
     if (!dry) {
       o_units[u] = up;  // ranges now, segments below (read back by this thread only)
@@ -665,9 +672,13 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
     tok += __shfl_xor_sync(0xffffffffu, tok, o);
     most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
   }
+  least = int32_t(__reduce_min_sync(0xffffffffu, uint32_t(least)));  // one instruction each
+  nw = int32_t(__reduce_add_sync(0xffffffffu, uint32_t(nw)));
   if (lane == 0) {
     sm_tok[warp] = tok;
     sm_most[warp] = most;
+    sm_least[warp] = least;
+    sm_nw[warp] = nw;
   }
   // The verdict, as soon as the decisions are known, on every step a speculating attend CTA
   // may have streamed (they poll this word; it is final once this grid is done): 1 where
@@ -684,12 +695,24 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
   }
   long long total = 0;
   most = 0;
+  nw = 0;
 #pragma unroll
   for (int w = 0; w < kPlanWarps; ++w) {
     total += sm_tok[w];
     most = max(most, sm_most[w]);
+    least = min(least, sm_least[w]);
+    nw += sm_nw[w];
   }
-  const long long S = PortionBlocks(total, most);
+  long long S = PortionBlocks(total, most);
+  // The aligned line where the groups are long and of one cost (reuse_common.h): each
+  // group with work then costs `aligned_cost`.
+  const int32_t sa = AlignedPortionBlocks(S, least, most + kSegmentFixedBlocks, nw);
+  int32_t aligned_cost = 0;
+  if (sa > 0) {
+    aligned_cost = AlignedCost(least, sa);
+    total = static_cast<long long>(aligned_cost) * nw;
+    S = sa;
+  }
   TL(if (tid == 0 && keys_on) g_tl_plan_steps[1] = TlNow());
   const long long n_cta = (total + S - 1) / S;  // <= kTargetChunks
   // Divisions on the line in 32 bits where it fits (a 64-bit division is a long
@@ -717,6 +740,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
       up = first == 0 ? mine : dry ? UnitPlan{} : o_units[u];
       work = UnitWork(up);
       cost = SegmentCost(work);
+      if (sa > 0 && cost > 0) cost = aligned_cost;
     }
     long long cost_all = 0, F = carry_cost;
     if (small) {
@@ -1303,17 +1327,18 @@ __device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t 
 // the groups' first segments are the step's own.
 //
 // Warp 0 finds CTA k's portion: the groups' costs (a lane per group, 32 at a time), the
-// portion size S, the groups' places and segment counts by warp scans, and CTA k's
-// segments: those of the groups whose portions span k, consecutive in the numbering. The
-// lane of each such group writes its segment's descriptor straight into the CTA's
-// descriptor ring (`descs`, kSpecMaxSegs slots, none reused: AttendSegments then requests
-// none), and the CTA's threads get the first segment's number and the count through
-// shared memory (`scratch`: three words the CTA does not use before its pipeline's first
-// barrier). The costs are summed at every step of the kSpec kernel, beside the load of
-// the guess (step_spec[2]); the rest runs only where it is 1. The code is kept short (loops
-// not unrolled, 32-bit divisions): code at the kernel's entry that a step jumps over costs
-// it (session 23 bullet at the top of this file), and a step that does not speculate waits
-// for the plan, which takes longer.
+// portion size S and whether the line is aligned (reuse_common.h AlignedPortionBlocks), the
+// groups' places and segment counts by warp scans, and CTA k's segments: those of the
+// groups whose portions span k, consecutive in the numbering. The lane of each such group
+// writes its segment's descriptor straight into the CTA's descriptor ring (`descs`,
+// kSpecMaxSegs slots, none reused: AttendSegments then requests none), and the CTA's
+// threads get the first segment's number and the count through shared memory (`scratch`:
+// three words the CTA does not use before its pipeline's first barrier). The costs are
+// summed at every step of the kSpec kernel, beside the load of the guess (step_spec[2]);
+// the rest runs only where it is 1. The code is kept short (loops not unrolled, 32-bit
+// divisions): code at the kernel's entry that a step jumps over costs it (session 23 bullet
+// at the top of this file), and a step that does not speculate waits for the plan, which
+// takes longer.
 // Returns whether to speculate: the guess is 1, the line's cost fits 31 bits and the
 // portion holds at most kSpecMaxSegs segments.
 constexpr int kSpecMaxSegs = 8;  // SegSmem::kDescSlots
@@ -1327,21 +1352,32 @@ __device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int3
     const uint32_t guess = lane == 0 ? __ldcg(a.step_spec + 2) : 0u;
     const int nu = a.batch * a.hkv;
     long long total = 0;
-    int32_t most = 0;
+    int32_t most = 0, least = INT_MAX, nw = 0;
 #pragma unroll 1
     for (int u = lane; u < nu; u += 32) {
       const int32_t T = a.p.seq_lens[u / a.hkv];
-      total += SegmentCost(T);
+      const int32_t cost = int32_t(SegmentCost(T));
+      total += cost;
       most = max(most, int32_t(WorkBlocks(T)));
+      if (cost > 0) {
+        least = min(least, cost);
+        ++nw;
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       total += __shfl_xor_sync(0xffffffffu, total, o);
       most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
     }
+    least = int32_t(__reduce_min_sync(0xffffffffu, uint32_t(least)));
+    nw = int32_t(__reduce_add_sync(0xffffffffu, uint32_t(nw)));
+    // PlanStep's line: aligned where the groups are long and of one cost.
+    const int32_t sa = AlignedPortionBlocks(PortionBlocks(total, most), least, most + kSegmentFixedBlocks, nw);
+    const int32_t aligned_cost = sa > 0 ? AlignedCost(least, sa) : 0;
+    if (sa > 0) total = static_cast<long long>(aligned_cost) * nw;
     const bool fits = total < (1ll << 31);
     const bool speculate = __shfl_sync(0xffffffffu, guess, 0) == 1u;
-    const uint32_t S = uint32_t(PortionBlocks(total, most));
+    const uint32_t S = sa > 0 ? uint32_t(sa) : uint32_t(PortionBlocks(total, most));
     auto div_s = [&](long long x) -> long long { return static_cast<uint32_t>(x) / S; };
     uint32_t carry = 0;
     int32_t seg_carry = 0, c_begin = 0, n_seg = 0;
@@ -1349,7 +1385,8 @@ __device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int3
     for (int base = 0; fits && speculate && base < nu; base += 32) {
       const int u = base + lane;
       const int32_t T = u < nu ? a.p.seq_lens[u / a.hkv] : 0;
-      const uint32_t cost = uint32_t(SegmentCost(T));
+      uint32_t cost = uint32_t(SegmentCost(T));
+      if (sa > 0 && cost > 0) cost = uint32_t(aligned_cost);
       const uint32_t incl = decode::WarpInclusiveSum(cost);
       const GroupLine gl = PlaceGroup(carry + incl - cost, T, S, div_s);
       const int32_t sincl = decode::WarpInclusiveSum(gl.nseg);

@@ -955,8 +955,9 @@ TEST(MacCpu, BadFillArgumentsThrow) {
 
 // The plan kernel's rules (reuse_common.h PlaceGroup, SegmentTokens, PortionBlocks) on the
 // host: every group's segments cover its work in order, at most kMaxGroupChunks of them;
-// each CTA's segments lie in its portion, at most S work blocks in all; the CTAs' bounds
-// are non-decreasing and cover every segment once; the step's segments fit the workspace.
+// each CTA's segments lie in its portion, at most S work blocks in all (one group's where
+// the line is aligned); the CTAs' bounds are non-decreasing and cover every segment once;
+// the step's segments fit the workspace.
 void CheckWorkPlan(const std::vector<int32_t>& work, int32_t fixed = mac::kSegmentFixedBlocks) {
   using namespace mac;
   const WorkPlanRef p = PlanWorkRef(work, fixed);
@@ -964,9 +965,9 @@ void CheckWorkPlan(const std::vector<int32_t>& work, int32_t fixed = mac::kSegme
   ASSERT_GE(S, 1);
   ASSERT_LE(p.ctas, kTargetChunks);
   ASSERT_LE(int64_t(p.segments.size()), int64_t(kTargetChunks) + int64_t(work.size()));
-  int64_t total = 0;
+  int64_t total = 0;  // the line's length (costs padded to whole portions where aligned)
   for (size_t u = 0; u < work.size(); ++u) {
-    total += SegmentCost(work[u], fixed);
+    total += LineCost(SegmentCost(work[u], fixed), S, p.aligned);
     const int32_t n = p.group_segments[u], first = p.group_first[u];
     ASSERT_LE(n, kMaxGroupChunks) << "group " << u;
     ASSERT_EQ(n > 0, work[u] > 0) << "group " << u;
@@ -995,7 +996,7 @@ void CheckWorkPlan(const std::vector<int32_t>& work, int32_t fixed = mac::kSegme
       const auto& seg = p.segments[size_t(p.group_first[u] + j)];
       line[size_t(p.group_first[u] + j)] = F + fixed + seg.w0 / kChunkAlign;
     }
-    F += SegmentCost(work[u], fixed);
+    F += LineCost(SegmentCost(work[u], fixed), S, p.aligned);
   }
   for (int32_t k = 0; k < kTargetChunks; ++k) {
     const int32_t b = p.cta_first[size_t(k)], e = p.cta_first[size_t(k) + 1];
@@ -1008,6 +1009,8 @@ void CheckWorkPlan(const std::vector<int32_t>& work, int32_t fixed = mac::kSegme
     int64_t blocks = 0;
     for (int32_t c = b; c < e; ++c) {
       const auto& seg = p.segments[size_t(c)];
+      // An aligned line's portions hold one group's work at most.
+      if (p.aligned) ASSERT_EQ(seg.u, p.segments[size_t(b)].u) << "CTA " << k << " segment " << c;
       const int64_t nb = (int64_t(seg.w1 - seg.w0) + kChunkAlign - 1) / kChunkAlign;
       ASSERT_GE(line[size_t(c)], k * S) << "CTA " << k << " segment " << c;
       ASSERT_LE(line[size_t(c)] + nb, (k + 1) * S) << "CTA " << k << " segment " << c;
@@ -1046,6 +1049,58 @@ TEST(MacPlan, PortionsCoverEveryGroupOnce) {
   CheckWorkPlan({});
 }
 
+// The aligned line (reuse_common.h AlignedPortionBlocks): where the groups with work have one
+// cost of at least two portions, each is padded to whole portions if that fits
+// kAlignedPortions portions of S0 or S0 + 1 blocks, so that no CTA streams two groups.
+TEST(MacPlan, LongGroupsOfOneCostGetWholePortions) {
+  // All-miss at 32K (32769 tokens: 513 work blocks, cost 514). LLaMA-8B B = 1: 8 groups,
+  // S0 = 16 would need 8 x 33 = 264 portions, S0 + 1 = 17 needs 8 x 31 = 248.
+  const std::vector<int32_t> b1(8, 32769);
+  CheckWorkPlan(b1);
+  const mac::WorkPlanRef p1 = mac::PlanWorkRef(b1);
+  EXPECT_TRUE(p1.aligned);
+  EXPECT_EQ(p1.portion_blocks, 17);
+  EXPECT_EQ(p1.ctas, 248);
+  for (int32_t k = 0; k < p1.ctas; ++k) {
+    EXPECT_EQ(p1.cta_first[size_t(k) + 1] - p1.cta_first[size_t(k)], 1) << "CTA " << k;
+  }
+  // GQA-8 B = 1: 4 groups, S0 = 8, 4 x 65 = 260 portions.
+  const mac::WorkPlanRef g1 = mac::PlanWorkRef(std::vector<int32_t>(4, 32769));
+  EXPECT_TRUE(g1.aligned);
+  EXPECT_EQ(g1.portion_blocks, 8);
+  EXPECT_EQ(g1.ctas, 260);
+  // LLaMA-8B B = 2: S0 = 32 needs 16 x 17 = 272 portions; S0 + 1 = 33 needs 16 x 16.
+  const std::vector<int32_t> b2(16, 32769);
+  CheckWorkPlan(b2);
+  const mac::WorkPlanRef p2 = mac::PlanWorkRef(b2);
+  EXPECT_TRUE(p2.aligned);
+  EXPECT_EQ(p2.portion_blocks, 33);
+  EXPECT_EQ(p2.ctas, 256);
+  // B = 4: S0 = 63 and 64 both need 32 x 9 = 288 portions: the packed line.
+  const std::vector<int32_t> b4(32, 32769);
+  CheckWorkPlan(b4);
+  const mac::WorkPlanRef p4 = mac::PlanWorkRef(b4);
+  EXPECT_FALSE(p4.aligned);
+  EXPECT_EQ(p4.portion_blocks, 63);
+  // A hit among misses, or requests of different lengths: the packed line. Groups without
+  // work do not count.
+  std::vector<int32_t> mixed(8, 32769);
+  mixed[3] = 300;
+  CheckWorkPlan(mixed);
+  EXPECT_FALSE(mac::PlanWorkRef(mixed).aligned);
+  const std::vector<int32_t> uneven{40000, 9000, 70000, 20000, 33000};
+  CheckWorkPlan(uneven);
+  EXPECT_FALSE(mac::PlanWorkRef(uneven).aligned);
+  std::vector<int32_t> idle(8, 32769);
+  idle[5] = 0;
+  CheckWorkPlan(idle);
+  const mac::WorkPlanRef pi = mac::PlanWorkRef(idle);
+  EXPECT_TRUE(pi.aligned);
+  EXPECT_EQ(pi.portion_blocks, 14);
+  EXPECT_EQ(pi.group_segments[5], 0);
+  CheckWorkPlan(b1, 3);
+}
+
 // A fixed cost of several blocks (the rules take it as a parameter): with portions of one
 // block, each group's first two or three portions hold none of its segments, and their CTAs'
 // bounds are still written.
@@ -1072,6 +1127,7 @@ TEST(MacPlan, RandomStepsKeepTheRules) {
   std::mt19937_64 rng(seed);
   const int sizes[] = {1, 2, 3, 8, 32, 256, 512, 1024, 1300};
   const int32_t spans[] = {64, 130, 2000, 40000, 140000, 1 << 20};
+  int aligned = 0, packed = 0;
   for (int it = 0; it < 400; ++it) {
     const int n = sizes[rng() % 9];
     std::vector<int32_t> w(size_t(n), 0);
@@ -1082,9 +1138,14 @@ TEST(MacPlan, RandomStepsKeepTheRules) {
       x = 1 + int32_t(rng() % uint64_t(span));
     }
     SCOPED_TRACE("step " + std::to_string(it) + ", groups " + std::to_string(n));
-    CheckWorkPlan(w, 1 + int32_t(it % 3));  // the fixed cost in use and two others
+    const int32_t fixed = 1 + int32_t(it % 3);  // the fixed cost in use and two others
+    CheckWorkPlan(w, fixed);
     if (HasFatalFailure()) return;
+    ++(mac::PlanWorkRef(w, fixed).aligned ? aligned : packed);
   }
+  // Both lines occur (51 of these 400 steps are aligned with the default seed).
+  EXPECT_GT(aligned, 0);
+  EXPECT_GT(packed, 0);
 }
 
 }  // namespace
