@@ -1053,35 +1053,34 @@ TEST(MacPlan, PortionsCoverEveryGroupOnce) {
 // cost of at least two portions, each is padded to whole portions if that fits
 // kAlignedPortions portions of S0 or S0 + 1 blocks, so that no CTA streams two groups.
 TEST(MacPlan, LongGroupsOfOneCostGetWholePortions) {
-  // All-miss at 32K (32769 tokens: 513 work blocks, cost 514). LLaMA-8B B = 1: 8 groups,
-  // S0 = 16 would need 8 x 33 = 264 portions, S0 + 1 = 17 needs 8 x 31 = 248.
-  const std::vector<int32_t> b1(8, 32769);
-  CheckWorkPlan(b1);
-  const mac::WorkPlanRef p1 = mac::PlanWorkRef(b1);
-  EXPECT_TRUE(p1.aligned);
-  EXPECT_EQ(p1.portion_blocks, 17);
-  EXPECT_EQ(p1.ctas, 248);
-  for (int32_t k = 0; k < p1.ctas; ++k) {
-    EXPECT_EQ(p1.cta_first[size_t(k) + 1] - p1.cta_first[size_t(k)], 1) << "CTA " << k;
+  // All-miss at 32K (32769 tokens: 513 work blocks, cost 514), `groups` KV groups: whether
+  // the line is aligned, its S and its CTAs.
+  struct Case {
+    const char* what;
+    int groups;
+    bool aligned;
+    int64_t S;
+    int32_t ctas;
+  };
+  const Case cases[] = {
+      {"LLaMA-8B B = 1: S0 = 16 would need 8 x 33 = 264 portions, 17 needs 8 x 31", 8, true, 17, 248},
+      {"GQA-8 B = 1: S0 = 8, 4 x 65 portions", 4, true, 8, 260},
+      {"LLaMA-8B B = 2: S0 = 32 needs 16 x 17 portions, 33 needs 16 x 16", 16, true, 33, 256},
+      {"LLaMA-8B B = 4: S0 = 63 and 64 both need 32 x 9 = 288 portions: packed", 32, false, 63, 262},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::vector<int32_t> w(size_t(c.groups), 32769);
+    CheckWorkPlan(w);
+    const mac::WorkPlanRef p = mac::PlanWorkRef(w);
+    EXPECT_EQ(p.aligned, c.aligned);
+    EXPECT_EQ(p.portion_blocks, c.S);
+    EXPECT_EQ(p.ctas, c.ctas);
+    if (!p.aligned) continue;
+    for (int32_t k = 0; k < p.ctas; ++k) {
+      EXPECT_EQ(p.cta_first[size_t(k) + 1] - p.cta_first[size_t(k)], 1) << "CTA " << k;
+    }
   }
-  // GQA-8 B = 1: 4 groups, S0 = 8, 4 x 65 = 260 portions.
-  const mac::WorkPlanRef g1 = mac::PlanWorkRef(std::vector<int32_t>(4, 32769));
-  EXPECT_TRUE(g1.aligned);
-  EXPECT_EQ(g1.portion_blocks, 8);
-  EXPECT_EQ(g1.ctas, 260);
-  // LLaMA-8B B = 2: S0 = 32 needs 16 x 17 = 272 portions; S0 + 1 = 33 needs 16 x 16.
-  const std::vector<int32_t> b2(16, 32769);
-  CheckWorkPlan(b2);
-  const mac::WorkPlanRef p2 = mac::PlanWorkRef(b2);
-  EXPECT_TRUE(p2.aligned);
-  EXPECT_EQ(p2.portion_blocks, 33);
-  EXPECT_EQ(p2.ctas, 256);
-  // B = 4: S0 = 63 and 64 both need 32 x 9 = 288 portions: the packed line.
-  const std::vector<int32_t> b4(32, 32769);
-  CheckWorkPlan(b4);
-  const mac::WorkPlanRef p4 = mac::PlanWorkRef(b4);
-  EXPECT_FALSE(p4.aligned);
-  EXPECT_EQ(p4.portion_blocks, 63);
   // A hit among misses, or requests of different lengths: the packed line. Groups without
   // work do not count.
   std::vector<int32_t> mixed(8, 32769);
@@ -1098,7 +1097,7 @@ TEST(MacPlan, LongGroupsOfOneCostGetWholePortions) {
   EXPECT_TRUE(pi.aligned);
   EXPECT_EQ(pi.portion_blocks, 14);
   EXPECT_EQ(pi.group_segments[5], 0);
-  CheckWorkPlan(b1, 3);
+  CheckWorkPlan(std::vector<int32_t>(8, 32769), 3);
 }
 
 // A fixed cost of several blocks (the rules take it as a parameter): with portions of one
