@@ -117,13 +117,14 @@ ASMEM_HOST_DEVICE float QueryDistanceBound(float sq, int32_t a, float sr, int32_
 // pipeline's turn to another group) plus its work blocks. The costs are laid end to end in
 // group order and the line is cut into portions of S blocks, S = PortionBlocks(total, most
 // work blocks of a group), or, where the groups are long and of one cost, each padded to
-// whole portions (AlignedPortionBlocks); CTA k takes portion k, one or more segments: the parts of the
-// groups' work in it (ChunkDesc, written out whole; a group's segments are numbered in
-// order, so its partial rows stay consecutive). A segment may span the sink, the band and
-// the tail of its group: the attention CTA keeps two states (band -> entry, sink and tail
-// -> output), so a group that hits costs one segment, not one per range. A CTA streams its
-// segments back to back (reuse_kernels.cuh AttendSegments): the pipeline fills once per
-// CTA. At most kTargetChunks + B * Hkv segments, at most kMaxGroupChunks per group.
+// whole portions (AlignedPortionBlocks); CTA k takes portion k, one or more segments: the
+// parts of the groups' work in it (ChunkDesc, written out whole; a group's segments are
+// numbered in order, so its partial rows stay consecutive). A segment may span the sink,
+// the band and the tail of its group: the attention CTA keeps two states (band -> entry,
+// sink and tail -> output), so a group that hits costs one segment, not one per range. A
+// CTA streams its segments back to back (reuse_kernels.cuh AttendSegments): the pipeline
+// fills once per CTA. At most kTargetChunks + B * Hkv segments, at most kMaxGroupChunks per
+// group.
 // ---------------------------------------------------------------------------------------
 // The earlier plan (until session 18) gave each group round(W_u / base) chunks of equal
 // length and each chunk its own CTA, about kTargetChunks of them; at 99% hits the hit
@@ -367,8 +368,9 @@ FillLayout LayoutFill(const MacDecodeConfig& config, int32_t batch, int32_t num_
 
 // The plan kernel's work plan on the host, from the groups' work tokens in group order
 // (PlaceGroup and SegmentTokens in turn, where the kernel runs them a thread per group):
-// the portion size, whether the line is aligned, the CTAs with a portion, each segment (group, work tokens), each
-// group's first segment and count, and each CTA's first segment (kTargetChunks + 1 bounds).
+// the portion size, whether the line is aligned, the CTAs with a portion, each segment
+// (group, work tokens), each group's first segment and count, and each CTA's first segment
+// (kTargetChunks + 1 bounds).
 struct WorkPlanRef {
   int64_t portion_blocks = 0;
   bool aligned = false;  // each group's cost padded to whole portions (AlignedPortionBlocks)
