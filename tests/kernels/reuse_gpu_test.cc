@@ -304,6 +304,21 @@ std::vector<MacCase> GpuCases() {
   c.idle_to = 9;
   v.push_back(c);
 
+  // One request of 8 KV groups (G = 1) that misses everywhere for its first 35 steps (T
+  // below min_context): the speculating attend CTAs stream the aligned line
+  // (reuse_common.h AlignedPortionBlocks; reuse_test.cc pins it for these lengths): 8 x 22
+  // portions of 3 blocks while a group costs 66 blocks, 8 x 23 with each group padded from
+  // 67 to 69 blocks from T = 4161; then steps with hits, whose lines are packed.
+  c = MacCase{};
+  c.name = "one-request-aligned-spec";
+  c.Hq = 8;
+  c.Hkv = 8;
+  c.d = 64;
+  c.mac = MakeMac(32, 16, 0, 4185);
+  c.T0 = {4150};
+  c.p_hit = 0.8;
+  v.push_back(c);
+
   c = MacCase{};
   c.name = "g6-g7-min-context";
   c.Hq = 12;

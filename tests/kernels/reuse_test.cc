@@ -1053,24 +1053,29 @@ TEST(MacPlan, PortionsCoverEveryGroupOnce) {
 // cost of at least two portions, each is padded to whole portions if that fits
 // kAlignedPortions portions of S0 or S0 + 1 blocks, so that no CTA streams two groups.
 TEST(MacPlan, LongGroupsOfOneCostGetWholePortions) {
-  // All-miss at 32K (32769 tokens: 513 work blocks, cost 514), `groups` KV groups: whether
-  // the line is aligned, its S and its CTAs.
+  // All-miss steps of `groups` KV groups of `tokens` each (32K: 32769 tokens, 513 work
+  // blocks, cost 514): whether the line is aligned, its S and its CTAs.
   struct Case {
     const char* what;
     int groups;
     bool aligned;
     int64_t S;
     int32_t ctas;
+    int32_t tokens = 32769;
   };
   const Case cases[] = {
       {"LLaMA-8B B = 1: S0 = 16 would need 8 x 33 = 264 portions, 17 needs 8 x 31", 8, true, 17, 248},
       {"GQA-8 B = 1: S0 = 8, 4 x 65 portions", 4, true, 8, 260},
       {"LLaMA-8B B = 2: S0 = 32 needs 16 x 17 portions, 33 needs 16 x 16", 16, true, 33, 256},
       {"LLaMA-8B B = 4: S0 = 63 and 64 both need 32 x 9 = 288 portions: packed", 32, false, 63, 262},
+      // reuse_gpu_test.cc's one-request-aligned-spec: 8 groups of 4150 (cost 66: S0 = 2
+      // needs 8 x 33 portions, 3 needs 8 x 22) and of 4161 tokens (cost 67, padded to 69).
+      {"8 groups of 4150 tokens", 8, true, 3, 176, 4150},
+      {"8 groups of 4161 tokens", 8, true, 3, 184, 4161},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    const std::vector<int32_t> w(size_t(c.groups), 32769);
+    const std::vector<int32_t> w(size_t(c.groups), c.tokens);
     CheckWorkPlan(w);
     const mac::WorkPlanRef p = mac::PlanWorkRef(w);
     EXPECT_EQ(p.aligned, c.aligned);
