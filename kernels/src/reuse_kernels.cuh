@@ -566,6 +566,35 @@ __device__ __forceinline__ PlanInputs LoadPlanInputs(const LaunchArgs& a, int u)
   return in;
 }
 
+// What the plan's line is cut from (PortionBlocks, AlignedPortionBlocks), tallied over a
+// lane's groups and then over the warp: the groups' costs (reuse_common.h SegmentCost), the
+// most work blocks of a group, and the smallest cost of a group with work and their count.
+// PlanStep and FindSpecPortion tally the same line.
+struct LineTally {
+  long long total = 0;
+  int32_t most = 0;
+  int32_t least = INT_MAX, nw = 0;
+  __device__ __forceinline__ void Add(int32_t cost, int32_t work_blocks) {
+    total += cost;
+    most = max(most, work_blocks);
+    if (cost > 0) {
+      least = min(least, cost);
+      ++nw;
+    }
+  }
+  // Every lane ends with the warp's tally (the last two in one instruction each: after a
+  // loop, shuffles compile to divergence-safe sequences).
+  __device__ __forceinline__ void WarpAll() {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      total += __shfl_xor_sync(0xffffffffu, total, o);
+      most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+    }
+    least = int32_t(__reduce_min_sync(0xffffffffu, uint32_t(least)));
+    nw = int32_t(__reduce_add_sync(0xffffffffu, uint32_t(nw)));
+  }
+};
+
 // NT threads (MacPlanKernel's block): group u of the first NT is thread u's, and its inputs
 // (`first`) were loaded before the wait for the match. Modes (one code path):
 //  * kPlanReal: the step's plan from the match's keys (reset for the next step) and, with
@@ -600,9 +629,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
   // Per group: its heads' decisions (the keys are reset for the next step), its ranges.
   // The first group of each thread stays in registers for the passes below (B * Hkv <= NT:
   // no global round trip between them).
-  long long tok = 0;  // the groups' costs (reuse_common.h SegmentCost)
-  int32_t most = 0;   // the most work blocks of a group
-  int32_t least = INT_MAX, nw = 0;  // the smallest cost of a group with work, their count
+  LineTally line;
   bool all_miss = true;  // every head of this thread's groups
   UnitPlan mine{};
   for (int u = tid; u < nu; u += NT) {
@@ -651,13 +678,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
       up.band_end = R.band_end;
       up.end = R.end;
       const int32_t work = UnitWork(up);
-      const int32_t cost = int32_t(SegmentCost(work));
-      tok += cost;
-      most = max(most, int32_t(WorkBlocks(work)));
-      if (cost > 0) {
-        least = min(least, cost);
-        ++nw;
-      }
+      line.Add(int32_t(SegmentCost(work)), int32_t(WorkBlocks(work)));
     }
     if (!dry) {
       o_units[u] = up;  // ranges now, segments below (read back by this thread only)
@@ -667,18 +688,12 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
     if (u == tid) mine = up;
   }
   TL(if (tid == 0 && keys_on) g_tl_plan_steps[0] = TlNow());
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    tok += __shfl_xor_sync(0xffffffffu, tok, o);
-    most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
-  }
-  least = int32_t(__reduce_min_sync(0xffffffffu, uint32_t(least)));  // one instruction each
-  nw = int32_t(__reduce_add_sync(0xffffffffu, uint32_t(nw)));
+  line.WarpAll();
   if (lane == 0) {
-    sm_tok[warp] = tok;
-    sm_most[warp] = most;
-    sm_least[warp] = least;
-    sm_nw[warp] = nw;
+    sm_tok[warp] = line.total;
+    sm_most[warp] = line.most;
+    sm_least[warp] = line.least;
+    sm_nw[warp] = line.nw;
   }
   // The verdict, as soon as the decisions are known, on every step a speculating attend CTA
   // may have streamed (they poll this word; it is final once this grid is done): 1 where
@@ -694,8 +709,7 @@ __device__ inline void PlanStep(const LaunchArgs& a, const PlanInputs& first, in
     __syncthreads();
   }
   long long total = 0;
-  most = 0;
-  nw = 0;
+  int32_t most = 0, least = line.least, nw = 0;
 #pragma unroll
   for (int w = 0; w < kPlanWarps; ++w) {
     total += sm_tok[w];
@@ -1351,26 +1365,15 @@ __device__ __forceinline__ bool FindSpecPortion(const LaunchArgs& a, int k, int3
   if (tid < 32) {
     const uint32_t guess = lane == 0 ? __ldcg(a.step_spec + 2) : 0u;
     const int nu = a.batch * a.hkv;
-    long long total = 0;
-    int32_t most = 0, least = INT_MAX, nw = 0;
+    LineTally line;
 #pragma unroll 1
     for (int u = lane; u < nu; u += 32) {
       const int32_t T = a.p.seq_lens[u / a.hkv];
-      const int32_t cost = int32_t(SegmentCost(T));
-      total += cost;
-      most = max(most, int32_t(WorkBlocks(T)));
-      if (cost > 0) {
-        least = min(least, cost);
-        ++nw;
-      }
+      line.Add(int32_t(SegmentCost(T)), int32_t(WorkBlocks(T)));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      total += __shfl_xor_sync(0xffffffffu, total, o);
-      most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
-    }
-    least = int32_t(__reduce_min_sync(0xffffffffu, uint32_t(least)));
-    nw = int32_t(__reduce_add_sync(0xffffffffu, uint32_t(nw)));
+    line.WarpAll();
+    long long total = line.total;
+    const int32_t most = line.most, least = line.least, nw = line.nw;
     // PlanStep's line: aligned where the groups are long and of one cost.
     const int32_t sa = AlignedPortionBlocks(PortionBlocks(total, most), least, most + kSegmentFixedBlocks, nw);
     const int32_t aligned_cost = sa > 0 ? AlignedCost(least, sa) : 0;
