@@ -418,15 +418,15 @@ std::vector<MacCase> GpuCases() {
   v.push_back(c);
 
   // Few heads and a long window: each head's ring scan split over several match CTAs
-  // (MatchSplits > 1: W >= 128 and B Hq below the match's CTA target), which no case
-  // above reaches.
+  // (MatchSplits > 1: W above kMatchBatchRows and B Hq below the match's CTA target; 3
+  // splits here), which no case above reaches; the first request's ring wraps.
   c = MacCase{};
-  c.name = "window256-split-scan";
+  c.name = "window768-split-scan";
   c.Hq = 8;
   c.Hkv = 2;
   c.d = 128;
-  c.mac = MakeMac(256, 64, 0, 0);
-  c.T0 = {900, 400};
+  c.mac = MakeMac(768, 64, 0, 0);
+  c.T0 = {1300, 400};
   c.p_hit = 0.8;
   v.push_back(c);
 
