@@ -195,7 +195,7 @@ constexpr int32_t kMinMatchRows = 64;
 // 51.9, 52.1 -> 49.7, 49.9, B = 2 82.8, 83.4 -> 81.5, 81.8; GQA-8 B = 1 37.9, 37.9 -> 36.0,
 // 36.0, B = 2 53.1, 53.3 -> 51.5, 52.2; 99% and all-hit at B = 1-8 -2.5% .. +0.2% (LLaMA-8B
 // B = 1 all-hit 24.1, 24.4 -> 23.8, 24.0); all-miss at B = 4 and 8 within 0.7%. A target of
-// 64 CTAs (one split at B = 2, two batches per thread) lost 1.4-3.1% at B = 2-8 with hits.
+// 64 CTAs (one split at B = 2, two batches per thread) lost 1.8-3.1% at B = 2-8 with hits.
 constexpr int32_t kMatchBatchRows = 256;
 // MacFill: static split of each (request, position, KV head) like DecodeAttention's.
 constexpr int32_t kFillTargetCtas = 16 * 132;
