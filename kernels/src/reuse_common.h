@@ -183,11 +183,14 @@ constexpr int32_t kSpecMaxHeads = 256;
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
 constexpr int32_t kMinMatchRows = 64;
-// ... but no more splits than keep one batch of rows per thread: the rows a 128-thread CTA
-// of the whole-row match (two per thread, LaunchMatch) reads at once. Fewer match CTAs
-// leave SMs free at small B, where the speculating step's plan CTA and attend CTAs then
-// start beside the match. At W = 512: B = 1 2 splits (64 CTAs, 8 before), B = 2 2 (5),
-// B = 4 2 (3). Timeline, LLaMA-8B B = 1 all-miss 32K (us from the first match CTA; a
+// ... but where that grid would hold more CTAs than the H200 has SMs (kMatchFreeSms), no more
+// splits than keep one batch of rows per thread: the rows a 128-thread CTA of the whole-row
+// match (two per thread, LaunchMatch) reads at once. Fewer match CTAs leave SMs free at
+// small B, where the speculating step's plan CTA and attend CTAs then start beside the
+// match. At W = 512 and Hq = 32: B = 1 2 splits (64 CTAs, 8 before), B = 2 2 (5), B = 4 2
+// (3). A grid of at most one CTA per SM leaves SMs free already and keeps its splits: with
+// the limit everywhere, the SmolLM2 query trace (Hq 9, d 64) at B = 1 went from 72 match
+// CTAs to 18 and its (mixed) step from 32.1, 32.1 to 33.0, 33.3 us at 32K. Timeline, LLaMA-8B B = 1 all-miss 32K (us from the first match CTA; a
 // build that also set the speculating plan kernel to the largest shared-memory carveout,
 // which did not help on its own): the plan CTA starts at 1.3 (3.8 at 38e087c), the attend
 // CTAs at 2.8-4.6 (5.1-5.4), the last ends at 41.2 (45.1). Against 6567a30 in one machine
@@ -197,6 +200,7 @@ constexpr int32_t kMinMatchRows = 64;
 // B = 1 all-hit 24.1, 24.4 -> 23.8, 24.0); all-miss at B = 4 and 8 within 0.7%. A target of
 // 64 CTAs (one split at B = 2, two batches per thread) lost 1.8-3.1% at B = 2-8 with hits.
 constexpr int32_t kMatchBatchRows = 256;
+constexpr int32_t kMatchFreeSms = 132;
 // MacFill: static split of each (request, position, KV head) like DecodeAttention's.
 constexpr int32_t kFillTargetCtas = 16 * 132;
 constexpr int32_t kFillMaxSplits = 128;
@@ -295,10 +299,10 @@ inline int32_t MaxChunks(int32_t batch, int32_t hkv) { return kTargetChunks + ba
 inline int32_t MatchSplits(int32_t batch, int32_t hq, int32_t window) {
   const int64_t rows = int64_t(batch) * hq;
   int64_t s = (kMatchTargetCtas + rows - 1) / rows;
-  const int64_t one_batch = (window + kMatchBatchRows - 1) / kMatchBatchRows;
-  if (s > one_batch) s = one_batch;
   const int64_t by_rows = window / kMinMatchRows > 1 ? window / kMinMatchRows : 1;
   if (s > by_rows) s = by_rows;
+  const int64_t one_batch = (window + kMatchBatchRows - 1) / kMatchBatchRows;
+  if (rows * s > kMatchFreeSms && s > one_batch) s = one_batch;
   return s < 1 ? 1 : int32_t(s);
 }
 

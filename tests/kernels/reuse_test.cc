@@ -1126,30 +1126,37 @@ TEST(MacPlan, FixedCostOfSeveralBlocks) {
 }
 
 // Ring scan splits per head (reuse_common.h MatchSplits): about kMatchTargetCtas match CTAs,
-// at least kMinMatchRows rows each, and no more splits than keep one batch of
-// kMatchBatchRows rows per CTA (so the match leaves SMs free at small B).
+// at least kMinMatchRows rows each, and where that grid would hold more CTAs than
+// kMatchFreeSms, no more splits than keep one batch of kMatchBatchRows rows per CTA (so the
+// match leaves SMs free at small B).
 TEST(MacMatch, SplitsKeepOneBatchOfRowsPerCta) {
   struct Row {
     int32_t batch, hq, window, splits;
   };
   const Row rows[] = {
-      {1, 32, 512, 2},  // 8 by the CTA target alone
+      {1, 32, 512, 2},  // 8 by the CTA target alone: 256 CTAs
       {2, 32, 512, 2},  // 5
       {4, 32, 512, 2},  // 3
       {8, 32, 512, 2},  {9, 32, 512, 1},  {16, 32, 512, 1}, {64, 32, 512, 1},
-      {1, 32, 256, 1},  {1, 32, 257, 2},  {1, 32, 1024, 4}, {1, 8, 4096, 16},
-      {1, 32, 64, 1},   {2, 8, 768, 3},   {1, 9, 512, 2},   {1, 1, 100, 1},
+      {1, 32, 256, 4},  // 128 CTAs: no more than the SMs, so 4 splits of one batch each
+      {1, 32, 257, 4},  {1, 32, 1024, 4}, {1, 8, 4096, 16}, {1, 32, 64, 1},  {2, 8, 768, 3},
+      {1, 9, 512, 8},   // 72 CTAs: kept
+      {1, 16, 512, 8},  {1, 17, 512, 2},  {1, 14, 512, 8},  {1, 16, 128, 2}, {1, 4, 2048, 32},
+      {1, 1, 100, 1},
   };
   for (const Row& r : rows) {
     EXPECT_EQ(mac::MatchSplits(r.batch, r.hq, r.window), r.splits)
         << "B " << r.batch << " Hq " << r.hq << " W " << r.window;
   }
   for (int32_t batch = 1; batch <= 64; ++batch) {
-    for (const int32_t window : {16, 64, 128, 256, 300, 512, 768, 1024, 2048}) {
-      const int32_t s = mac::MatchSplits(batch, 32, window);
-      EXPECT_GE(s, 1);
-      EXPECT_LE(int64_t(s) * mac::kMatchBatchRows, int64_t(window) + mac::kMatchBatchRows - 1);
-      EXPECT_TRUE(s == 1 || int64_t(window) / s >= mac::kMinMatchRows);
+    for (const int32_t hq : {1, 9, 32}) {
+      for (const int32_t window : {16, 64, 128, 256, 300, 512, 768, 1024, 2048}) {
+        const int32_t s = mac::MatchSplits(batch, hq, window);
+        EXPECT_GE(s, 1);
+        EXPECT_TRUE(int64_t(batch) * hq * s <= mac::kMatchFreeSms ||
+                    int64_t(s) * mac::kMatchBatchRows < int64_t(window) + mac::kMatchBatchRows);
+        EXPECT_TRUE(s == 1 || int64_t(window) / s >= mac::kMinMatchRows);
+      }
     }
   }
 }
