@@ -183,22 +183,23 @@ constexpr int32_t kSpecMaxHeads = 256;
 // each scanning at least kMinMatchRows candidates.
 constexpr int32_t kMatchTargetCtas = 264;
 constexpr int32_t kMinMatchRows = 64;
-// ... but where that grid would hold more CTAs than the H200 has SMs (kMatchFreeSms), no more
-// splits than keep one batch of rows per thread: the rows a 128-thread CTA of the whole-row
-// match (two per thread, LaunchMatch) reads at once. Fewer match CTAs leave SMs free at
-// small B, where the speculating step's plan CTA and attend CTAs then start beside the
-// match. At W = 512 and Hq = 32: B = 1 2 splits (64 CTAs, 8 before), B = 2 2 (5), B = 4 2
-// (3). A grid of at most one CTA per SM leaves SMs free already and keeps its splits: with
+// ... but where that grid would hold more CTAs than the H200 has SMs (kMatchFreeSms), no
+// more splits than keep one batch of rows per thread: the rows a 128-thread CTA of the
+// whole-row match (two per thread, LaunchMatch) reads at once. Fewer match CTAs leave SMs
+// free at small B, where the speculating step's plan CTA and attend CTAs then start beside
+// the match. At W = 512 and Hq = 32: 2 splits at B = 1 (64 CTAs; 8 before), B = 2 (5 before)
+// and B = 4 (3). A grid of at most one CTA per SM leaves SMs free already and keeps its splits: with
 // the limit everywhere, the SmolLM2 query trace (Hq 9, d 64) at B = 1 went from 72 match
-// CTAs to 18 and its (mixed) step from 32.1, 32.1 to 33.0, 33.3 us at 32K. Timeline, LLaMA-8B B = 1 all-miss 32K (us from the first match CTA; a
-// build that also set the speculating plan kernel to the largest shared-memory carveout,
-// which did not help on its own): the plan CTA starts at 1.3 (3.8 at 38e087c), the attend
-// CTAs at 2.8-4.6 (5.1-5.4), the last ends at 41.2 (45.1). Against 6567a30 in one machine
-// session, two runs each, 32K clustered, us: all-miss LLaMA-8B B = 1
-// 51.9, 52.1 -> 49.7, 49.9, B = 2 82.8, 83.4 -> 81.5, 81.8; GQA-8 B = 1 37.9, 37.9 -> 36.0,
-// 36.0, B = 2 53.1, 53.3 -> 51.5, 52.2; 99% and all-hit at B = 1-8 -2.5% .. +0.2% (LLaMA-8B
-// B = 1 all-hit 24.1, 24.4 -> 23.8, 24.0); all-miss at B = 4 and 8 within 0.7%. A target of
-// 64 CTAs (one split at B = 2, two batches per thread) lost 1.8-3.1% at B = 2-8 with hits.
+// CTAs to 18 and its (mixed) step from 32.1, 32.1 to 33.0, 33.3 us at 32K. Timeline,
+// LLaMA-8B B = 1 all-miss 32K (us from the first match CTA; a build that also set the
+// speculating plan kernel to the largest shared-memory carveout, which did not help on its
+// own): the plan CTA starts at 1.3 (3.8 at 38e087c), the attend CTAs at 2.8-4.6 (5.1-5.4),
+// the last ends at 41.2 (45.1). Against 6567a30 in one machine session, two runs each, 32K
+// clustered, us: all-miss LLaMA-8B B = 1 51.9, 52.1 -> 49.7, 49.9, B = 2 82.8, 83.4 -> 81.5,
+// 81.8; GQA-8 B = 1 37.9, 37.9 -> 36.0, 36.0, B = 2 53.1, 53.3 -> 51.5, 52.2; 99% and
+// all-hit at B = 1-8 -2.5% .. +0.2% (LLaMA-8B B = 1 all-hit 24.1, 24.4 -> 23.8, 24.0);
+// all-miss at B = 4 and 8 within 0.7%. A target of 64 CTAs (one split at B = 2, two batches
+// per thread) lost 1.8-3.1% at B = 2-8 with hits.
 constexpr int32_t kMatchBatchRows = 256;
 constexpr int32_t kMatchFreeSms = 132;
 // MacFill: static split of each (request, position, KV head) like DecodeAttention's.
