@@ -309,9 +309,9 @@ int64_t MacGroupTokens(const MacConfig& mac, int32_t seq_len, const int32_t* hit
 // landed, last tile done, CTA done, then its last segment's states staged, merge weights
 // written, partials stored] per CTA that had segments (tiles and tokens: all of its
 // segments'); "seg0" [CTA, its first segment's last tile consumed, verdict read, partials
-// stored, states staged, merge weights written] per attend CTA of several segments. At most 8192 CTAs per grid. Synchronizes the
-// device. tools/mac_timeline.py summarizes a file of such lines (asmem_bench_mac
-// --timeline).
+// stored, states staged, merge weights written] per attend CTA of several segments. At
+// most 8192 CTAs per grid. Synchronizes the device. tools/mac_timeline.py summarizes a file
+// of such lines (asmem_bench_mac --timeline).
 void MacTimelineDump(const char* label, std::FILE* out);
 #endif
 
