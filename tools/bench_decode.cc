@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -36,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "asmem/atomic_file.h"
 #include "asmem/cuda_check.cuh"
 #include "bench_util.h"
 #include "asmem/decode.h"
@@ -690,9 +690,7 @@ int Run(const Options& opt) {
   }
   ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
   if (!opt.out.empty()) {
-    std::ofstream f(opt.out);
-    if (!f) throw IoError("cannot write " + opt.out);
-    f << out.dump(2) << "\n";
+    write_file_atomic(opt.out, out.dump(2) + "\n");
     std::printf("\nwrote %s\n", opt.out.c_str());
   }
   return 0;
@@ -736,6 +734,7 @@ int main(int argc, char** argv) {
       if (app.count("--prefixes") == 0) opt.prefixes = {32768};
       if (app.count("--ks") == 0) opt.ks = {4096};
     }
+    if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
     return asmem::Run(opt);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

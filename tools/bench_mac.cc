@@ -40,7 +40,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -48,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "asmem/atomic_file.h"
 #include "asmem/cuda_check.cuh"
 #include "bench_util.h"
 #include "l2_flush.h"
@@ -303,9 +303,7 @@ json MacSettingsJson(const MacConfig& mc) {
 
 void WriteJson(const json& out, const std::string& path) {
   if (path.empty()) return;
-  std::ofstream f(path);
-  if (!f) throw IoError("cannot write " + path);
-  f << out.dump(2) << "\n";
+  write_file_atomic(path, out.dump(2) + "\n");
   std::printf("\nwrote %s\n", path.c_str());
 }
 
@@ -751,6 +749,7 @@ int main(int argc, char** argv) {
       if (app.count("--hit-rates") == 0) opt.hit_rates = {0.0, 0.99, 1.0};
       if (app.count("--shapes") == 0) opt.shapes = {"llama-3.1-8b"};
     }
+    if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
     if (!opt.timeline.empty()) {
       std::FILE* f = std::fopen(opt.timeline.c_str(), "w");
       if (f == nullptr) throw asmem::IoError("cannot write " + opt.timeline);

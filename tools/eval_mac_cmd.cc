@@ -60,6 +60,7 @@ void run_eval_mac(const EvalMacArgs& a) {
   if (a.prompt_file.empty() == a.prompts.empty()) throw InvalidArgument("give exactly one of --prompt-file and --prompts");
   if (a.limit < 0) throw InvalidArgument("--limit must be >= 0");
   if (a.raw && !a.system_file.empty()) throw InvalidArgument("--system-file does not apply with --raw");
+  if (!a.json_out.empty()) check_output_path(a.json_out, "--json");
   configure_cpu_threads(a.threads);
   std::vector<std::string> texts;
   if (!a.prompt_file.empty()) {

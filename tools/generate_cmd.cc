@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include "asmem/atomic_file.h"
 #include "asmem/engine/dictionary_prefix.h"
 #include "asmem/engine/fidelity.h"
 #include "asmem/engine/mac_decode.h"
@@ -394,6 +395,7 @@ void add_generate_command(CLI::App& app) {
     }
     if (args->use_mac) ValidateMacConfig(args->mac);
     if (!args->save_queries.empty() && !args->use_mac) throw InvalidArgument("--save-queries applies only with --mac");
+    if (!args->save_queries.empty()) check_output_path(args->save_queries, "--save-queries");
     run_generate(*args);
   });
 }

@@ -827,6 +827,17 @@ void write_file_atomic(const std::string& path, const std::string& content) {
   out.commit();
 }
 
+void check_output_path(const std::string& path, const std::string& what) {
+  const std::string head = what + " '" + path + "': ";
+  if (path.empty()) throw IoError(what + ": empty path");
+  const std::string dir = TempFile::directory_of(path);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) throw IoError(head + "directory '" + dir + "' does not exist");
+  if (!S_ISDIR(st.st_mode)) throw IoError(head + "'" + dir + "' is not a directory");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) throw IoError(head + "directory '" + dir + "' is not writable");
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) throw IoError(head + "is a directory");
+}
+
 void write_dictionary(const std::string& path, const DictionaryManifest& manifest) {
   pb::Manifest pm;
   std::vector<size_t> order(manifest.sections.size());

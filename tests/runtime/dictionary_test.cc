@@ -1164,5 +1164,26 @@ TEST(WriteFileAtomic, ReplacesTheFileAndLeavesNoTemp) {
                               {"missing/sub/x.json"});
 }
 
+TEST(CheckOutputPath, NamesTheProblemAndCreatesNothing) {
+  const std::string dir = test::temp_dir("outpath");
+  check_output_path(dir + "/new.json", "--json");  // writable directory: fine
+  check_output_path("relative-name.json", "--out");  // the working directory
+  std::ofstream(dir + "/old.json") << "x";
+  check_output_path(dir + "/old.json", "--json");  // replaced atomically later: fine
+  test::expect_error<IoError>([&] { check_output_path(dir + "/missing/x.asmd", "--out"); },
+                              {"--out '" + dir + "/missing/x.asmd'", "directory '" + dir + "/missing' does not exist"});
+  test::expect_error<IoError>([&] { check_output_path(dir + "/old.json/x.json", "--json"); },
+                              {"--json", "'" + dir + "/old.json' is not a directory"});
+  test::expect_error<IoError>([&] { check_output_path(dir, "--save-queries"); },
+                              {"--save-queries '" + dir + "': is a directory"});
+  test::expect_error<IoError>([&] { check_output_path("", "--out"); }, {"--out: empty path"});
+  int entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    ++entries;
+    EXPECT_EQ(e.path().filename().string(), "old.json");
+  }
+  EXPECT_EQ(entries, 1);
+}
+
 }  // namespace
 }  // namespace asmem

@@ -393,6 +393,7 @@ void compile_dictionary(const CompileOptions& opt) {
     throw InvalidArgument("give exactly one of --prefix and --prefix-tokens");
   }
   if (opt.out_path.empty()) throw InvalidArgument("--out is required");
+  check_output_path(opt.out_path, "--out");  // before the model and the traces' generation
   const DType vdtype = parse_value_dtype(opt.value_dtype);
   if (opt.key_mode != "pre_rope" && opt.key_mode != "rope_unified") {
     throw InvalidArgument("--key-mode must be pre_rope or rope_unified, got '" + opt.key_mode + "'");

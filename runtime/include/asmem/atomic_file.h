@@ -11,4 +11,11 @@ namespace asmem {
 // failing step; the temp file is removed on failure.
 void write_file_atomic(const std::string& path, const std::string& content);
 
+// Checks that `path` can be written the way write_file_atomic and write_dictionary write
+// it: its directory exists, is a directory and can be written, and `path` is not a
+// directory. Commands call it before long work, so that a bad output path fails at once
+// instead of after that work. Throws asmem::IoError "<what> '<path>': <problem>"; creates
+// nothing.
+void check_output_path(const std::string& path, const std::string& what);
+
 }  // namespace asmem

@@ -58,6 +58,18 @@ class CompileSmall : public ::testing::Test {
   std::string dir_;
 };
 
+// A bad --out fails at once, before the model is opened and the traces generated (which
+// take minutes on a real prefix).
+TEST_F(CompileSmall, BadOutputPathFailsBeforeAnyWork) {
+  CompileOptions o = options(dir_ + "/missing/x.asmd");
+  o.model_path = dir_ + "/no-such-model.gguf";
+  test::expect_error<IoError>([&] { compile_dictionary(o); },
+                              {"--out '" + dir_ + "/missing/x.asmd'", "does not exist"});
+  o.out_path = dir_;
+  test::expect_error<IoError>([&] { compile_dictionary(o); }, {"--out", "is a directory"});
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/missing"));
+}
+
 TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
   ASMEM_REQUIRE_MODEL();
   const std::string a = dir_ + "/a.asmd", b = dir_ + "/b.asmd";
