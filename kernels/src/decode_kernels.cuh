@@ -374,6 +374,21 @@ __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
 
 // Programmatic dependent launch: a kernel lets the next one in the stream start early; the
 // next one waits for its completion (and memory) where it needs it.
+// 2^x and log2(x) as single instructions (ex2 / lg2.approx.ftz: a few ulp, denormals
+// flushed): exp2f and log2f add fixup code for denormals at every call, and the tile loops'
+// code is fetched from memory at every step (state.cuh: state_exp). The softmax weights
+// below 2^-126 that flushing drops are far under an fp32 sum's rounding.
+__device__ __forceinline__ float Exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float Log2Approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void GridLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
@@ -1330,11 +1345,11 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
       const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
+      const float c0 = Exp2Approx(m0 - ms0), c1 = Exp2Approx(m1 - ms1);
       m0 = mn0;
       m1 = mn1;
-      const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1);
-      const float p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
+      const float p0 = Exp2Approx(s[0] - ms0), p1 = Exp2Approx(s[1] - ms1);
+      const float p2 = Exp2Approx(s[2] - ms0), p3 = Exp2Approx(s[3] - ms1);
       l0 = l0 * c0 + p0 + p2;
       l1 = l1 * c1 + p1 + p3;
 #pragma unroll
@@ -1372,9 +1387,9 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     l0 += __shfl_xor_sync(0xffffffffu, l0, o);
     l1 += __shfl_xor_sync(0xffffffffu, l1, o);
   }
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const float lse0 = l0 > 0.f ? (m0 + log2f(l0)) * kLn2 : -INFINITY;
-  const float lse1 = l1 > 0.f ? (m1 + log2f(l1)) * kLn2 : -INFINITY;
+  const float inv0 = l0 > 0.f ? state_div(1.f, l0) : 0.f, inv1 = l1 > 0.f ? state_div(1.f, l1) : 0.f;
+  const float lse0 = l0 > 0.f ? (m0 + Log2Approx(l0)) * kLn2 : -INFINITY;
+  const float lse1 = l1 > 0.f ? (m1 + Log2Approx(l1)) * kLn2 : -INFINITY;
   // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
   // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
   // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).

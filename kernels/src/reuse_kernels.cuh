@@ -1272,9 +1272,9 @@ __device__ __forceinline__ void StoreSegmentStates(const LaunchArgs& a, int64_t 
       st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, o);
       st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, o);
     }
-    const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
-    const float lse0 = st.l0 > 0.f ? (st.m0 + log2f(st.l0)) * kLn2 : -INFINITY;
-    const float lse1 = st.l1 > 0.f ? (st.m1 + log2f(st.l1)) * kLn2 : -INFINITY;
+    const float inv0 = st.l0 > 0.f ? state_div(1.f, st.l0) : 0.f, inv1 = st.l1 > 0.f ? state_div(1.f, st.l1) : 0.f;
+    const float lse0 = st.l0 > 0.f ? (st.m0 + decode::Log2Approx(st.l0)) * kLn2 : -INFINITY;
+    const float lse1 = st.l1 > 0.f ? (st.m1 + decode::Log2Approx(st.l1)) * kLn2 : -INFINITY;
     float* r0 = orow(k, warp, hd0 < GROUP ? hd0 : 0);
     float* r1 = orow(k, warp, hd1 < GROUP ? hd1 : 0);
 #pragma unroll
@@ -1623,11 +1623,11 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
     const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float c0f = exp2f(st.m0 - ms0), c1f = exp2f(st.m1 - ms1);
+    const float c0f = decode::Exp2Approx(st.m0 - ms0), c1f = decode::Exp2Approx(st.m1 - ms1);
     st.m0 = mn0;
     st.m1 = mn1;
-    const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1);
-    const float p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
+    const float p0 = decode::Exp2Approx(s[0] - ms0), p1 = decode::Exp2Approx(s[1] - ms1);
+    const float p2 = decode::Exp2Approx(s[2] - ms0), p3 = decode::Exp2Approx(s[3] - ms1);
     st.l0 = st.l0 * c0f + p0 + p2;
     st.l1 = st.l1 * c1f + p1 + p3;
 #pragma unroll
