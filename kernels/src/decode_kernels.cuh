@@ -372,8 +372,6 @@ __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
   return y;
 }
 
-// Programmatic dependent launch: a kernel lets the next one in the stream start early; the
-// next one waits for its completion (and memory) where it needs it.
 // 2^x and log2(x) as single instructions (ex2 / lg2.approx.ftz: a few ulp, denormals
 // flushed): exp2f and log2f add fixup code for denormals at every call, and the tile loops'
 // code is fetched from memory at every step (state.cuh: state_exp). The softmax weights
@@ -389,6 +387,8 @@ __device__ __forceinline__ float Log2Approx(float x) {
   return y;
 }
 
+// Programmatic dependent launch: a kernel lets the next one in the stream start early; the
+// next one waits for its completion (and memory) where it needs it.
 __device__ __forceinline__ void GridLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
