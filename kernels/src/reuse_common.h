@@ -249,8 +249,11 @@ ASMEM_HOST_DEVICE int32_t AlignedPortionBlocks(int64_t S0, int32_t least, int32_
 ASMEM_HOST_DEVICE int32_t AlignedCost(int32_t cost, int32_t S) {
   return int32_t((uint32_t(cost) + uint32_t(S) - 1) / uint32_t(S) * uint32_t(S));
 }
-// A group's cost on the line (the CPU reference and tests).
-inline int64_t LineCost(int64_t cost, int64_t S, bool aligned) { return aligned ? (cost + S - 1) / S * S : cost; }
+// A group's cost on the line (the CPU reference and tests); an aligned line's costs and S
+// fit 32 bits (AlignedPortionBlocks).
+inline int64_t LineCost(int64_t cost, int64_t S, bool aligned) {
+  return aligned ? AlignedCost(int32_t(cost), int32_t(S)) : cost;
+}
 
 // A group's place on the plan's line, its cost starting at F, portions of S blocks: its
 // first portion p_first, the offset q0 of its first work block in that portion, its
