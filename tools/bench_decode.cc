@@ -67,6 +67,7 @@ struct Options {
   std::string out, commit;
   int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
   int lookup_ctas = 0;  // DecodeConfig::lookup_ctas (0: the default)
+  int probe_max_batch = 0;  // DecodeConfig::probe_max_batch (0: the default, -1: never)
   double hbm_tbps = 4.3;
   double child_skew = 0.0;  // hierarchical views: children per parent ~ exp(skew N(0, 1))
   std::vector<std::string> modes = {"linear", "hier"};
@@ -465,6 +466,7 @@ int Run(const Options& opt) {
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"top_m", opt.top_m},
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
                      {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
+                     {"probe_max_batch", opt.probe_max_batch},
                      {"child_skew", opt.child_skew}};
   out["full"] = json::array();
   out["op"] = json::array();
@@ -642,6 +644,7 @@ int Run(const Options& opt) {
           c.plan_ctas = opt.plan_ctas;
           c.use_dictionaries = true;
           c.lookup_ctas = opt.lookup_ctas;
+          c.probe_max_batch = opt.probe_max_batch;
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
           c.max_lookup_rows = rows;
@@ -722,6 +725,10 @@ int main(int argc, char** argv) {
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
       ->check(CLI::Range(0, 1024));
+  app.add_option("--probe-max-batch", opt.probe_max_batch,
+                 "DecodeConfig::probe_max_batch: steps of at most this many requests probe "
+                 "hierarchical views (0: the default, -1: never)")
+      ->check(CLI::Range(-1, 8));
   app.add_option("--torch-backends", opt.torch_backends, "torch SDPA backends: cudnn flash efficient math");
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");

@@ -91,6 +91,9 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
   if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
   if (c.lookup_ctas < 0) return "lookup_ctas must be >= 0, got " + std::to_string(c.lookup_ctas);
+  if (c.probe_max_batch < -1 || c.probe_max_batch > 8) {
+    return "probe_max_batch must be in [-1, 8], got " + std::to_string(c.probe_max_batch);
+  }
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;

@@ -93,6 +93,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.lookup_sync = reinterpret_cast<uint32_t*>(ws + L.lookup_sync);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
     a.lookup_reps = std::min(p.batch, lookup_reps);
+    const int32_t probe_max = c.probe_max_batch == 0 ? kDecodeProbeMaxBatch : c.probe_max_batch;
+    a.probe = p.batch <= probe_max;  // never with -1
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;

@@ -1020,6 +1020,321 @@ __device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, i
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Probing lookup (small steps, LaunchArgs::probe). The common lookup above scores every
+// row of a view for every member; a hierarchical view then reads all K keys, however few
+// requests the step has. In a step of at most DecodeConfig::probe_max_batch requests (<= 8:
+// one mma n-tile) every lookup CTA of the KV head instead scores all C1 parents (warp w the
+// 16-row tiles w, w + 4, ...), ranks them per member (score desc, index asc, as the CPU
+// reference: a parent is probed when fewer than top_m parents rank before it) and lists
+// the children of the parents some member probed: the listed rows, in row order, parents
+// without children left out. Unit u = 4 s + w of the U units per KV head then scores slice
+// [N u / U, N (u + 1) / U) of the N listed rows, a member taking only the children of its
+// own probed parents, and writes its best per member to pbest[u], as a linear view's slice;
+// the combine takes the best of the U slots. A member whose probed parents are all
+// childless takes every key row (the reference's fallback): then all K rows are listed.
+// Tiles of listed rows may span parents: each lane copies its own rows.
+//
+// H200, LLaMA-3.1-8B shapes, T = 1K, P = 32K pool, K / C1 / top_m 4096 / 64 / 16 and 16384 /
+// 128 / 16, op us, two runs each, full scan -> probing (session 30): B = 1 35.8 -> 26.5 and
+// 74.2 -> 31.2; B = 2 37.7 -> 32.4 and 76.6 -> 45.6. Probing has a cost of its own (the
+// parents' round trip, the ranks, the list, then the children's round trip): a first form
+// (radix selection per member) took B = 1, K = 1024 (C1 = 32: half the rows probed) from
+// 25.4 to 29.6, and this one B = 4, K = 4096 from 36.1 to 43.4 (probe_max_batch 8), where
+// four members list about 70% of the rows. ProbeView therefore probes only where the rows
+// skipped come to at least kProbeMinSkipped per unit.
+// ---------------------------------------------------------------------------------------
+
+static_assert(kDecodeProbeMaxParents % 32 == 0, "parent mask words");
+constexpr int kProbeMembers = 8;  // member key rows staged (one n-tile)
+constexpr int kProbeMinSkipped = 16;
+
+template <typename DType>
+__device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
+  return v.keys_dtype ==
+         (std::is_same<DType, __nv_bfloat16>::value ? KernelDType::kBF16 : KernelDType::kF16);
+}
+
+// Whether the probing lookup serves hierarchical view v (LookupViewOk) in this step: keys of
+// the op's 16-bit type (KeysOfType) and unwhitened (the one-term tensor-core scan), parents
+// that fit the shared tables, top_m < C1, and at least kProbeMinSkipped rows per unit
+// skipped by the estimate for equal parents: of K rows, batch members that each probe top_m
+// of C1 parents list C1 + K (1 - (1 - top_m / C1)^batch) (16-bit fixed point, integers
+// only, so that the lookup and the combine decide alike). Out of line, and only called
+// in probing steps (ProbeView), so that the kernels' code for the others stays as it was.
+template <typename DType>
+__device__ __noinline__ bool ProbeViewAt(const LaunchArgs& a, int32_t id, int h) {
+  const DictLayerView& v = a.p.dict_views[int64_t(id) * a.hkv + h];
+  if (!KeysOfType<DType>(v) || v.whitening != nullptr || v.C1 <= 0 || v.C1 > kDecodeProbeMaxParents ||
+      v.top_m >= v.C1) {
+    return false;
+  }
+  const int C1 = int(v.C1), keep = C1 - v.top_m;
+  int miss = 1 << 16;
+  for (int i = 0; i < a.batch; ++i) miss = miss * keep / C1;
+  const int64_t listed = C1 + v.K - ((v.K * miss) >> 16);
+  return v.K - listed >= int64_t(kProbeMinSkipped) * a.lookup_splits * kLookupUnits;
+}
+template <typename DType>
+__device__ __forceinline__ bool ProbeView(const LaunchArgs& a, int32_t id, int h) {
+  return a.probe && ProbeViewAt<DType>(a, id, h);
+}
+
+// The probing lookup's tables, in the member-key region past its kProbeMembers rows.
+template <int KEY_DIM>
+struct ProbeSmem {
+  float* ps;       // [kProbeMembers][C1] parent scores
+  int32_t* off;    // [C1 + 1] the view's child offsets
+  int32_t* cum;    // [np + 1] listed row where probed parent j's children start (then N)
+  int32_t* base;   // [np] their first key row minus cum[j]
+  int32_t* par;    // [np] the parent of listed parent j
+  uint32_t* pmask; // [C1] bit i: member i probed the parent
+  int32_t* misc;   // [3] np, N, the members that take every row (bits)
+  __device__ explicit ProbeSmem(const SegSmem<KEY_DIM>& sm) {
+    char* t = sm.q + kProbeMembers * KEY_DIM * 2;
+    ps = reinterpret_cast<float*>(t);
+    t += 4 * kProbeMembers * kDecodeProbeMaxParents;
+    off = reinterpret_cast<int32_t*>(t);
+    t += 4 * (kDecodeProbeMaxParents + 1);
+    cum = reinterpret_cast<int32_t*>(t);
+    t += 4 * (kDecodeProbeMaxParents + 1);
+    base = reinterpret_cast<int32_t*>(t);
+    t += 4 * kDecodeProbeMaxParents;
+    par = reinterpret_cast<int32_t*>(t);
+    t += 4 * kDecodeProbeMaxParents;
+    pmask = reinterpret_cast<uint32_t*>(t);
+    t += 4 * kDecodeProbeMaxParents;
+    misc = reinterpret_cast<int32_t*>(t);
+  }
+  static constexpr size_t kBytes =
+      size_t(kProbeMembers) * KEY_DIM * 2 + 4 * ((kProbeMembers + 5) * kDecodeProbeMaxParents + 2 + 3);
+  static_assert(kBytes <= SegTile<KEY_DIM>::kQueryBytes, "probe tables in the member-key region");
+};
+
+// The last j in [0, n) with x[j] <= v (x non-decreasing, x[0] <= v).
+__device__ __forceinline__ int LastAtMost(const int32_t* x, int n, int v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (x[mid] <= v) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Listed row -> key row: cum / base of np listed parents, or the row itself (np == 0).
+__device__ __forceinline__ int ProbeRow(const int32_t* cum, const int32_t* base, int np, int vr) {
+  return np == 0 ? vr : vr + base[LastAtMost(cum, np, vr)];
+}
+
+// One warp's key copies for the probing scan (KeyRing's ring layout): the 16-row tiles of
+// listed rows t0, t0 + stride, ... below `end`, rows past `end` clamped to its last.
+template <int KEY_DIM>
+struct ProbeRing {
+  using L = SegTile<KEY_DIM>;
+  static constexpr int kChunks = L::kPairs / L::kChunkPairs;
+  const uint4* src;  // the keys (or parent keys) + t4
+  const int32_t* cum;
+  const int32_t* base;
+  int np;
+  char* dst0;
+  int g, t, stride, end, pch = 0;
+  const uint4* r0 = nullptr;  // this lane's rows of tile t
+  const uint4* r1 = nullptr;
+  __device__ ProbeRing(const SegSmem<KEY_DIM>& sm, const void* keys, const int32_t* cum_, const int32_t* base_,
+                       int np_, int t0, int stride_, int end_)
+      : cum(cum_), base(base_), np(np_), t(t0), stride(stride_), end(end_) {
+    const int lane = threadIdx.x & 31, t4 = lane & 3;
+    g = lane >> 2;
+    src = static_cast<const uint4*>(keys) + t4;
+    dst0 = sm.WarpRing(threadIdx.x >> 5) + RingPos(g, t4) * 16;
+  }
+  __device__ void Start() {
+#pragma unroll
+    for (int i = 0; i < L::kRingStages - 1; ++i) Issue(i);
+  }
+  // Copies the next chunk into ring slot `slot`; one commit group per call.
+  __device__ void Issue(int slot) {
+    constexpr int kRowVecs = KEY_DIM / 8;
+    if (t < end) {
+      if (pch == 0) {
+        r0 = src + int64_t(ProbeRow(cum, base, np, min(t + g, end - 1))) * kRowVecs;
+        r1 = src + int64_t(ProbeRow(cum, base, np, min(t + g + 8, end - 1))) * kRowVecs;
+      }
+      const int off = pch * L::kChunkPairs * 4;
+      char* dst = dst0 + slot * L::kPieces * 512;
+#pragma unroll
+      for (int j = 0; j < L::kChunkPairs; ++j) {
+        CpAsync16(dst + (2 * j) * 512, r0 + off + 4 * j, true);
+        CpAsync16(dst + (2 * j + 1) * 512, r1 + off + 4 * j, true);
+      }
+      if (++pch == kChunks) {
+        pch = 0;
+        t += stride;
+      }
+    }
+    CpAsyncCommit();
+  }
+};
+
+// Scores the tiles of ring `kr` (started by the caller; t0, stride, end as given to it) for
+// the members 0 .. n - 1 staged in sm.q: with `ps`, each listed row's score of member i goes
+// to ps[i C1 + row] (the parents); else best[e] keeps the best (score, key row) of member
+// 2 t4 + e over this lane's rows g and g + 8 (the caller reduces over g) among the rows it
+// takes (pm: the children of its probed parents, or every row).
+template <typename DType, int KEY_DIM>
+__device__ void ProbeScan(const SegSmem<KEY_DIM>& sm, ProbeRing<KEY_DIM>& kr, int t0, int stride, int end, int n,
+                          float* ps, int C1, const ProbeSmem<KEY_DIM>& pm, Best (&best)[2]) {
+  using L = SegTile<KEY_DIM>;
+  constexpr int kRing = L::kRingStages;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const char* ring = sm.WarpRing(threadIdx.x >> 5);
+  int slot = 0;
+  for (int row = t0; row < end; row += stride) {
+    float acc[1][2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][0][i] = acc[0][1][i] = 0.f;
+#pragma unroll 1
+    for (int ch = 0; ch < ProbeRing<KEY_DIM>::kChunks; ++ch) {
+      CpAsyncWait<kRing - 2>();
+      __syncwarp();
+      kr.Issue(slot == 0 ? kRing - 1 : slot - 1);
+      ScanChunk<DType, KEY_DIM, 1, 1, 1>(acc, ring + slot * L::kPieces * 512, sm.q, ch, 0, lane);
+      slot = slot + 1 == kRing ? 0 : slot + 1;
+    }
+    const int r_lo = row + g, r_hi = r_lo + 8;
+    const bool ok_lo = r_lo < end, ok_hi = r_hi < end;
+    if (ps != nullptr) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 2 * t4 + e;
+        if (i < n && ok_lo) ps[i * C1 + r_lo] = acc[0][0][e] + acc[0][1][e];
+        if (i < n && ok_hi) ps[i * C1 + r_hi] = acc[0][0][2 + e] + acc[0][1][2 + e];
+      }
+      continue;
+    }
+    // The key rows, and the members that take them (their parent's bits).
+    int k_lo = r_lo, k_hi = r_hi, p_lo, p_hi;
+    if (kr.np > 0) {
+      const int j_lo = LastAtMost(kr.cum, kr.np, ok_lo ? r_lo : t0);
+      const int j_hi = LastAtMost(kr.cum, kr.np, ok_hi ? r_hi : t0);
+      k_lo += kr.base[j_lo];
+      k_hi += kr.base[j_hi];
+      p_lo = pm.par[j_lo];
+      p_hi = pm.par[j_hi];
+    } else {  // every row listed (a member's fallback)
+      p_lo = LastAtMost(pm.off, C1, ok_lo ? r_lo : 0);
+      p_hi = LastAtMost(pm.off, C1, ok_hi ? r_hi : 0);
+    }
+    const uint32_t every = uint32_t(pm.misc[2]);
+    const uint32_t m_lo = pm.pmask[p_lo] | every, m_hi = pm.pmask[p_hi] | every;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 2 * t4 + e;
+      const float s_lo = acc[0][0][e] + acc[0][1][e];
+      const float s_hi = acc[0][0][2 + e] + acc[0][1][2 + e];
+      const bool take_lo = ok_lo && ((m_lo >> i) & 1u) != 0u;
+      const bool take_hi = ok_hi && ((m_hi >> i) & 1u) != 0u;
+      // A lane's key rows increase, so a later one wins only with a larger score.
+      Best& bb = best[e];
+      if (take_lo && (bb.index < 0 || s_lo > bb.score)) bb = {s_lo, k_lo};
+      if (take_hi && (bb.index < 0 || s_hi > bb.score)) bb = {s_hi, k_hi};
+    }
+  }
+  CpAsyncWait<0>();  // only empty groups are left
+}
+
+// The probing lookup of view `id` at KV head h for members sm.mem[0, n), n <= kProbeMembers
+// (CTA s of the head's lookup CTAs, U units). Out of line and with scalars only, as
+// LookupBlockOther, so that the common scan's code stays as it was.
+template <typename DType, int KEY_DIM>
+__device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
+  using L = SegTile<KEY_DIM>;
+  extern __shared__ float4 lookup_smem[];
+  const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
+  const ProbeSmem<KEY_DIM> pm(sm);
+  const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int C1 = int(v.C1), m = v.top_m;
+  StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, kProbeMembers, 1, h, true);
+  for (int q = tid; q <= C1; q += kThreads) pm.off[q] = __ldg(v.child_offsets + q);
+  Best best[2] = {Best{-INFINITY, -1}, Best{-INFINITY, -1}};
+  {
+    ProbeRing<KEY_DIM> kr(sm, v.parent_keys, nullptr, nullptr, 0, 16 * warp, 16 * kWarps, C1);
+    kr.Start();
+    CpAsyncWait<L::kRingStages - 1>();  // the member keys (the oldest group)
+    __syncthreads();
+    ProbeScan<DType, KEY_DIM>(sm, kr, 16 * warp, 16 * kWarps, C1, n, pm.ps, C1, pm, best);
+  }
+  __syncthreads();  // every parent score
+  // Member i probes parent p when fewer than m parents rank before it (a larger score, or an
+  // equal one and a smaller index).
+  for (int p = tid; p < C1; p += kThreads) {
+    uint32_t bits = 0u;
+    for (int i = 0; i < n; ++i) {
+      const float* sc = pm.ps + i * C1;
+      const float sp = sc[p];
+      int rank = 0;
+      for (int q = 0; q < C1; ++q) {
+        const float sq = sc[q];
+        rank += (sq > sp || (sq == sp && q < p)) ? 1 : 0;
+      }
+      if (rank < m) bits |= 1u << i;
+    }
+    pm.pmask[p] = bits;
+  }
+  __syncthreads();
+  if (warp == 0) {  // the list: parents with children that some member probed, in order
+    int cum = 0, np0 = 0;
+    uint32_t rows = 0u;  // members with a probed parent that has children
+    for (int c0 = 0; c0 < C1; c0 += 32) {
+      const int q = c0 + lane;
+      const uint32_t bits = q < C1 ? pm.pmask[q] : 0u;
+      const int c = bits != 0u ? pm.off[q + 1] - pm.off[q] : 0;
+      rows |= c > 0 ? bits : 0u;
+      const unsigned has = __ballot_sync(0xffffffffu, c > 0);
+      const int incl = WarpInclusiveSum(c);
+      if (c > 0) {
+        const int j = np0 + __popc(has & ((1u << lane) - 1u));
+        pm.cum[j] = cum + incl - c;
+        pm.base[j] = pm.off[q] - (cum + incl - c);
+        pm.par[j] = q;
+      }
+      np0 += __popc(has);
+      cum += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    const uint32_t every = ((1u << n) - 1u) & ~__reduce_or_sync(0xffffffffu, rows);
+    if (lane == 0) {  // a member's fallback: every key row listed
+      pm.misc[0] = every != 0u ? 0 : np0;
+      pm.misc[1] = every != 0u ? int(v.K) : cum;
+      pm.misc[2] = int(every);
+    }
+  }
+  __syncthreads();
+  const int np = pm.misc[0], N = pm.misc[1];
+  const int u = kLookupUnits * s + warp;
+  const int v0 = int(int64_t(N) * u / U), v1 = int(int64_t(N) * (u + 1) / U);
+  ProbeRing<KEY_DIM> kr(sm, v.keys, pm.cum, pm.base, np, v0, 16, v1);
+  kr.Start();
+  ProbeScan<DType, KEY_DIM>(sm, kr, v0, 16, v1, n, nullptr, C1, pm, best);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      const float s2 = __shfl_xor_sync(0xffffffffu, best[e].score, o);
+      const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[e].index, o);
+      if (Beats(s2, i2, best[e].score, best[e].index)) best[e] = {s2, i2};
+    }
+    const int i = 2 * (lane & 3) + e;
+    if ((lane >> 2) == 0 && i < n) {
+      a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + u] = {best[e].score, best[e].index};
+    }
+  }
+}
+
 // Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits
 // beside two attention CTAs. The parameter is a grid constant: LookupBlockOther takes it by
 // reference without a local copy.
@@ -1075,7 +1390,8 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     }
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     if (!LookupViewOk(v, a)) continue;  // the combine flags it
-    {
+    const bool probe = ProbeView<DType>(a, id, h);
+    if (!probe) {
       SegList first(v, kLookupUnits * s, U);  // a small view: nothing for this CTA when its
       Seg unused;                            // first unit has no segment
       if (!first.Next(unused)) continue;
@@ -1118,7 +1434,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
-      if (tc && terms == 1) {
+      if (probe) {  // implies tc and terms == 1; n <= batch <= kProbeMembers
+        LookupBlockProbe<DType, KEY_DIM>(a, id, n, s, U, h);
+      } else if (tc && terms == 1) {
         // Keys of the decode's own type and q_pre as the member keys (no whitening): the
         // common case, the only scan inlined here. The member keys' copies first (zero up to
         // MB, since every n-tile is scored), then this warp's first key chunks; one wait for
@@ -1665,7 +1983,8 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
       const bool one_choice = a.group % kWarps == 0;
       Best best{-INFINITY, -1};
       if (!one_choice || warp == 0) {
-        const bool hier = LookupViewOk(v, a) && v.C1 > 0;
+        // A probed view's entry is the best of its units' slots, as a linear view's.
+        const bool hier = LookupViewOk(v, a) && v.C1 > 0 && !ProbeView<DType>(a, id, h);
         const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
         // Every lookup CTA has started before this kernel runs (each kernel lets its dependent
         // launch only once all its CTAs run), so the flag comes. Bounded all the same: past the

@@ -63,6 +63,8 @@ struct LaunchArgs {
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
                               // launch), or null
   bool lookup = false;        // dict_ids given: the lookup kernel runs
+  bool probe = false;         // a small step: the lookup probes hierarchical views
+                              // (DecodeConfig::probe_max_batch; decode_kernels.cuh ProbeView)
   int32_t n_lookup_ctas = 0;  // lookup_reps * Hkv * lookup_splits, or 0
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
 };

@@ -432,6 +432,79 @@ TEST(DecodeGpu, HierarchicalPartialProbeAndChildlessFallback) {
   for (int64_t j = 0; j < 4 * 64; ++j) pb.dicts[0].parent_keys[0].set(64 * 4 + j, pb.q_pre.get(j));
   CheckAgainstReference(pb, pb.config, "childless");
   CheckAgainstReference(pb, Tuned(pb.config), "childless, tuned lookup");
+  // Request 0 alone probes (DecodeConfig::probe_max_batch; with 3 lookup CTAs per KV head
+  // the skipped rows pay): only its childless parent, so every key is scored.
+  pb.params.batch = 1;
+  CheckAgainstReference(pb, pb.config, "childless, probing");
+  CheckAgainstReference(pb, Tuned(pb.config), "childless, probing, tuned lookup");
+}
+
+// Runs `config` on the device and returns the outputs.
+DeviceProblem::Out RunOnDevice(const Problem& pb, const DecodeConfig& config) {
+  DeviceProblem dev;
+  dev.Upload(pb, config);
+  dev.Poison(nullptr);
+  dev.Run(config, nullptr);
+  return dev.Download(pb);
+}
+
+// Steps of at most DecodeConfig::probe_max_batch requests score only the probed parents'
+// children where that skips enough rows (decode_kernels.cuh ProbeView): the same entries
+// and bit-identical outputs as the scan of every row (probe_max_batch -1), at step sizes 1
+// to 8, with unequal and childless parents and a linear dictionary beside. With 3 lookup
+// CTAs per KV head (Tuned) the first three shapes probe at every step size, with the default
+// plan only K = 20000; the last three never do (C1 > kDecodeProbeMaxParents, top_m just
+// below C1, a small view).
+TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(214);
+  SCOPED_TRACE(test::seed_trace(seed));
+  struct Shape {
+    int d, G;
+    int64_t K, C1;
+    int32_t top_m;
+  };
+  const Shape shapes[] = {{64, 1, 1000, 31, 4},  {128, 4, 4099, 64, 16}, {128, 8, 3000, 256, 16},
+                          {64, 4, 20000, 200, 8}, {64, 4, 700, 257, 9}, {128, 4, 200, 40, 39},
+                          {64, 3, 77, 9, 2}};
+  uint64_t n = 0;
+  for (const Shape& sh : shapes) {
+    CaseSpec s;
+    s.Hq = 2 * sh.G;
+    s.Hkv = 2;
+    s.d = sh.d;
+    s.page_size = sh.G == 3 ? 1 : 16;
+    s.T = {5, 0, 300, 1, 64, 7, 2, 33};
+    s.dicts = {DictSpec{sh.K, sh.C1, sh.top_m}, DictSpec{300, 0, 0}};
+    s.dict_ids = {0, 0, 1, 0, -1, 0, 0, 1};
+    s.near_key_fraction = 0.3;
+    Problem pb;
+    BuildProblem(s, seed + n++, &pb);
+    for (int batch : {1, 2, 4, 8}) {
+      SCOPED_TRACE("K=" + std::to_string(sh.K) + " C1=" + std::to_string(sh.C1) +
+                   " batch=" + std::to_string(batch));
+      pb.params.batch = batch;
+      DecodeConfig probe = pb.config;
+      probe.probe_max_batch = 8;
+      DecodeConfig full = pb.config;
+      full.probe_max_batch = -1;
+      CheckAgainstReference(pb, probe, "probing");
+      CheckAgainstReference(pb, Tuned(probe), "probing, tuned lookup");
+      const int64_t Hq = s.Hq, d = s.d;
+      for (bool tuned : {false, true}) {
+        const DeviceProblem::Out a = RunOnDevice(pb, tuned ? Tuned(probe) : probe);
+        const DeviceProblem::Out b = RunOnDevice(pb, tuned ? Tuned(full) : full);
+        EXPECT_EQ(std::vector<int32_t>(a.index.begin(), a.index.begin() + batch * s.Hkv),
+                  std::vector<int32_t>(b.index.begin(), b.index.begin() + batch * s.Hkv))
+            << "tuned " << tuned;
+        EXPECT_EQ(0, std::memcmp(a.o.data(), b.o.data(), size_t(batch * Hq * d * KernelDTypeSize(s.dtype))))
+            << "tuned " << tuned;
+        EXPECT_EQ(std::vector<float>(a.lse.begin(), a.lse.begin() + batch * Hq),
+                  std::vector<float>(b.lse.begin(), b.lse.begin() + batch * Hq))
+            << "tuned " << tuned;
+      }
+    }
+  }
 }
 
 TEST(DecodeGpu, WhiteningPassAndInCtaFallbackAgree) {

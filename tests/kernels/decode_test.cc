@@ -497,6 +497,21 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   bad = c;
   bad.lookup_ctas = -1;
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  for (int32_t probe : {-2, 9}) {
+    bad = c;
+    bad.probe_max_batch = probe;
+    try {
+      PlanDecode(bad);
+      ADD_FAILURE() << "probe_max_batch " << probe << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("probe_max_batch must be in [-1, 8]"), std::string::npos) << e.what();
+    }
+  }
+  for (int32_t probe : {-1, 0, 1, 8}) {
+    DecodeConfig ok = c;
+    ok.probe_max_batch = probe;
+    EXPECT_NO_THROW(PlanDecode(ok)) << probe;
+  }
 }
 
 // The plan: a pure function of the config; splits fill the GPU for small batches and stay

@@ -101,6 +101,10 @@ constexpr int64_t kDecodeMaxParents = 2048;
 constexpr int32_t kDecodeHeadDims[] = {64, 128};
 constexpr int32_t kDecodeMaxGroup = 8;
 constexpr int32_t kDecodeMaxPageSize = 1024;
+// Probing lookup (DecodeConfig::probe_max_batch): the default largest step and the most
+// parents a probed view may have.
+constexpr int32_t kDecodeProbeMaxBatch = 2;
+constexpr int32_t kDecodeProbeMaxParents = 256;
 // Multiprocessor count the split plan targets (H200: 132). A constant, not the device's,
 // so a plan (and a captured graph) is the same on every GPU.
 constexpr int32_t kDecodePlanSms = 132;
@@ -129,6 +133,16 @@ struct DecodeConfig {
   int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
                              // (about one per SM over all KV heads). A tuning knob: it only
                              // changes the plan, never a result.
+  int32_t probe_max_batch = 0;  // steps of at most this many requests (params.batch) may
+                                // score only the top_m parents' children of a hierarchical
+                                // view: the parents first, then those children (bf16 / f16
+                                // keys of the op's dtype, no whitening, at most
+                                // kDecodeProbeMaxParents parents, and only where the
+                                // children skipped pay for the second round trip); larger
+                                // steps score every row for all their requests at once.
+                                // 0: the default (kDecodeProbeMaxBatch); -1: never; at
+                                // most 8. A tuning knob: it changes the work, never a
+                                // result.
 };
 
 // Per-step arguments. Pointers: see the contract at the top of this file.
