@@ -122,7 +122,7 @@ struct DecodeConfig {
   int64_t max_lookup_rows = 0;    // most key rows one lookup scans (K for a linear view,
                                   // C1 + top_m * (largest parent's children) for a
                                   // hierarchical one); a hint for the plan, >= 0 (the
-                                  // current lookup scores every row and does not use it)
+                                  // current plan does not use it)
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
                              // a separate launch (without it every lookup CTA whitens the
                              // keys it needs on CUDA cores: correct, much slower)
