@@ -44,6 +44,24 @@ ASMEM_HOST_DEVICE int32_t SplitTokens(int32_t T, int32_t splits) {
   return (per + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
 }
 
+// Probing lookup (decode_kernels.cuh, DecodeConfig::probe_max_batch): whether a step of
+// `batch` requests probes a hierarchical view of K rows under C1 parents, top_m probed, with
+// `units` lookup units per KV head: top_m < C1 <= kDecodeProbeMaxParents and, by the
+// estimate for equal parents, at most half the rows listed and at least kProbeMinSkipped
+// rows per unit skipped. `batch` members that each probe top_m of C1 parents list
+// C1 + K (1 - (1 - top_m / C1)^batch) rows (16-bit fixed point, integers only: the lookup,
+// the combine and the host decide alike). Fewer rows listed with fewer requests: a view
+// that does not probe at batch 1 never does.
+constexpr int32_t kProbeMinSkipped = 16;
+ASMEM_HOST_DEVICE bool ProbePays(int64_t K, int64_t C1, int32_t top_m, int32_t batch, int32_t units) {
+  if (C1 <= 0 || C1 > kDecodeProbeMaxParents || top_m >= C1) return false;
+  const int c1 = int(C1), keep = c1 - top_m;
+  int miss = 1 << 16;
+  for (int i = 0; i < batch; ++i) miss = miss * keep / c1;
+  const int64_t listed = C1 + K - ((K * miss) >> 16);
+  return 2 * listed <= K && K - listed >= int64_t(kProbeMinSkipped) * units;
+}
+
 ASMEM_HOST_DEVICE int32_t NumActiveSplits(int32_t T, int32_t splits) {
   if (T <= 0) return 0;
   const int32_t per = SplitTokens(T, splits);

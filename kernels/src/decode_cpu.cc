@@ -230,6 +230,15 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
 
 size_t DecodeWorkspaceBytes(const DecodeConfig& config) { return PlanDecode(config).workspace_bytes; }
 
+bool DecodeViewCanProbe(const DecodeConfig& c, const DictLayerView& v) {
+  if (!c.use_dictionaries || c.probe_max_batch < 0 || v.whitening != nullptr || v.keys_dtype != c.dtype ||
+      (c.dtype != KernelDType::kBF16 && c.dtype != KernelDType::kF16)) {
+    return false;
+  }
+  const DecodePlan plan = PlanDecode(c);
+  return decode::ProbePays(v.K, v.C1, v.top_m, 1, plan.lookup_splits * decode::kLookupUnits);
+}
+
 void DecodeKvStrides(const DecodeConfig& c, DecodeParams* p) {
   p->kv_stride_token = c.head_dim;
   p->kv_stride_head = int64_t(c.page_size) * c.head_dim;

@@ -1041,13 +1041,14 @@ __device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, i
 // parents' round trip, the ranks, the list, then the children's round trip): a first form
 // (radix selection per member) took B = 1, K = 1024 (C1 = 32: half the rows probed) from
 // 25.4 to 29.6, and this one B = 4, K = 4096 from 36.1 to 43.4 (probe_max_batch 8), where
-// four members list about 70% of the rows. ProbeView therefore probes only where the rows
-// skipped come to at least kProbeMinSkipped per unit.
+// four members list about 70% of the rows, and B = 8, K = 16384 (about 67%) from 77.4 to
+// 84.0; B = 4 at K = 16384 (about 42%) went 73.7 -> 62.1. A view is therefore probed only
+// where at most half the rows are listed and the rows skipped come to at least
+// kProbeMinSkipped per unit (ProbePays, decode_common.h).
 // ---------------------------------------------------------------------------------------
 
 static_assert(kDecodeProbeMaxParents % 32 == 0, "parent mask words");
 constexpr int kProbeMembers = 8;  // member key rows staged (one n-tile)
-constexpr int kProbeMinSkipped = 16;
 
 template <typename DType>
 __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
@@ -1056,26 +1057,16 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 }
 
 // Whether the probing lookup serves hierarchical view v (LookupViewOk) in this step: keys of
-// the op's 16-bit type (KeysOfType) and unwhitened (the one-term tensor-core scan), parents
-// that fit the shared tables, top_m < C1, and at least kProbeMinSkipped rows per unit
-// skipped by the estimate for equal parents: of K rows, batch members that each probe top_m
-// of C1 parents list C1 + K (1 - (1 - top_m / C1)^batch) (16-bit fixed point, integers
-// only, so that the lookup and the combine decide alike). Only the kernels of probing
-// steps (template argument PROBE) hold this and the probing lookup: with the decision in
-// every step's kernels, out of line or not, steps that never probe lost up to 8% (H200,
-// session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of line,
-// 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
+// the op's 16-bit type (KeysOfType), unwhitened (the one-term tensor-core scan), and
+// ProbePays (decode_common.h; DecodeViewCanProbe applies it on the host). Only the kernels
+// of probing steps (template argument PROBE) hold this and the probing lookup: with the
+// decision in every step's kernels, out of line or not, steps that never probe lost up to
+// 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
+// line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>
 __device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
-  if (!KeysOfType<DType>(v) || v.whitening != nullptr || v.C1 <= 0 || v.C1 > kDecodeProbeMaxParents ||
-      v.top_m >= v.C1) {
-    return false;
-  }
-  const int C1 = int(v.C1), keep = C1 - v.top_m;
-  int miss = 1 << 16;
-  for (int i = 0; i < a.batch; ++i) miss = miss * keep / C1;
-  const int64_t listed = C1 + v.K - ((v.K * miss) >> 16);
-  return v.K - listed >= int64_t(kProbeMinSkipped) * a.lookup_splits * kLookupUnits;
+  return KeysOfType<DType>(v) && v.whitening == nullptr &&
+         ProbePays(v.K, v.C1, v.top_m, a.batch, a.lookup_splits * kLookupUnits);
 }
 
 // The probing lookup's tables, in the member-key region past its kProbeMembers rows.

@@ -24,6 +24,7 @@ struct ResidentDictionary {
   std::unique_ptr<DictionaryFile> file;  // CPU: the mapping the views point into; CUDA: null
   std::vector<DictLayerView> views;      // [L][Hkv]: host (CPU) or device (CUDA) pointers
   std::shared_ptr<DeviceBlob> blob;      // CUDA: the uploaded tensors
+  uint32_t can_probe = 0;                // bit 0 / 1: some view can probe in bf16 / f16 steps
 };
 
 }  // namespace detail
@@ -43,6 +44,7 @@ struct Snapshot {
   std::vector<DictLayerView> host_tables;                        // CPU runtime: [L][max_dicts][Hkv]
   int64_t max_lookup_rows = 0;                                   // over resident dictionaries
   bool whitening = false;                                        // some resident dictionary whitens
+  uint32_t can_probe = 0;                                        // ResidentDictionary's, or-ed
 };
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -151,10 +153,13 @@ struct DecodeRuntime::Impl {
   // Plan inputs of CUDA steps, written under mu, read by decode() without it.
   std::atomic<int64_t> plan_rows{0};
   std::atomic<bool> plan_whitening{false};
+  std::atomic<uint32_t> plan_probe{0};  // Snapshot::can_probe
 
   std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snap); }
 
-  DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening) const {
+  // `probe`: bit 0 / 1, a resident view can probe in bf16 / f16 steps
+  // (DecodeConfig::probe_max_batch: the default where one can, else never).
+  DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening, uint32_t probe) const {
     DecodeConfig c;
     c.batch = step.max_batch;
     c.num_q_heads = Hq;
@@ -166,6 +171,8 @@ struct DecodeRuntime::Impl {
     c.use_dictionaries = true;
     c.max_lookup_rows = rows;
     c.whitening = whitening;
+    const uint32_t bit = step.dtype == KernelDType::kBF16 ? 1u : step.dtype == KernelDType::kF16 ? 2u : 0u;
+    c.probe_max_batch = (probe & bit) != 0u ? 0 : -1;
     return c;
   }
 
@@ -196,13 +203,16 @@ struct DecodeRuntime::Impl {
     }
     next->max_lookup_rows = 0;
     next->whitening = false;
+    next->can_probe = 0;
     for (const auto& s : next->slots) {
       if (!s) continue;
       next->max_lookup_rows = std::max(next->max_lookup_rows, s->info.max_lookup_rows);
       next->whitening = next->whitening || s->info.whitening;
+      next->can_probe |= s->can_probe;
     }
     plan_rows.store(next->max_lookup_rows);
     plan_whitening.store(next->whitening);
+    plan_probe.store(next->can_probe);
     std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
     return old;
   }
@@ -309,7 +319,7 @@ size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
     }
     return 0;
   }
-  return PlanDecode(s.config(step, kPlanAllRows, true)).workspace_bytes;
+  return PlanDecode(s.config(step, kPlanAllRows, true, 0u)).workspace_bytes;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -379,6 +389,12 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
         info.total_entries += v.K;
         info.max_lookup_rows = std::max(info.max_lookup_rows, LookupRows(v));
         info.whitening = info.whitening || v.whitening != nullptr;
+        for (uint32_t bit : {1u, 2u}) {  // CUDA steps only (the CPU reference does not probe)
+          StepConfig step;
+          step.dtype = bit == 1u ? KernelDType::kBF16 : KernelDType::kF16;
+          step.max_batch = 1;
+          if (s.cuda && DecodeViewCanProbe(s.config(step, 0, false, bit), v)) r->can_probe |= bit;
+        }
         r->views[size_t(l) * size_t(s.Hkv) + size_t(h)] = v;
         for (const TensorRef* t : {&sec.keys, &sec.values_o, &sec.values_lse, &sec.parent_keys,
                                    &sec.child_offsets, &sec.whitening, &sec.whitening_mean}) {
@@ -580,7 +596,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   p.sm_scale = a.sm_scale;
 
   if (!s.cuda) {
-    const DecodeConfig c = s.config(step, 0, false);
+    const DecodeConfig c = s.config(step, 0, false, 0u);
     SetKvStrides(c, a, n_kv == 0, &p);
     // The snapshot keeps every dictionary this call may read mapped until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
@@ -603,7 +619,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     return;
   }
 
-  const DecodeConfig c = s.config(step, s.plan_rows.load(), s.plan_whitening.load());
+  const DecodeConfig c = s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load());
   SetKvStrides(c, a, n_kv == 0, &p);
   if (a.dict_ids) {
     p.dict_ids = a.dict_ids;

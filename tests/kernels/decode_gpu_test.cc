@@ -452,9 +452,10 @@ DeviceProblem::Out RunOnDevice(const Problem& pb, const DecodeConfig& config) {
 // children where that skips enough rows (decode_kernels.cuh ProbeView): the same entries
 // and bit-identical outputs as the scan of every row (probe_max_batch -1), at step sizes 1
 // to 8, with unequal and childless parents and a linear dictionary beside. With 3 lookup
-// CTAs per KV head (Tuned) the first three shapes probe at every step size, with the default
-// plan only K = 20000; the last three never do (C1 > kDecodeProbeMaxParents, top_m just
-// below C1, a small view).
+// CTAs per KV head (Tuned) the first shape probes at steps of up to 4 requests, the second
+// up to 2 and the third at every size; with the default plan only K = 20000 does (at every
+// size); the last three never do (C1 > kDecodeProbeMaxParents, top_m just below C1, a small
+// view).
 TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(214);

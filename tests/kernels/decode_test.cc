@@ -514,6 +514,58 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   }
 }
 
+// DecodeViewCanProbe: the probing lookup's rule at one request (decode_common.h ProbePays),
+// for LLaMA-3.1-8B shapes (17 lookup CTAs, 68 units per KV head: at least 1088 rows
+// skipped, at most half the rows listed) and only for the views the probing kernels take.
+TEST(DecodeConfig, ViewCanProbeFollowsTheRule) {
+  DecodeConfig c;
+  c.batch = 4;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.use_dictionaries = true;
+  auto view = [](int64_t K, int64_t C1, int32_t top_m) {
+    DictLayerView v;
+    v.K = K;
+    v.C1 = C1;
+    v.top_m = top_m;
+    return v;
+  };
+  EXPECT_TRUE(DecodeViewCanProbe(c, view(4096, 64, 16)));     // 1088 rows listed
+  EXPECT_TRUE(DecodeViewCanProbe(c, view(16384, 128, 16)));
+  EXPECT_FALSE(DecodeViewCanProbe(c, view(1024, 32, 16)));    // 480 rows skipped
+  EXPECT_FALSE(DecodeViewCanProbe(c, view(4096, 0, 0)));      // linear
+  EXPECT_FALSE(DecodeViewCanProbe(c, view(4096, 64, 64)));    // every parent probed
+  EXPECT_FALSE(DecodeViewCanProbe(c, view(65536, 257, 16)));  // C1 > kDecodeProbeMaxParents
+  EXPECT_TRUE(DecodeViewCanProbe(c, view(65536, 256, 16)));
+  DictLayerView other = view(4096, 64, 16);
+  for (KernelDType t : {KernelDType::kF16, KernelDType::kF32}) {
+    other.keys_dtype = t;  // not the step's type: the probing scan reads keys of its own type
+    EXPECT_FALSE(DecodeViewCanProbe(c, other)) << KernelDTypeName(t);
+  }
+  DecodeConfig f16 = c;
+  f16.dtype = KernelDType::kF16;
+  DictLayerView f16_keys = view(4096, 64, 16);
+  f16_keys.keys_dtype = KernelDType::kF16;
+  EXPECT_TRUE(DecodeViewCanProbe(f16, f16_keys));
+  const float w = 1.f;
+  DictLayerView whitened = view(4096, 64, 16);
+  whitened.whitening = &w;
+  EXPECT_FALSE(DecodeViewCanProbe(c, whitened));
+  DecodeConfig never = c;
+  never.probe_max_batch = -1;
+  EXPECT_FALSE(DecodeViewCanProbe(never, view(4096, 64, 16)));
+  DecodeConfig no_dict = c;
+  no_dict.use_dictionaries = false;
+  EXPECT_FALSE(DecodeViewCanProbe(no_dict, view(4096, 64, 16)));
+  // 3 lookup CTAs per KV head (12 units: at least 192 rows skipped).
+  DecodeConfig few = c;
+  few.lookup_ctas = 3;
+  EXPECT_TRUE(DecodeViewCanProbe(few, view(1024, 64, 8)));    // 192 listed, 832 skipped
+  EXPECT_FALSE(DecodeViewCanProbe(few, view(1024, 32, 16)));  // 544 of 1024 listed
+  EXPECT_FALSE(DecodeViewCanProbe(few, view(250, 64, 8)));    // 96 listed, 154 skipped
+}
+
 // The plan: a pure function of the config; splits fill the GPU for small batches and stay
 // at one for short sequences; the workspace grows with the splits.
 TEST(DecodeConfig, PlanIsDeterministicAndScales) {

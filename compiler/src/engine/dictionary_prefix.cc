@@ -43,6 +43,7 @@ struct DictionaryPrefix::Device {
   at::Tensor kv;                  // one page of zeros, kernel dtype
   at::ScalarType scalar = at::kBFloat16;
   KernelDType dtype = KernelDType::kBF16;
+  bool can_probe = false;  // some view can take the probing lookup (DecodeViewCanProbe)
 };
 #else
 struct DictionaryPrefix::Device {};
@@ -154,6 +155,14 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
                                 at::TensorOptions().dtype(at::kByte))
                       .to(device);
     dev_->kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(dev_->scalar).device(device));
+    DecodeConfig one;
+    one.batch = 1;
+    one.num_q_heads = int32_t(Hq_);
+    one.num_kv_heads = int32_t(Hkv_);
+    one.head_dim = int32_t(d_);
+    one.dtype = dev_->dtype;
+    one.use_dictionaries = true;
+    for (const DictLayerView& v : host_views_) dev_->can_probe = dev_->can_probe || DecodeViewCanProbe(one, v);
 #else
     throw UnsupportedError(
         "dictionary serving on CUDA needs a build with CUDA kernels and a CUDA build of torch");
@@ -260,6 +269,7 @@ AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
   c.use_dictionaries = true;
   c.max_lookup_rows = max_lookup_rows_;
   c.whitening = whitening_;
+  c.probe_max_batch = dev_->can_probe ? 0 : -1;  // no view probes: the kernels of larger steps
   const DecodePlan plan = PlanDecode(c);  // throws UnsupportedError for shapes the op lacks
   at::Tensor q = keys.to(dev_->scalar).contiguous();
   auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
