@@ -461,12 +461,18 @@ TEST(DecodeMerge, NWayEqualsPairwise) {
   }
 }
 
-TEST(DecodeConfig, SupportedSetAndErrors) {
+// LLaMA-3.1-8B attention shapes (Hq 32, Hkv 8, d 128), bf16, 4 requests.
+DecodeConfig Llama8bConfig() {
   DecodeConfig c;
   c.batch = 4;
   c.num_q_heads = 32;
   c.num_kv_heads = 8;
   c.head_dim = 128;
+  return c;
+}
+
+TEST(DecodeConfig, SupportedSetAndErrors) {
+  DecodeConfig c = Llama8bConfig();
   c.max_seq_len = 1000;
   EXPECT_TRUE(DecodeSupported(c));
   DecodeConfig bad = c;
@@ -518,11 +524,7 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
 // for LLaMA-3.1-8B shapes (17 lookup CTAs, 68 units per KV head: at least 1088 rows
 // skipped, at most half the rows listed) and only for the views the probing kernels take.
 TEST(DecodeConfig, ViewCanProbeFollowsTheRule) {
-  DecodeConfig c;
-  c.batch = 4;
-  c.num_q_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 128;
+  DecodeConfig c = Llama8bConfig();
   c.use_dictionaries = true;
   auto view = [](int64_t K, int64_t C1, int32_t top_m) {
     DictLayerView v;
