@@ -449,13 +449,13 @@ DeviceProblem::Out RunOnDevice(const Problem& pb, const DecodeConfig& config) {
 }
 
 // Steps of at most DecodeConfig::probe_max_batch requests score only the probed parents'
-// children where that skips enough rows (decode_kernels.cuh ProbeView): the same entries
-// and bit-identical outputs as the scan of every row (probe_max_batch -1), at step sizes 1
-// to 8, with unequal and childless parents and a linear dictionary beside. With 3 lookup
-// CTAs per KV head (Tuned) the first shape probes at steps of up to 4 requests, the second
-// up to 2 and the third at every size; with the default plan only K = 20000 does (at every
-// size); the last three never do (C1 > kDecodeProbeMaxParents, top_m just below C1, a small
-// view).
+// children where that skips enough rows (decode_common.h ProbePays): the same entries and
+// bit-identical outputs as the scan of every row (probe_max_batch -1), at step sizes 1 to
+// 8, bf16 and f16 (every other shape), with unequal and childless parents and a linear
+// dictionary beside. With 3 lookup CTAs per KV head (Tuned) the first shape probes at steps
+// of up to 4 requests, the second up to 2 and the third at every size; with the default
+// plan only K = 20000 does (at every size); the last three never do (C1 >
+// kDecodeProbeMaxParents, top_m just below C1, a small view).
 TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(214);
@@ -477,13 +477,17 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
     s.page_size = sh.G == 3 ? 1 : 16;
     s.T = {5, 0, 300, 1, 64, 7, 2, 33};
     s.dicts = {DictSpec{sh.K, sh.C1, sh.top_m}, DictSpec{300, 0, 0}};
+    if (n % 2 == 1) {  // every other shape in f16, its dictionary's keys too
+      s.dtype = KernelDType::kF16;
+      s.dicts[0].keys_dtype = KernelDType::kF16;
+    }
     s.dict_ids = {0, 0, 1, 0, -1, 0, 0, 1};
     s.near_key_fraction = 0.3;
     Problem pb;
     BuildProblem(s, seed + n++, &pb);
     for (int batch : {1, 2, 4, 8}) {
-      SCOPED_TRACE("K=" + std::to_string(sh.K) + " C1=" + std::to_string(sh.C1) +
-                   " batch=" + std::to_string(batch));
+      SCOPED_TRACE("K=" + std::to_string(sh.K) + " C1=" + std::to_string(sh.C1) + " " +
+                   KernelDTypeName(s.dtype) + " batch=" + std::to_string(batch));
       pb.params.batch = batch;
       DecodeConfig probe = pb.config;
       probe.probe_max_batch = 8;
