@@ -1047,7 +1047,6 @@ __device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, i
 // kProbeMinSkipped per unit (ProbePays, decode_common.h).
 // ---------------------------------------------------------------------------------------
 
-static_assert(kDecodeProbeMaxParents % 32 == 0, "parent mask words");
 constexpr int kProbeMembers = 8;  // member key rows staged (one n-tile)
 
 template <typename DType>
