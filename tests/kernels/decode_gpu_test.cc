@@ -464,10 +464,12 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
     int d, G;
     int64_t K, C1;
     int32_t top_m;
+    bool probes, probes_tuned;  // at one request, with the default plan / with Tuned
   };
-  const Shape shapes[] = {{64, 1, 1000, 31, 4},  {128, 4, 4099, 64, 16}, {128, 8, 3000, 256, 16},
-                          {64, 4, 20000, 200, 8}, {64, 4, 700, 257, 9}, {128, 4, 200, 40, 39},
-                          {64, 3, 77, 9, 2}};
+  const Shape shapes[] = {{64, 1, 1000, 31, 4, false, true},    {128, 4, 4099, 64, 16, false, true},
+                          {128, 8, 3000, 256, 16, false, true}, {64, 4, 20000, 200, 8, true, true},
+                          {64, 4, 700, 257, 9, false, false},   {128, 4, 200, 40, 39, false, false},
+                          {64, 3, 77, 9, 2, false, false}};
   uint64_t n = 0;
   for (const Shape& sh : shapes) {
     CaseSpec s;
@@ -485,6 +487,12 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
     s.near_key_fraction = 0.3;
     Problem pb;
     BuildProblem(s, seed + n++, &pb);
+    {  // the cases take the probing path where the comment above says they do
+      DecodeConfig probe = pb.config;
+      probe.probe_max_batch = 8;
+      EXPECT_EQ(DecodeViewCanProbe(probe, pb.views[0]), sh.probes) << "K=" << sh.K;
+      EXPECT_EQ(DecodeViewCanProbe(Tuned(probe), pb.views[0]), sh.probes_tuned) << "K=" << sh.K;
+    }
     for (int batch : {1, 2, 4, 8}) {
       SCOPED_TRACE("K=" + std::to_string(sh.K) + " C1=" + std::to_string(sh.C1) + " " +
                    KernelDTypeName(s.dtype) + " batch=" + std::to_string(batch));

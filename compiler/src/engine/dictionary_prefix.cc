@@ -34,6 +34,24 @@ std::string hex64(uint64_t v) {
 // contract wants valid, aligned buffers.
 constexpr int32_t kPageSize = 16;
 
+// The op's config for `batch` lookups (one per token) over the dictionary's views: no
+// non-prefix tokens, so no KV splits.
+DecodeConfig LookupConfig(int64_t batch, int64_t Hq, int64_t Hkv, int64_t d, KernelDType dtype, int64_t rows,
+                          bool whitening) {
+  DecodeConfig c;
+  c.batch = int32_t(batch);
+  c.num_q_heads = int32_t(Hq);
+  c.num_kv_heads = int32_t(Hkv);
+  c.head_dim = int32_t(d);
+  c.dtype = dtype;
+  c.page_size = kPageSize;
+  c.max_seq_len = 0;
+  c.use_dictionaries = true;
+  c.max_lookup_rows = rows;
+  c.whitening = whitening;
+  return c;
+}
+
 }  // namespace
 
 #ifdef ASMEM_ENGINE_CUDA
@@ -155,13 +173,7 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
                                 at::TensorOptions().dtype(at::kByte))
                       .to(device);
     dev_->kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(dev_->scalar).device(device));
-    DecodeConfig one;
-    one.batch = 1;
-    one.num_q_heads = int32_t(Hq_);
-    one.num_kv_heads = int32_t(Hkv_);
-    one.head_dim = int32_t(d_);
-    one.dtype = dev_->dtype;
-    one.use_dictionaries = true;
+    const DecodeConfig one = LookupConfig(1, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_);
     for (const DictLayerView& v : host_views_) dev_->can_probe = dev_->can_probe || DecodeViewCanProbe(one, v);
 #else
     throw UnsupportedError(
@@ -199,17 +211,8 @@ AttnState DictionaryPrefix::prefix_state(int64_t layer, const at::Tensor& q_pre,
 AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
   const int64_t N = keys.size(0);
   if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
-  DecodeConfig c;
-  c.batch = int32_t(N);
-  c.num_q_heads = int32_t(Hq_);
-  c.num_kv_heads = int32_t(Hkv_);
-  c.head_dim = int32_t(d_);
-  c.dtype = KernelDType::kF32;  // the CPU reference reads fp32 queries
-  c.page_size = kPageSize;
-  c.max_seq_len = 0;
-  c.use_dictionaries = true;
-  c.max_lookup_rows = max_lookup_rows_;
-  c.whitening = whitening_;
+  // The CPU reference reads fp32 queries.
+  const DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, KernelDType::kF32, max_lookup_rows_, whitening_);
   auto i32 = at::TensorOptions().dtype(at::kInt);
   at::Tensor zeros = at::zeros({N}, i32);  // seq_lens, dict_ids (dictionary 0) and block table
   at::Tensor kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(at::kFloat));
@@ -258,17 +261,7 @@ AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
   const int64_t N = keys.size(0);
   if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
   const at::Device device = keys.device();
-  DecodeConfig c;
-  c.batch = int32_t(N);
-  c.num_q_heads = int32_t(Hq_);
-  c.num_kv_heads = int32_t(Hkv_);
-  c.head_dim = int32_t(d_);
-  c.dtype = dev_->dtype;
-  c.page_size = kPageSize;
-  c.max_seq_len = 0;
-  c.use_dictionaries = true;
-  c.max_lookup_rows = max_lookup_rows_;
-  c.whitening = whitening_;
+  DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_);
   c.probe_max_batch = dev_->can_probe ? 0 : -1;  // no view probes: the kernels of larger steps
   const DecodePlan plan = PlanDecode(c);  // throws UnsupportedError for shapes the op lacks
   at::Tensor q = keys.to(dev_->scalar).contiguous();
