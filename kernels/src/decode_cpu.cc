@@ -18,6 +18,7 @@ const char* KernelDTypeName(KernelDType t) {
     case KernelDType::kF32: return "f32";
     case KernelDType::kF16: return "f16";
     case KernelDType::kBF16: return "bf16";
+    case KernelDType::kI8: return "i8";
   }
   return "?";
 }
@@ -27,8 +28,48 @@ int64_t KernelDTypeSize(KernelDType t) {
     case KernelDType::kF32: return 4;
     case KernelDType::kF16:
     case KernelDType::kBF16: return 2;
+    case KernelDType::kI8: return 1;
   }
   throw InvalidArgument("unknown KernelDType " + std::to_string(int(t)));
+}
+
+int64_t KeysI8Bytes(int64_t rows, int64_t D) { return rows * D + 4 * rows; }
+
+void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out) {
+  if (n < 0 || D < 1) {
+    throw InvalidArgument("QuantizeKeysI8: bad shape n=" + std::to_string(n) + " D=" + std::to_string(D));
+  }
+  int8_t* codes = static_cast<int8_t*>(out);
+  float* scales = reinterpret_cast<float*>(codes + n * D);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = rows + r * D;
+    float a = 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      if (!std::isfinite(x[i])) {
+        throw InvalidArgument("QuantizeKeysI8: row " + std::to_string(r) + " has a non-finite value");
+      }
+      a = std::max(a, std::fabs(x[i]));
+    }
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      codes[r * D + i] = int8_t(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+    }
+    scales[r] = a / 127.f;
+  }
+}
+
+void QuantizeLookupKeyI8(const float* x, int64_t D, int8_t* q) {
+  float a = 0.f;
+  for (int64_t i = 0; i < D; ++i) a = std::max(a, std::fabs(x[i]));
+  if (!(a > 0.f)) {  // zero (or NaN: no order to keep)
+    std::fill(q, q + D, int8_t(0));
+    return;
+  }
+  const float inv = 127.f / a;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = std::nearbyint(x[i] * inv);
+    q[i] = v != v ? int8_t(0) : int8_t(std::clamp(v, -127.f, 127.f));  // NaN: 0, as cvt.rni
+  }
 }
 
 float HalfBitsToFloat(uint16_t h) {
@@ -253,7 +294,12 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   };
   if (G < 1 || d < 1) fail("bad group size / head dim");
   if (v.K < 1) fail("K must be >= 1, got " + std::to_string(v.K));
-  if (!dtype_ok(v.keys_dtype)) fail("keys_dtype is not f32/f16/bf16");
+  const bool i8 = v.keys_dtype == KernelDType::kI8;
+  if (!dtype_ok(v.keys_dtype) && !i8) fail("keys_dtype is not f32/f16/bf16/i8");
+  if (i8 && (int64_t(G) * d) % 128 != 0) {
+    fail("i8 keys need G * head_dim to be a multiple of 128, got " + std::to_string(int64_t(G) * d));
+  }
+  if (i8 && v.whitening != nullptr) fail("i8 keys do not support whitening");
   if (!dtype_ok(v.values_dtype)) fail("values_dtype is not f32/f16/bf16");
   const std::pair<const void*, const char*> ptrs[] = {
       {v.keys, "keys"}, {v.values_o, "values_o"}, {v.values_lse, "values_lse"}};
@@ -283,6 +329,19 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   }
   if ((v.whitening == nullptr) != (v.whitening_mean == nullptr)) {
     fail("whitening and whitening_mean must be given together");
+  }
+  if (i8 && host_memory) {
+    const int64_t D = int64_t(G) * d;
+    auto scales_ok = [&](const void* buf, int64_t rows, const char* name) {
+      const float* sc = reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * D);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!(sc[r] >= 0.f) || !std::isfinite(sc[r])) {
+          fail(std::string(name) + " scale of row " + std::to_string(r) + " is not finite and >= 0");
+        }
+      }
+    };
+    scales_ok(v.keys, v.K, "keys");
+    if (v.C1 > 0) scales_ok(v.parent_keys, v.C1, "parent_keys");
   }
   if (v.whitening && (!decode::Aligned16(v.whitening) || !decode::Aligned16(v.whitening_mean))) {
     fail("whitening / whitening_mean are not 16-byte aligned");
@@ -332,28 +391,36 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
                 LoadAsFloat(p.q_pre, dt, b * p.q_pre_stride_b + (h * G + g) * p.q_pre_stride_h + i);
           }
         }
-        if (view->whitening) {
-          std::vector<float> y(D);
-          for (int64_t i = 0; i < D; ++i) {
-            double t = 0;
-            for (int64_t j = 0; j < D; ++j) {
-              t += double(view->whitening[i * D + j]) * (double(key[j]) - view->whitening_mean[j]);
-            }
-            y[i] = float(t);
-          }
-          key = y;
-        }
-        keys.resize(view->K * D);
-        for (int64_t i = 0; i < view->K * D; ++i) keys[i] = LoadAsFloat(view->keys, view->keys_dtype, i);
-        if (view->C1 > 0) {
-          parents.resize(view->C1 * D);
-          for (int64_t i = 0; i < view->C1 * D; ++i) {
-            parents[i] = LoadAsFloat(view->parent_keys, view->keys_dtype, i);
-          }
-          idx = LookupHierarchicalCpu(parents.data(), view->C1, view->child_offsets, keys.data(),
-                                      view->K, D, key.data(), view->top_m);
+        if (view->keys_dtype == KernelDType::kI8) {  // validated: no whitening
+          std::vector<int8_t> q8(D);
+          QuantizeLookupKeyI8(key.data(), D, q8.data());
+          idx = view->C1 > 0 ? LookupHierarchicalI8Cpu(view->parent_keys, view->C1, view->child_offsets,
+                                                       view->keys, view->K, D, q8.data(), view->top_m)
+                             : LookupLinearI8Cpu(view->keys, view->K, D, q8.data());
         } else {
-          idx = LookupLinearCpu(keys.data(), view->K, D, key.data());
+          if (view->whitening) {
+            std::vector<float> y(D);
+            for (int64_t i = 0; i < D; ++i) {
+              double t = 0;
+              for (int64_t j = 0; j < D; ++j) {
+                t += double(view->whitening[i * D + j]) * (double(key[j]) - view->whitening_mean[j]);
+              }
+              y[i] = float(t);
+            }
+            key = y;
+          }
+          keys.resize(view->K * D);
+          for (int64_t i = 0; i < view->K * D; ++i) keys[i] = LoadAsFloat(view->keys, view->keys_dtype, i);
+          if (view->C1 > 0) {
+            parents.resize(view->C1 * D);
+            for (int64_t i = 0; i < view->C1 * D; ++i) {
+              parents[i] = LoadAsFloat(view->parent_keys, view->keys_dtype, i);
+            }
+            idx = LookupHierarchicalCpu(parents.data(), view->C1, view->child_offsets, keys.data(),
+                                        view->K, D, key.data(), view->top_m);
+          } else {
+            idx = LookupLinearCpu(keys.data(), view->K, D, key.data());
+          }
         }
       }
       if (p.lookup_index) p.lookup_index[b * Hkv + h] = idx;

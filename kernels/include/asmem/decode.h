@@ -73,25 +73,48 @@
 namespace asmem {
 
 // Element types. The numbering matches asmem::DType of the dictionary files (runtime), so a
-// runtime may static_cast between them.
-enum class KernelDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-const char* KernelDTypeName(KernelDType t);  // "f32", "f16", "bf16"
-int64_t KernelDTypeSize(KernelDType t);
+// runtime may static_cast between them (kI8 is not a file type).
+//
+// kI8 is for lookup keys only (DictLayerView::keys_dtype, keys and parent keys alike): a
+// buffer of [rows, D] int8 followed by [rows] f32 row scales (KeysI8Bytes; QuantizeKeysI8
+// writes one). Row r stands for scale[r] * row. The lookup quantizes its key per (request,
+// KV head) the same way (QuantizeLookupKeyI8; the key's own scale changes no argmax and is
+// dropped) and scores row r as float(int32 dot) * scale[r] in fp32: the dot is an exact
+// integer, so the CUDA lookup (int8 tensor cores) and the CPU reference agree bit for bit.
+// Half the bytes of bf16 keys; a lookup may pick another entry where two score within the
+// quantization error. Needs G * d a multiple of 128 and no whitening.
+enum class KernelDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 4 };
+const char* KernelDTypeName(KernelDType t);  // "f32", "f16", "bf16", "i8"
+int64_t KernelDTypeSize(KernelDType t);      // bytes per element (kI8: 1, scales not counted)
+
+// Bytes of `rows` int8 key rows of D dims with their scales: rows * D + 4 * rows.
+int64_t KeysI8Bytes(int64_t rows, int64_t D);
+// Quantizes fp32 key rows [n, D] into `out` (KeysI8Bytes(n, D) bytes, 4-byte aligned): per
+// row, scale = max |x| / 127 and q = round(x / scale) (to nearest even), a zero row gets
+// scale 0. Throws InvalidArgument for n < 0, D < 1 or a non-finite value.
+void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out);
+// The lookup key's quantization, as the CUDA lookup does it: a = max |x|; a == 0 gives
+// zeros; else q[i] = rint(x[i] * (127 / a)) in fp32 (each operation rounded to nearest
+// even), clamped to [-127, 127].
+void QuantizeLookupKeyI8(const float* x, int64_t D, int8_t* q);
 
 // One dictionary section (one layer, one KV head) as the kernels read it. Lives in device
 // memory for DecodeAttention and host memory for DecodeAttentionCpu. D = G*d.
 struct DictLayerView {
-  const void* keys = nullptr;             // [K, D] keys_dtype, rows L2-normalized
+  const void* keys = nullptr;             // [K, D] keys_dtype, rows L2-normalized (kI8:
+                                          // then [K] f32 scales, KernelDType)
   const void* values_o = nullptr;         // [K, G, d] values_dtype
   const float* values_lse = nullptr;      // [K, G] f32, natural log
-  const void* parent_keys = nullptr;      // [C1, D] keys_dtype; null iff C1 == 0
+  const void* parent_keys = nullptr;      // [C1, D] keys_dtype (kI8: + [C1] scales); null
+                                          // iff C1 == 0
   const int32_t* child_offsets = nullptr; // [C1 + 1], 0 .. K non-decreasing; null iff C1 == 0
   const float* whitening = nullptr;       // [D, D] f32 row-major, or null (no whitening)
   const float* whitening_mean = nullptr;  // [D] f32; non-null iff whitening is
   int64_t K = 0;                          // entries, >= 1
   int64_t C1 = 0;                         // parents; 0: linear lookup over all K keys
   int32_t top_m = 0;                      // parents probed when C1 > 0 (>= 1; >= C1: all)
-  KernelDType keys_dtype = KernelDType::kBF16;    // keys and parent_keys: f32, f16 or bf16
+  KernelDType keys_dtype = KernelDType::kBF16;    // keys and parent_keys: f32, f16, bf16
+                                                  // or i8
   KernelDType values_dtype = KernelDType::kBF16;  // values_o: f32, f16 or bf16
 };
 
@@ -201,7 +224,8 @@ size_t DecodeWorkspaceBytes(const DecodeConfig& config);
 
 // Host-side check of one view for a group of G heads of dim d: pointers present and 16-byte
 // aligned, dtypes, K >= 1, 0 <= C1 <= kDecodeMaxParents, top_m >= 1 when C1 > 0, whitening
-// and its mean together. Child offsets are checked too when `host_memory` (they are host
+// and its mean together, i8 keys only with G * d a multiple of 128 and no whitening. Child
+// offsets and i8 key scales (finite, >= 0) are checked too when `host_memory` (they are host
 // readable). Throws InvalidArgument naming `where` and the field.
 void ValidateDictLayerView(const DictLayerView& view, int32_t group_size, int32_t head_dim,
                            bool host_memory, const std::string& where);
@@ -248,6 +272,7 @@ inline float LoadAsFloat(const void* p, KernelDType t, int64_t i) {
     case KernelDType::kF32: return static_cast<const float*>(p)[i];
     case KernelDType::kF16: return HalfBitsToFloat(static_cast<const uint16_t*>(p)[i]);
     case KernelDType::kBF16: return BF16BitsToFloat(static_cast<const uint16_t*>(p)[i]);
+    case KernelDType::kI8: return float(static_cast<const int8_t*>(p)[i]);  // without scale
   }
   return 0.f;
 }
@@ -257,6 +282,9 @@ inline void StoreFromFloat(void* p, KernelDType t, int64_t i, float v) {
     case KernelDType::kF32: static_cast<float*>(p)[i] = v; break;
     case KernelDType::kF16: static_cast<uint16_t*>(p)[i] = FloatToHalfBits(v); break;
     case KernelDType::kBF16: static_cast<uint16_t*>(p)[i] = FloatToBF16Bits(v); break;
+    case KernelDType::kI8:  // the raw code (no scale), rounded and saturated
+      static_cast<int8_t*>(p)[i] = int8_t(v != v ? 0.f : v > 127.f ? 127.f : v < -127.f ? -127.f : __builtin_rintf(v));
+      break;
   }
 }
 
