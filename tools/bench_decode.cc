@@ -16,7 +16,7 @@
 // dictionary row the lookups touch once); roofline = bytes / time / --hbm-tbps.
 //
 //   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
-//                      [--ks ..] [--modes linear hier] [--shapes ..] [--no-torch]
+//                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--no-torch]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <map>
 #include <numeric>
@@ -70,6 +71,7 @@ struct Options {
   int probe_max_batch = 0;  // DecodeConfig::probe_max_batch (0: the default, -1: never)
   double hbm_tbps = 4.3;
   double child_skew = 0.0;  // hierarchical views: children per parent ~ exp(skew N(0, 1))
+  std::string key_dtype = "bf16";  // lookup keys: bf16, or i8 (QuantizeKeysI8)
   std::vector<std::string> modes = {"linear", "hier"};
   std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
   std::vector<int> batches = {1, 8, 32, 64};
@@ -158,24 +160,39 @@ struct DeviceDict {
   int64_t bytes_per_copy = 0;
 };
 
-DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, int copies, Rng& rng) {
+// Bytes of one key row: bf16, or int8 with its f32 scale.
+double KeyRowBytes(int64_t D, bool i8) { return i8 ? double(D) + 4.0 : 2.0 * D; }
+
+DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, bool i8, int copies,
+                    Rng& rng) {
   DeviceDict dd;
   const int64_t G = s.hq / s.hkv, D = G * kHeadDim;
   dd.K = K;
   dd.D = D;
   dd.C1 = std::max<int64_t>(1, int64_t(std::lround(std::sqrt(double(K)))));
   dd.copies = copies;
+  // n unit rows as bf16, or as int8 rows with their scales.
   auto unit_rows = [&](int64_t n) {
-    std::vector<uint16_t> v(size_t(n * D));
-    std::vector<float> row(D);
+    std::vector<float> rows(size_t(n * D));
     for (int64_t i = 0; i < n; ++i) {
       double ss = 0;
       for (int64_t j = 0; j < D; ++j) {
-        row[j] = rng.normal();
-        ss += double(row[j]) * row[j];
+        rows[i * D + j] = rng.normal();
+        ss += double(rows[i * D + j]) * rows[i * D + j];
       }
       const float inv = float(1.0 / std::sqrt(ss));
-      for (int64_t j = 0; j < D; ++j) v[i * D + j] = FloatToBF16Bits(row[j] * inv);
+      for (int64_t j = 0; j < D; ++j) rows[i * D + j] *= inv;
+    }
+    std::vector<uint8_t> v;
+    if (i8) {
+      v.resize(size_t(KeysI8Bytes(n, D)));
+      QuantizeKeysI8(rows.data(), n, D, v.data());
+    } else {
+      v.resize(size_t(n * D * 2));
+      for (int64_t i = 0; i < n * D; ++i) {
+        const uint16_t b = FloatToBF16Bits(rows[i]);
+        std::memcpy(v.data() + 2 * i, &b, 2);
+      }
     }
     return v;
   };
@@ -204,7 +221,7 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, int
       v.values_o = values;
       v.values_lse = vlse;
       v.K = K;
-      v.keys_dtype = KernelDType::kBF16;
+      v.keys_dtype = i8 ? KernelDType::kI8 : KernelDType::kBF16;
       v.values_dtype = KernelDType::kBF16;
       ValidateDictLayerView(v, int32_t(G), kHeadDim, false, "bench dictionary");
       dd.linear_views.push_back(v);
@@ -218,7 +235,7 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, int
   }
   dd.linear_dev = Upload(dd.linear_views);
   dd.hier_dev = Upload(dd.hier_views);
-  dd.bytes_per_copy = s.hkv * (K * D * 2 + K * G * kHeadDim * 2 + K * G * 4);
+  dd.bytes_per_copy = int64_t(s.hkv * (K * KeyRowBytes(D, i8) + K * G * kHeadDim * 2 + K * G * 4));
   return dd;
 }
 
@@ -467,7 +484,7 @@ int Run(const Options& opt) {
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
                      {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
                      {"probe_max_batch", opt.probe_max_batch},
-                     {"child_skew", opt.child_skew}};
+                     {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -489,13 +506,14 @@ int Run(const Options& opt) {
     };
     // Dictionaries, built once per shape with as many copies as the smallest batch rotates.
     const int Bmin = *std::min_element(opt.batches.begin(), opt.batches.end());
+    const bool i8 = opt.key_dtype == "i8";
     const int64_t op_ppr = (int64_t(T) + kPageSize - 1) / kPageSize;
     std::map<int, DeviceDict> dicts;
     for (int K : opt.ks) {
       const int64_t D = int64_t(G) * kHeadDim;
-      const double dict_bytes = double(s.hkv) * (double(K) * D * 2 + double(K) * G * kHeadDim * 2);
+      const double dict_bytes = double(s.hkv) * (double(K) * KeyRowBytes(D, i8) + double(K) * G * kHeadDim * 2);
       const double kv_bytes = double(Bmin) * s.hkv * T * kHeadDim * 2 * 2;
-      dicts[K] = MakeDict(s, K, opt.top_m, opt.child_skew,
+      dicts[K] = MakeDict(s, K, opt.top_m, opt.child_skew, i8,
                           rotations_for(kv_bytes + dict_bytes, int64_t(Bmin) * op_ppr), rng);
     }
 
@@ -625,7 +643,7 @@ int Run(const Options& opt) {
       // (a) the op: dictionary lookup + attention over T.
       for (int K : opt.ks) {
         const int64_t D = int64_t(G) * kHeadDim;
-        const double dict_bytes = double(s.hkv) * (double(K) * D * 2 + double(K) * G * kHeadDim * 2);
+        const double dict_bytes = double(s.hkv) * (double(K) * KeyRowBytes(D, i8) + double(K) * G * kHeadDim * 2);
         const double kv_bytes = double(B) * s.hkv * T * kHeadDim * 2 * 2;
         const int R = std::min(rotations_for(kv_bytes + dict_bytes, int64_t(B) * op_ppr), dicts[K].copies);
         const DeviceDict& dd = dicts[K];
@@ -655,13 +673,14 @@ int Run(const Options& opt) {
           const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
           // HBM bytes: the KV rows, the dictionary rows the lookups can touch (shared by all
           // requests: at most K rows per head), the gathered values, q/q_pre/o.
-          const double touched = std::min<double>(double(K), double(rows) * B) * D * 2 * s.hkv;
+          const double touched = std::min<double>(double(K), double(rows) * B) * KeyRowBytes(D, i8) * s.hkv;
           const double bytes = kv_bytes + touched + 3.0 * B * s.hq * kHeadDim * 2 +
                                double(B) * s.hq * kHeadDim * 2;
           const double roof = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
           const DecodePlan plan = PlanDecode(c);
           json j = {{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"T", T}, {"K", K},
-                    {"mode", mode}, {"C1", hier ? dd.C1 : 0}, {"top_m", hier ? opt.top_m : 0},
+                    {"mode", mode}, {"key_dtype", opt.key_dtype}, {"C1", hier ? dd.C1 : 0},
+                    {"top_m", hier ? opt.top_m : 0},
                     {"bytes", bytes}, {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits},
                     {"lookup_splits", plan.lookup_splits}};
           if (hier) j["child_max_over_mean"] = dd.child_max_over_mean;
@@ -717,6 +736,8 @@ int main(int argc, char** argv) {
   app.add_option("--modes", opt.modes, "lookup modes: linear and/or hier");
   app.add_option("--shapes", opt.shapes, "llama-3.1-8b and/or gqa-8");
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
+  app.add_option("--key-dtype", opt.key_dtype, "lookup keys: bf16, or i8 (int8 rows with f32 scales)")
+      ->check(CLI::IsMember({"bf16", "i8"}));
   app.add_option("--child-skew", opt.child_skew,
                  "unequal children per parent, ~ exp(SKEW N(0, 1)) (0: equal; 0.6 is about as "
                  "unequal as a compiled dictionary)")

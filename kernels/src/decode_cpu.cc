@@ -272,7 +272,10 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
 size_t DecodeWorkspaceBytes(const DecodeConfig& config) { return PlanDecode(config).workspace_bytes; }
 
 bool DecodeViewCanProbe(const DecodeConfig& c, const DictLayerView& v) {
-  if (!c.use_dictionaries || c.probe_max_batch < 0 || v.whitening != nullptr || v.keys_dtype != c.dtype ||
+  // Keys of the op's type, or int8 keys where the device serves them (G * d % 128 == 0).
+  const bool i8 = v.keys_dtype == KernelDType::kI8 && c.num_kv_heads > 0 &&
+                  (int64_t(c.num_q_heads) / c.num_kv_heads * c.head_dim) % 128 == 0;
+  if (!c.use_dictionaries || c.probe_max_batch < 0 || v.whitening != nullptr || (v.keys_dtype != c.dtype && !i8) ||
       (c.dtype != KernelDType::kBF16 && c.dtype != KernelDType::kF16)) {
     return false;
   }

@@ -273,7 +273,8 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
   auto dtype_ok = [](KernelDType t) {
     return t == KernelDType::kF32 || t == KernelDType::kF16 || t == KernelDType::kBF16;
   };
-  return v.K >= 1 && v.keys && v.values_o && v.values_lse && dtype_ok(v.keys_dtype) &&
+  const bool i8 = v.keys_dtype == KernelDType::kI8 && v.whitening == nullptr;  // lookup keys only
+  return v.K >= 1 && v.keys && v.values_o && v.values_lse && (dtype_ok(v.keys_dtype) || i8) &&
          dtype_ok(v.values_dtype) && v.C1 >= 0 && v.C1 <= kDecodeMaxParents &&
          (v.C1 == 0 || (v.parent_keys && v.child_offsets && v.top_m >= 1)) &&
          ((v.whitening == nullptr) == (v.whitening_mean == nullptr));
@@ -361,6 +362,18 @@ __device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += A (16x32, row) * B (32x8, col), int8 inputs, int32 accumulation (exact). The
+// fragments hold the same bytes as Mma16816's with each 16-bit pair two int8 values: a0 (row
+// g, k 4t..4t+3), a1 (row g+8), a2 / a3 (k 16+4t..); b0 (k 4t.., col g), b1 (k 16+4t..), so
+// the ldmatrix loads of 16-bit keys serve int8 keys of twice the dims.
+__device__ __forceinline__ void MmaI8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
@@ -506,8 +519,11 @@ struct SegSmem {
 };
 
 // A view the lookup serves: usable, and its parents fit the workspace's parent tables.
+// i8 keys: only where the key's G * d bytes are a multiple of 128 (the i8 scan's layout,
+// LookupBlockI8).
 __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const LaunchArgs& a) {
-  return ViewUsable(v) && v.C1 <= a.parent_width;
+  return ViewUsable(v) && v.C1 <= a.parent_width &&
+         (v.keys_dtype != KernelDType::kI8 || (a.group * a.head_dim) % 128 == 0);
 }
 
 // One segment of a lookup unit: rows [lo, hi) of the parent keys (parents) or of the keys;
@@ -691,8 +707,8 @@ __device__ __forceinline__ int RingPos(int r, int t4) { return r * 4 + (t4 ^ ((r
 // k-steps); even and odd k-steps go to separate accumulator chains. The fragments of block
 // j + 1 are loaded before the mma work of block j (one exact term; three terms load per
 // block), so that a warp alone on its scheduler does not wait on every ldmatrix.
-template <typename KT, int KEY_DIM, int TERMS, int NT, int kNt>
-__device__ __forceinline__ void ScanChunk(float (&acc)[kNt][2][4], const char* slot, const char* q, int ch,
+template <typename KT, int KEY_DIM, int TERMS, int NT, int kNt, typename Acc>
+__device__ __forceinline__ void ScanChunk(Acc (&acc)[kNt][2][4], const char* slot, const char* q, int ch,
                                           int term_bytes, int lane) {
   constexpr int kQRC = KEY_DIM / 8;
   constexpr int kChunkPairs = SegTile<KEY_DIM>::kChunkPairs;
@@ -727,8 +743,13 @@ __device__ __forceinline__ void ScanChunk(float (&acc)[kNt][2][4], const char* s
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int tt = 0; tt < TERMS; ++tt) {
-        Mma16816<KT>(acc[nt][0], af[buf][0], bf[buf][nt][tt][0], bf[buf][nt][tt][1]);
-        Mma16816<KT>(acc[nt][1], af[buf][1], bf[buf][nt][tt][2], bf[buf][nt][tt][3]);
+        if constexpr (std::is_same<KT, int8_t>::value) {
+          MmaI8(acc[nt][0], af[buf][0], bf[buf][nt][tt][0], bf[buf][nt][tt][1]);
+          MmaI8(acc[nt][1], af[buf][1], bf[buf][nt][tt][2], bf[buf][nt][tt][3]);
+        } else {
+          Mma16816<KT>(acc[nt][0], af[buf][0], bf[buf][nt][tt][0], bf[buf][nt][tt][1]);
+          Mma16816<KT>(acc[nt][1], af[buf][1], bf[buf][nt][tt][2], bf[buf][nt][tt][3]);
+        }
       }
     }
   }
@@ -739,7 +760,9 @@ __device__ __forceinline__ void ScanChunk(float (&acc)[kNt][2][4], const char* s
 // segments of the unit in order, kRingStages - 1 chunks ahead of the scan. Lane
 // (g, t4) copies 16 bytes of rows g and g + 8 per 32 key dims (dims 8 t4 .. 8 t4 + 7); rows
 // past the segment are clamped into it (their scores are dropped).
-template <int KEY_DIM>
+// KEY_DIM: the ring's geometry in 16-bit dims (int8 keys: half their dims, LookupBlockI8);
+// SMEM_DIM: the CTA's SegSmem.
+template <int KEY_DIM, int SMEM_DIM = KEY_DIM>
 struct KeyRing {
   using L = SegTile<KEY_DIM>;
   SegList segs;        // its own cursor over the unit's segments
@@ -750,12 +773,13 @@ struct KeyRing {
   char* dst0;          // this lane's piece in slot 0, piece slot 0
   int g;
   int prow = 0, pch = 0;
-  __device__ KeyRing(const SegSmem<KEY_DIM>& sm, const DictLayerView& v, const SegList& s) : segs(s) {
+  __device__ KeyRing(const SegSmem<SMEM_DIM>& sm, const DictLayerView& v, const SegList& s) : segs(s) {
+    static_assert(L::kRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t4 = lane & 3;
     g = lane >> 2;
     keys = static_cast<const uint4*>(v.keys) + t4;
     pkeys = static_cast<const uint4*>(v.parent_keys) + t4;
-    dst0 = sm.WarpRing(warp) + RingPos(g, t4) * 16;
+    dst0 = sm.ring + size_t(warp) * L::kRingStages * L::kPieces * 512 + RingPos(g, t4) * 16;
     Seek();
   }
   // Starts the copies: chunks 0 .. kRingStages - 2 into slots 0 .. kRingStages - 2.
@@ -808,9 +832,15 @@ struct KeyRing {
 // warp's ring `kr` (started by the caller), kRingStages - 1 chunks (16 rows x up to 128 dims)
 // ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
 // after the wait and a warp barrier (a fragment holds other lanes' pieces).
-template <typename KT, int KEY_DIM, int TERMS, bool ALL_NT>
-__device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, const SegList& segs,
-                              KeyRing<KEY_DIM>& kr, int n, int MB, int h) {
+// KT int8_t (LookupBlockI8): KEY_DIM is the geometry in 16-bit dims (half the int8 dims),
+// the accumulators are int32, and a row's score is float(dot) * its scale (kscale /
+// pscale: the f32 scales after the int8 rows).
+template <typename KT, int KEY_DIM, int TERMS, bool ALL_NT, int SMEM_DIM = KEY_DIM>
+__device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, const SegList& segs,
+                              KeyRing<KEY_DIM, SMEM_DIM>& kr, int n, int MB, int h,
+                              const float* kscale = nullptr, const float* pscale = nullptr) {
+  constexpr bool kI8 = std::is_same<KT, int8_t>::value;
+  using Acc = typename std::conditional<kI8, int, float>::type;
   using L = SegTile<KEY_DIM>;
   constexpr int kChunkPairs = L::kChunkPairs;
   constexpr int kChunks = L::kPairs / kChunkPairs;
@@ -827,7 +857,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
   const int g = lane >> 2, t4 = lane & 3;
   const int nnt = (n + 7) / 8;
   const int term_bytes = MB * KEY_DIM * 2;
-  const char* ring = sm.WarpRing(warp);
+  const char* ring = sm.ring + size_t(warp) * kRing * kPieces * 512;  // SegSmem::WarpRing
   int slot = 0;  // the ring slot of the next chunk to score (kr started kRing - 1 chunks)
 
   SegList it = segs;
@@ -846,14 +876,36 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
     Best best[kNt][2];
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) best[nt][0] = best[nt][1] = Best{-INFINITY, -1};
+    // int8 keys: the scales of rows g and g + 8 of the next tile, loaded a tile ahead.
+    const float* sc = parents ? pscale : kscale;
+    float nx_lo = 1.f, nx_hi = 1.f;
+    if constexpr (kI8) {
+      nx_lo = __ldg(sc + min(lo + g, hi - 1));
+      nx_hi = __ldg(sc + min(lo + g + 8, hi - 1));
+    }
     for (int row = lo; row < hi; row += 16) {
       // Two accumulator chains per n-tile (even and odd k-steps), summed at the end.
-      float acc[kNt][2][4];
+      Acc acc[kNt][2][4];
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = Acc(0);
       }
+      const float sc_lo = nx_lo, sc_hi = nx_hi;
+      if constexpr (kI8) {
+        if (row + 16 < hi) {
+          nx_lo = __ldg(sc + min(row + 16 + g, hi - 1));
+          nx_hi = __ldg(sc + min(row + 24 + g, hi - 1));
+        }
+      }
+      // A row's score from its two accumulator chains.
+      auto score = [&](Acc x, Acc y, float sc) -> float {
+        if constexpr (kI8) {
+          return __fmul_rn(__int2float_rn(x + y), sc);  // the dot is exact: one rounding
+        } else {
+          return x + y;
+        }
+      };
 #pragma unroll 1
       for (int ch = 0; ch < kChunks; ++ch) {
         CpAsyncWait<kRing - 2>();  // this lane's pieces of the chunk in `slot` have landed
@@ -884,8 +936,8 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
             const int i = 8 * nt + 2 * t4 + e;
             if (i >= n) continue;
             float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
-            if (ok_lo) ps[r_lo] = acc[nt][0][e] + acc[nt][1][e];
-            if (ok_hi) ps[r_hi] = acc[nt][0][2 + e] + acc[nt][1][2 + e];
+            if (ok_lo) ps[r_lo] = score(acc[nt][0][e], acc[nt][1][e], sc_lo);
+            if (ok_hi) ps[r_hi] = score(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
           }
         }
       } else {
@@ -896,8 +948,8 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
           if (nt >= nnt) continue;
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float s_lo = acc[nt][0][e] + acc[nt][1][e];
-            const float s_hi = acc[nt][0][2 + e] + acc[nt][1][2 + e];
+            const float s_lo = score(acc[nt][0][e], acc[nt][1][e], sc_lo);
+            const float s_hi = score(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
             Best& bb = best[nt][e];
             if (ok_lo && (bb.index < 0 || s_lo > bb.score)) bb = {s_lo, r_lo};
             if (ok_hi && (bb.index < 0 || s_hi > bb.score)) bb = {s_hi, r_hi};
@@ -927,6 +979,93 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, c
     }
   }
   CpAsyncWait<0>();  // only empty groups are left; the ring is rewritten by the next block
+}
+
+// The member keys of sm.mem[0, n) into sm.q for the int8 scan (whole CTA; KEY_DIM a multiple
+// of 128): their q_pre rows into the ring's space first (cp.async, one round trip; the ring
+// is free and holds kMaxMembers * KEY_DIM * 2 bytes), then one warp per member quantizes its
+// row as QuantizeLookupKeyI8 does (the key's amax, then rint(x * (127 / amax)) in fp32,
+// clamped) into the layout of 16-bit member keys of KEY_DIM / 2 dims (a row of KEY_DIM bytes,
+// 16-byte chunk c at c ^ (i & 7); rows up to the last n-tile zero), so that the ring, the
+// ldmatrix addressing and the swizzles of the 16-bit scan serve int8 keys unchanged (MmaI8).
+// Ends with a barrier.
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, int n, int h) {
+  constexpr int kPieces = KEY_DIM / 8;  // 8-dim pieces of a member key
+  constexpr int kPer = (kPieces + 31) / 32;
+  constexpr int kRowChunks = KEY_DIM / 16;
+  static_assert(KEY_DIM % 128 == 0, "int8 rows of whole 128-byte swizzle groups");
+  static_assert(SegTile<KEY_DIM>::kMaxMembers * KEY_DIM <= SegTile<KEY_DIM>::kQueryBytes, "member keys");
+  static_assert(SegTile<KEY_DIM>::kMaxMembers * KEY_DIM * 2 <= SegTile<KEY_DIM>::kRingBytes, "raw member keys");
+  const DecodeParams& p = a.p;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rows = (n + 7) / 8 * 8;
+  char* raw = sm.ring;
+  for (int c = threadIdx.x; c < n * kPieces; c += kThreads) {
+    const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
+    const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
+                       int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
+    CpAsync16(raw + int64_t(c) * 16, src, true);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+  for (int i = warp; i < rows; i += kWarps) {
+    float x[kPer][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = lane + 32 * j;
+      if (i < n && c < kPieces) {
+        Pack<DType>::ToFloat(*reinterpret_cast<const uint4*>(raw + (int64_t(i) * kPieces + c) * 16), x[j]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) x[j][k] = 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(x[j][k]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = lane + 32 * j;
+      if (c >= kPieces) continue;
+      uint32_t w[2] = {0u, 0u};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int q = min(127, max(-127, __float2int_rn(__fmul_rn(x[j][k], inv))));  // NaN: 0
+        w[k >> 2] |= (uint32_t(q) & 0xffu) << (8 * (k & 3));
+      }
+      char* dst = sm.q + (i * kRowChunks + ((c >> 1) ^ (i & 7))) * 16 + (c & 1) * 8;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    }
+  }
+  __syncthreads();  // the member keys are staged and the raw rows read: the ring may fill
+}
+
+// The f32 row scales that follow `rows` int8 rows of KEY_DIM dims (KernelDType::kI8).
+template <int KEY_DIM>
+__device__ __forceinline__ const float* ScalesI8(const void* keys, int64_t rows) {
+  return reinterpret_cast<const float*>(static_cast<const int8_t*>(keys) + rows * KEY_DIM);
+}
+
+// Members sm.mem[0, n) of view v with int8 keys (KernelDType::kI8; KEY_DIM a multiple of
+// 128, LookupViewOk) on int8 tensor cores: the common scan (WarpSegScanTc) over a ring of
+// KEY_DIM / 2 16-bit dims, each row's score float(dot) * its scale.
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ void LookupBlockI8(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
+                                              const DictLayerView& v, int n, int s, int U, int h) {
+  constexpr int VK = KEY_DIM / 2;  // the 16-bit geometry of a row's bytes
+  const int warp = threadIdx.x >> 5;
+  StageMemberKeysI8<DType, KEY_DIM>(a, sm, n, h);
+  const SegList mine(v, kLookupUnits * s + warp, U);
+  KeyRing<VK, KEY_DIM> kr(sm, v, mine);
+  kr.Start();
+  WarpSegScanTc<int8_t, VK, 1, false, KEY_DIM>(a, sm, mine, kr, n, SegTile<KEY_DIM>::kMaxMembers, h,
+                                               ScalesI8<KEY_DIM>(v.keys, v.K),
+                                               v.parent_keys ? ScalesI8<KEY_DIM>(v.parent_keys, v.C1) : nullptr);
 }
 
 // Members sm.mem[0, n) of view v on CUDA cores (f32 keys, whitening without the whitening
@@ -988,6 +1127,10 @@ __device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, i
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
   const int warp = threadIdx.x >> 5;
+  if (v.keys_dtype == KernelDType::kI8) {  // the caller's MB: kMaxMembers (not tc)
+    if constexpr (KEY_DIM % 128 == 0) LookupBlockI8<DType, KEY_DIM>(a, sm, v, n, s, U, h);
+    return;
+  }
   if (!tc) {
     for (int w = 0; w < kLookupUnits; ++w) {
       SegScanCc<DType, KEY_DIM>(a, sm, v, SegList(v, kLookupUnits * s + w, U), n, h);
@@ -1056,7 +1199,7 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 }
 
 // Whether the probing lookup serves hierarchical view v (LookupViewOk) in this step: keys of
-// the op's 16-bit type (KeysOfType), unwhitened (the one-term tensor-core scan), and
+// the op's 16-bit type (KeysOfType) or int8 keys, unwhitened (the one-term tensor-core scan), and
 // ProbePays (decode_common.h; DecodeViewCanProbe applies it on the host). Only the kernels
 // of probing steps (template argument PROBE) hold this and the probing lookup: with the
 // decision in every step's kernels, out of line or not, steps that never probe lost up to
@@ -1064,7 +1207,7 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 // line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>
 __device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
-  return KeysOfType<DType>(v) && v.whitening == nullptr &&
+  return (KeysOfType<DType>(v) || v.keys_dtype == KernelDType::kI8) && v.whitening == nullptr &&
          ProbePays(v.K, v.C1, v.top_m, a.batch, a.lookup_splits * kLookupUnits);
 }
 
@@ -1124,7 +1267,8 @@ __device__ __forceinline__ int ProbeRow(const int32_t* cum, const int32_t* base,
 // loop (or the end-of-segment argmax over the tile's rows) factored out of the common scan,
 // nvcc scheduled the PROBE = false lookup kernel differently (same 23016 instructions,
 // about 3600 placed otherwise), and that kernel's speed was measured as it is.
-template <int KEY_DIM>
+// KEY_DIM, SMEM_DIM: as KeyRing's.
+template <int KEY_DIM, int SMEM_DIM = KEY_DIM>
 struct ProbeRing {
   using L = SegTile<KEY_DIM>;
   static constexpr int kChunks = L::kPairs / L::kChunkPairs;
@@ -1136,13 +1280,14 @@ struct ProbeRing {
   int g, t, stride, end, pch = 0;
   const uint4* r0 = nullptr;  // this lane's rows of tile t
   const uint4* r1 = nullptr;
-  __device__ ProbeRing(const SegSmem<KEY_DIM>& sm, const void* keys, const int32_t* cum_, const int32_t* base_,
+  __device__ ProbeRing(const SegSmem<SMEM_DIM>& sm, const void* keys, const int32_t* cum_, const int32_t* base_,
                        int np_, int t0, int stride_, int end_)
       : cum(cum_), base(base_), np(np_), t(t0), stride(stride_), end(end_) {
+    static_assert(L::kRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
     const int lane = threadIdx.x & 31, t4 = lane & 3;
     g = lane >> 2;
     src = static_cast<const uint4*>(keys) + t4;
-    dst0 = sm.WarpRing(threadIdx.x >> 5) + RingPos(g, t4) * 16;
+    dst0 = sm.ring + size_t(threadIdx.x >> 5) * L::kRingStages * L::kPieces * 512 + RingPos(g, t4) * 16;
   }
   __device__ void Start() {
 #pragma unroll
@@ -1177,24 +1322,42 @@ struct ProbeRing {
 // to ps[i C1 + row] (the parents); else best[e] keeps the best (score, key row) of member
 // 2 t4 + e over this lane's rows g and g + 8 (the caller reduces over g) among the rows it
 // takes (pm: the children of its probed parents, or every row).
-template <typename DType, int KEY_DIM>
-__device__ void ProbeScan(const SegSmem<KEY_DIM>& sm, ProbeRing<KEY_DIM>& kr, int t0, int stride, int end, int n,
-                          float* ps, int C1, const ProbeSmem<KEY_DIM>& pm, Best (&best)[2]) {
+// KT: the key type (int8_t: KEY_DIM is the ring's 16-bit geometry, half the int8 dims, and
+// `scale` the rows' f32 scales, indexed by key row).
+template <typename KT, int KEY_DIM, int SMEM_DIM = KEY_DIM>
+__device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_DIM>& kr, int t0, int stride, int end,
+                          int n, float* ps, int C1, const ProbeSmem<SMEM_DIM>& pm, Best (&best)[2],
+                          const float* scale = nullptr) {
   using L = SegTile<KEY_DIM>;
+  constexpr bool kI8 = std::is_same<KT, int8_t>::value;
+  using Acc = typename std::conditional<kI8, int, float>::type;
   constexpr int kRing = L::kRingStages;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const char* ring = sm.WarpRing(threadIdx.x >> 5);
+  const char* ring = sm.ring + size_t(threadIdx.x >> 5) * kRing * L::kPieces * 512;  // SegSmem::WarpRing
   int slot = 0;
   for (int row = t0; row < end; row += stride) {
-    float acc[1][2][4];
+    Acc acc[1][2][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[0][0][i] = acc[0][1][i] = 0.f;
+    for (int i = 0; i < 4; ++i) acc[0][0][i] = acc[0][1][i] = Acc(0);
+    // int8 keys: the scales of this lane's key rows, loaded before the tile's mma work.
+    float sc_lo = 1.f, sc_hi = 1.f;
+    if constexpr (kI8) {
+      sc_lo = __ldg(scale + ProbeRow(kr.cum, kr.base, kr.np, min(row + g, end - 1)));
+      sc_hi = __ldg(scale + ProbeRow(kr.cum, kr.base, kr.np, min(row + g + 8, end - 1)));
+    }
+    auto score = [&](Acc x, Acc y, float sc) -> float {
+      if constexpr (kI8) {
+        return __fmul_rn(__int2float_rn(x + y), sc);  // the dot is exact: one rounding
+      } else {
+        return x + y;
+      }
+    };
 #pragma unroll 1
-    for (int ch = 0; ch < ProbeRing<KEY_DIM>::kChunks; ++ch) {
+    for (int ch = 0; ch < ProbeRing<KEY_DIM, SMEM_DIM>::kChunks; ++ch) {
       CpAsyncWait<kRing - 2>();
       __syncwarp();
       kr.Issue(slot == 0 ? kRing - 1 : slot - 1);
-      ScanChunk<DType, KEY_DIM, 1, 1, 1>(acc, ring + slot * L::kPieces * 512, sm.q, ch, 0, lane);
+      ScanChunk<KT, KEY_DIM, 1, 1, 1>(acc, ring + slot * L::kPieces * 512, sm.q, ch, 0, lane);
       slot = slot + 1 == kRing ? 0 : slot + 1;
     }
     const int r_lo = row + g, r_hi = r_lo + 8;
@@ -1203,8 +1366,8 @@ __device__ void ProbeScan(const SegSmem<KEY_DIM>& sm, ProbeRing<KEY_DIM>& kr, in
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = 2 * t4 + e;
-        if (i < n && ok_lo) ps[i * C1 + r_lo] = acc[0][0][e] + acc[0][1][e];
-        if (i < n && ok_hi) ps[i * C1 + r_hi] = acc[0][0][2 + e] + acc[0][1][2 + e];
+        if (i < n && ok_lo) ps[i * C1 + r_lo] = score(acc[0][0][e], acc[0][1][e], sc_lo);
+        if (i < n && ok_hi) ps[i * C1 + r_hi] = score(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
       }
       continue;
     }
@@ -1226,8 +1389,8 @@ __device__ void ProbeScan(const SegSmem<KEY_DIM>& sm, ProbeRing<KEY_DIM>& kr, in
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int i = 2 * t4 + e;
-      const float s_lo = acc[0][0][e] + acc[0][1][e];
-      const float s_hi = acc[0][0][2 + e] + acc[0][1][2 + e];
+      const float s_lo = score(acc[0][0][e], acc[0][1][e], sc_lo);
+      const float s_hi = score(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
       const bool take_lo = ok_lo && ((m_lo >> i) & 1u) != 0u;
       const bool take_hi = ok_hi && ((m_hi >> i) & 1u) != 0u;
       // A lane's key rows increase, so a later one wins only with a larger score.
@@ -1239,27 +1402,35 @@ __device__ void ProbeScan(const SegSmem<KEY_DIM>& sm, ProbeRing<KEY_DIM>& kr, in
   CpAsyncWait<0>();  // only empty groups are left
 }
 
-// The probing lookup of view `id` at KV head h for members sm.mem[0, n), n <= kProbeMembers
-// (CTA s of the head's lookup CTAs, U units). Out of line and with scalars only, as
-// LookupBlockOther, so that the common scan's code stays as it was.
-template <typename DType, int KEY_DIM>
-__device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
+// The probing lookup's work (LookupBlockProbe). KT: the view's key type, DType or int8_t (the int8 scan's ring has KEY_DIM / 2 16-bit dims).
+template <typename DType, int KEY_DIM, typename KT>
+__device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
   using L = SegTile<KEY_DIM>;
+  constexpr bool kI8 = std::is_same<KT, int8_t>::value;
+  constexpr int GK = kI8 ? KEY_DIM / 2 : KEY_DIM;
   extern __shared__ float4 lookup_smem[];
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const ProbeSmem<KEY_DIM> pm(sm);
   const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int C1 = int(v.C1), m = v.top_m;
-  StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, kProbeMembers, 1, h, true);
+  const float* pscale = nullptr;
+  const float* kscale = nullptr;
+  if constexpr (kI8) {
+    StageMemberKeysI8<DType, KEY_DIM>(a, sm, n, h);  // uses the ring's space: before the ring
+    pscale = ScalesI8<KEY_DIM>(v.parent_keys, v.C1);
+    kscale = ScalesI8<KEY_DIM>(v.keys, v.K);
+  } else {
+    StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, kProbeMembers, 1, h, true);
+  }
   for (int q = tid; q <= C1; q += kThreads) pm.off[q] = __ldg(v.child_offsets + q);
   Best best[2] = {Best{-INFINITY, -1}, Best{-INFINITY, -1}};
   {
-    ProbeRing<KEY_DIM> kr(sm, v.parent_keys, nullptr, nullptr, 0, 16 * warp, 16 * kWarps, C1);
+    ProbeRing<GK, KEY_DIM> kr(sm, v.parent_keys, nullptr, nullptr, 0, 16 * warp, 16 * kWarps, C1);
     kr.Start();
-    CpAsyncWait<L::kRingStages - 1>();  // the member keys (the oldest group)
+    CpAsyncWait<L::kRingStages - 1>();  // the member keys (the oldest group; int8: staged)
     __syncthreads();
-    ProbeScan<DType, KEY_DIM>(sm, kr, 16 * warp, 16 * kWarps, C1, n, pm.ps, C1, pm, best);
+    ProbeScan<KT, GK, KEY_DIM>(sm, kr, 16 * warp, 16 * kWarps, C1, n, pm.ps, C1, pm, best, pscale);
   }
   __syncthreads();  // every parent score
   // Member i probes parent p when fewer than m parents rank before it (a larger score, or an
@@ -1309,9 +1480,9 @@ __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, i
   const int np = pm.misc[0], N = pm.misc[1];
   const int u = kLookupUnits * s + warp;
   const int v0 = int(int64_t(N) * u / U), v1 = int(int64_t(N) * (u + 1) / U);
-  ProbeRing<KEY_DIM> kr(sm, v.keys, pm.cum, pm.base, np, v0, 16, v1);
+  ProbeRing<GK, KEY_DIM> kr(sm, v.keys, pm.cum, pm.base, np, v0, 16, v1);
   kr.Start();
-  ProbeScan<DType, KEY_DIM>(sm, kr, v0, 16, v1, n, nullptr, C1, pm, best);
+  ProbeScan<KT, GK, KEY_DIM>(sm, kr, v0, 16, v1, n, nullptr, C1, pm, best, kscale);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -1325,6 +1496,20 @@ __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, i
       a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + u] = {best[e].score, best[e].index};
     }
   }
+}
+
+// The probing lookup of view `id` at KV head h for members sm.mem[0, n), n <= kProbeMembers
+// (CTA s of the head's lookup CTAs, U units). Out of line and with scalars only, as
+// LookupBlockOther, so that the common scan's code stays as it was.
+template <typename DType, int KEY_DIM>
+__device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
+  if constexpr (KEY_DIM % 128 == 0) {
+    if (a.p.dict_views[int64_t(id) * a.hkv + h].keys_dtype == KernelDType::kI8) {
+      ProbeBlock<DType, KEY_DIM, int8_t>(a, id, n, s, U, h);
+      return;
+    }
+  }
+  ProbeBlock<DType, KEY_DIM, DType>(a, id, n, s, U, h);
 }
 
 // Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits

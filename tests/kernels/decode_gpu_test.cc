@@ -29,6 +29,7 @@ using test::Problem;
 
 struct Counts {
   int64_t runs = 0, rows = 0, elements = 0, lookups = 0, index_equal = 0, near_ties = 0;
+  int64_t i8_lookups = 0, i8_equal = 0;  // views with int8 keys: identical or a failure
 };
 Counts g_counts;
 
@@ -37,10 +38,11 @@ class CountsReporter : public ::testing::Environment {
   void TearDown() override {
     std::printf(
         "[decode gpu] %lld GPU runs checked, %lld (request, head) rows, %lld output elements, "
-        "%lld lookups: %lld identical to the reference, %lld near-tie mismatches\n",
+        "%lld lookups: %lld identical to the reference, %lld near-tie mismatches; int8 keys: "
+        "%lld of %lld identical\n",
         (long long)g_counts.runs, (long long)g_counts.rows, (long long)g_counts.elements,
         (long long)g_counts.lookups, (long long)g_counts.index_equal,
-        (long long)g_counts.near_ties);
+        (long long)g_counts.near_ties, (long long)g_counts.i8_equal, (long long)g_counts.i8_lookups);
   }
 };
 const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
@@ -185,10 +187,15 @@ void CheckAgainstReference(Problem& pb, const DecodeConfig& config, const char* 
         continue;
       }
       ++g_counts.lookups;
+      const bool i8 = pb.dicts[id].spec.keys_dtype == KernelDType::kI8;
+      g_counts.i8_lookups += i8;
       if (got == ref) {
         ++g_counts.index_equal;
+        g_counts.i8_equal += i8;
         continue;
       }
+      // int8 keys score in exact integers: the device must pick the reference's entry.
+      ASSERT_FALSE(i8) << "int8-key lookup mismatch: b=" << b << " h=" << h << " ref " << ref << " gpu " << got;
       ASSERT_GE(got, 0) << "b=" << b << " h=" << h;
       ASSERT_LT(got, pb.dicts[id].spec.K);
       const std::vector<double> x = test::LookupKey(pb, b, h, pb.dicts[id]);
@@ -269,6 +276,75 @@ TEST(DecodeGpu, SweepMatchesCpuReference) {
         CheckAgainstReference(pb, Tuned(pb.config), "tuned lookup");
       }
     }
+  }
+}
+
+// int8 keys (KernelDType::kI8) wherever G * d is a multiple of 128: linear and hierarchical
+// views (childless parents), beside a bf16 view in the same step, more requests on one view
+// than a member block holds (40 > 32), default and tuned plans. The lookup scores in exact
+// integers, so every entry must be the reference's. A view of G * d = 192 is unusable on
+// the device (NaN) and rejected on the host.
+TEST(DecodeGpu, Int8KeysMatchCpuReference) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(216);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  const int64_t before = g_counts.i8_lookups;
+  for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+    for (auto [d, G] : {std::pair{64, 2}, {64, 4}, {64, 8}, {128, 1}, {128, 3}, {128, 4}, {128, 8}}) {
+      CaseSpec s;
+      s.dtype = dt;
+      s.d = d;
+      s.Hkv = 2;
+      s.Hq = 2 * G;
+      s.T = {1, 77, 613, 0, 300, 5};
+      s.dicts = {DictSpec{613, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{300, 0, 0}};
+      s.dicts[0].keys_dtype = s.dicts[1].keys_dtype = KernelDType::kI8;
+      s.dicts[1].values_dtype = KernelDType::kF16;
+      s.dict_ids = {0, 1, 2, 1, 0, -1};
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      CheckAgainstReference(pb, pb.config, "i8");
+      CheckAgainstReference(pb, Tuned(pb.config), "i8 tuned");
+    }
+  }
+  {  // 40 requests on one int8 view: two member blocks per lookup unit
+    CaseSpec s;
+    s.d = 128;
+    s.Hkv = 2;
+    s.Hq = 8;
+    s.T.assign(40, 33);
+    s.dicts = {DictSpec{421, 13, 3}};
+    s.dicts[0].keys_dtype = KernelDType::kI8;
+    s.dict_ids.assign(40, 0);
+    Problem pb;
+    BuildProblem(s, seed + n++, &pb);
+    CheckAgainstReference(pb, pb.config, "i8 40 members");
+  }
+  // Every int8 lookup was counted: 14 shapes x 2 plans x 4 requests x 2 KV heads, and 40 x 2.
+  EXPECT_EQ(g_counts.i8_lookups - before, 14 * 2 * 4 * 2 + 40 * 2);
+  {  // G * d = 192: not served
+    CaseSpec s;
+    s.d = 64;
+    s.Hkv = 1;
+    s.Hq = 3;
+    s.T = {10};
+    s.dicts = {DictSpec{50, 0, 0}};
+    s.dict_ids = {0};
+    Problem pb;
+    BuildProblem(s, seed + n++, &pb);
+    test::HostDict& hd = pb.dicts[0];
+    std::vector<float> rows(50 * 192);
+    for (int64_t i = 0; i < 50 * 192; ++i) rows[i] = hd.keys[0].get(i);
+    hd.keys[0].quantize(rows, 50, 192);
+    hd.spec.keys_dtype = KernelDType::kI8;
+    test::BindViews(pb);
+    EXPECT_THROW(DecodeAttentionCpu(pb.config, pb.params), InvalidArgument);
+    DeviceProblem dev;
+    dev.Upload(pb, pb.config);
+    dev.Run(pb.config, nullptr);
+    const DeviceProblem::Out gpu = dev.Download(pb);
+    for (int64_t i = 0; i < 3 * 64; ++i) EXPECT_TRUE(std::isnan(gpu.o.get(i))) << i;
   }
 }
 
@@ -451,8 +527,8 @@ DeviceProblem::Out RunOnDevice(const Problem& pb, const DecodeConfig& config) {
 // Steps of at most DecodeConfig::probe_max_batch requests score only the probed parents'
 // children where that skips enough rows (decode_common.h ProbePays): the same entries and
 // bit-identical outputs as the scan of every row (probe_max_batch -1), at step sizes 1 to
-// 8, bf16 and f16 (every other shape), with unequal and childless parents and a linear
-// dictionary beside. With 3 lookup CTAs per KV head (Tuned) the first shape probes at steps
+// 8, bf16 and f16 (every other case), with 16-bit keys and, where G * d is a multiple of
+// 128, int8 keys, with unequal and childless parents and a linear dictionary beside. With 3 lookup CTAs per KV head (Tuned) the first shape probes at steps
 // of up to 4 requests, the second up to 2 and the third at every size; with the default
 // plan only K = 20000 does (at every size); the last three never do (C1 >
 // kDecodeProbeMaxParents, top_m just below C1, a small view).
@@ -471,7 +547,8 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
                           {64, 4, 700, 257, 9, false, false},   {128, 4, 200, 40, 39, false, false},
                           {64, 3, 77, 9, 2, false, false}};
   uint64_t n = 0;
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh : shapes) for (bool i8 : {false, true}) {
+    if (i8 && (sh.G * sh.d) % 128 != 0) continue;  // int8 keys: G * d a multiple of 128
     CaseSpec s;
     s.Hq = 2 * sh.G;
     s.Hkv = 2;
@@ -479,10 +556,11 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
     s.page_size = sh.G == 3 ? 1 : 16;
     s.T = {5, 0, 300, 1, 64, 7, 2, 33};
     s.dicts = {DictSpec{sh.K, sh.C1, sh.top_m}, DictSpec{300, 0, 0}};
-    if (n % 2 == 1) {  // every other shape in f16, its dictionary's keys too
+    if (n % 2 == 1) {  // every other case in f16, its dictionary's keys too
       s.dtype = KernelDType::kF16;
       s.dicts[0].keys_dtype = KernelDType::kF16;
     }
+    if (i8) s.dicts[0].keys_dtype = KernelDType::kI8;
     s.dict_ids = {0, 0, 1, 0, -1, 0, 0, 1};
     s.near_key_fraction = 0.3;
     Problem pb;
@@ -495,7 +573,8 @@ TEST(DecodeGpu, ProbingLookupEqualsFullScan) {
     }
     for (int batch : {1, 2, 4, 8}) {
       SCOPED_TRACE("K=" + std::to_string(sh.K) + " C1=" + std::to_string(sh.C1) + " " +
-                   KernelDTypeName(s.dtype) + " batch=" + std::to_string(batch));
+                   KernelDTypeName(s.dtype) + " keys " + KernelDTypeName(s.dicts[0].keys_dtype) +
+                   " batch=" + std::to_string(batch));
       pb.params.batch = batch;
       DecodeConfig probe = pb.config;
       probe.probe_max_batch = 8;

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -550,6 +552,14 @@ TEST(DecodeConfig, ViewCanProbeFollowsTheRule) {
   DictLayerView f16_keys = view(4096, 64, 16);
   f16_keys.keys_dtype = KernelDType::kF16;
   EXPECT_TRUE(DecodeViewCanProbe(f16, f16_keys));
+  DictLayerView i8_keys = view(4096, 64, 16);  // int8 keys probe in either step type
+  i8_keys.keys_dtype = KernelDType::kI8;
+  EXPECT_TRUE(DecodeViewCanProbe(c, i8_keys));
+  EXPECT_TRUE(DecodeViewCanProbe(f16, i8_keys));
+  DecodeConfig g3 = c;  // G * d = 192: no int8 scan on the device
+  g3.num_q_heads = 24;
+  g3.head_dim = 64;
+  EXPECT_FALSE(DecodeViewCanProbe(g3, i8_keys));
   const float w = 1.f;
   DictLayerView whitened = view(4096, 64, 16);
   whitened.whitening = &w;
@@ -682,6 +692,145 @@ TEST(DecodeDictView, ValidateNamesTheField) {
   w = v;
   w.keys = reinterpret_cast<const char*>(buf.data()) + 4;
   EXPECT_THROW(ValidateDictLayerView(w, 1, 64, true, "dict"), InvalidArgument);
+}
+
+TEST(DecodeI8, QuantizersFollowTheRule) {
+  // Keys: per row scale = max |x| / 127, codes rounded to nearest even; a zero row has
+  // scale 0; the scales follow the rows in the same buffer.
+  const std::vector<float> rows = {0.5f, -0.25f, 0.f, 0.125f, 0.f, 0.f, 0.f, 0.f, -2.f, 1.f, 0.5f, 3.f};
+  std::vector<uint8_t> buf(size_t(KeysI8Bytes(3, 4)));
+  ASSERT_EQ(buf.size(), 3u * 4u + 12u);
+  QuantizeKeysI8(rows.data(), 3, 4, buf.data());
+  const int8_t* q = reinterpret_cast<const int8_t*>(buf.data());
+  float sc[3];
+  std::memcpy(sc, buf.data() + 12, sizeof sc);
+  EXPECT_EQ(std::vector<int>(q, q + 4), (std::vector<int>{127, -64, 0, 32}));  // -63.5 -> -64
+  EXPECT_EQ(std::vector<int>(q + 4, q + 8), (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(std::vector<int>(q + 8, q + 12), (std::vector<int>{-85, 42, 21, 127}));
+  EXPECT_FLOAT_EQ(sc[0], 0.5f / 127.f);
+  EXPECT_EQ(sc[1], 0.f);
+  EXPECT_FLOAT_EQ(sc[2], 3.f / 127.f);
+  const std::vector<float> bad = {1.f, std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_THROW(QuantizeKeysI8(bad.data(), 1, 2, buf.data()), InvalidArgument);
+  // Lookup key: x * (127 / max |x|), to nearest even; zero stays zero.
+  const std::vector<float> x = {127.f, 0.5f, 1.5f, 2.5f, -0.5f, -126.5f};
+  int8_t k[6];
+  QuantizeLookupKeyI8(x.data(), 6, k);
+  EXPECT_EQ(std::vector<int>(k, k + 6), (std::vector<int>{127, 0, 2, 2, 0, -126}));
+  const std::vector<float> z(5, 0.f);
+  int8_t kz[5] = {1, 1, 1, 1, 1};
+  QuantizeLookupKeyI8(z.data(), 5, kz);
+  EXPECT_EQ(std::vector<int>(kz, kz + 5), (std::vector<int>(5, 0)));
+}
+
+// The reference's int8 lookups against loops written out here (the key quantized, integer
+// dots scaled by each row's scale, the top_m parents' children), and its outputs against the
+// dense computation at those entries. Once with every lookup key a noisy copy of a stored
+// row (BuildProblem's near keys), once with random keys.
+TEST(DecodeI8, ReferenceLookupsFollowIntegerScores) {
+  const uint64_t seed = test::test_seed(117);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.d = 64;
+  s.Hq = 8;
+  s.Hkv = 2;
+  s.T = {5, 0, 40, 17, 3, 9};
+  s.dicts = {DictSpec{301, 0, 0}, DictSpec{500, 23, 3}};
+  s.dicts[0].keys_dtype = s.dicts[1].keys_dtype = KernelDType::kI8;
+  s.dict_ids = {0, 1, 0, 1, -1, 1};
+  for (double near : {1.0, 0.0}) {
+    s.near_key_fraction = near;
+    Problem pb;
+    BuildProblem(s, seed + (near > 0 ? 1 : 2), &pb);
+    DecodeAttentionCpu(pb.config, pb.params);
+    const int64_t Hkv = s.Hkv, G = pb.G(), D = G * s.d;
+    for (int64_t b = 0; b < pb.B(); ++b) {
+      const int32_t id = pb.dict_ids[b];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int32_t idx = pb.lookup_index[b * Hkv + h];
+        if (id < 0) {
+          EXPECT_EQ(idx, -1);
+          continue;
+        }
+        const test::HostDict& hd = pb.dicts[id];
+        const std::vector<double> x = test::LookupKey(pb, b, h, hd);
+        double a = 0;
+        for (double v : x) a = std::max(a, std::abs(v));
+        std::vector<int> qk(D);
+        for (int64_t j = 0; j < D; ++j) qk[j] = int(std::nearbyint(float(x[j]) * (127.f / float(a))));
+        auto score = [&](const test::Buffer& buf, int64_t rows, int64_t r) {
+          const int8_t* c = static_cast<const int8_t*>(buf.data());
+          float scale;
+          std::memcpy(&scale, c + rows * D + 4 * r, 4);
+          int dot = 0;
+          for (int64_t j = 0; j < D; ++j) dot += int(c[r * D + j]) * qk[j];
+          return float(dot) * scale;
+        };
+        const int64_t K = hd.spec.K, C1 = hd.spec.C1;
+        int64_t want = 0;
+        if (C1 == 0) {
+          for (int64_t k = 1; k < K; ++k) want = score(hd.keys[h], K, k) > score(hd.keys[h], K, want) ? k : want;
+        } else {
+          std::vector<int64_t> order(C1);
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
+            return score(hd.parent_keys[h], C1, p) > score(hd.parent_keys[h], C1, q);
+          });
+          want = -1;
+          for (int64_t i = 0; i < std::min<int64_t>(hd.spec.top_m, C1); ++i) {
+            for (int64_t k = hd.offsets[h][order[i]]; k < hd.offsets[h][order[i] + 1]; ++k) {
+              if (want < 0 || score(hd.keys[h], K, k) > score(hd.keys[h], K, want)) want = k;
+            }
+          }
+          ASSERT_GE(want, 0) << "the case has no all-childless probe";
+        }
+        EXPECT_EQ(idx, want) << "b=" << b << " h=" << h << " near=" << near;
+      }
+    }
+    const test::DenseResult ref = test::DenseDirect(pb, pb.lookup_index);
+    EXPECT_TRUE(test::AllClose(
+        "o", pb.B() * s.Hq * s.d, [&](int64_t i) { return double(pb.o.get(i)); },
+        [&](int64_t i) { return ref.o[i]; }, test::OutputTolerance(s.dtype)));
+  }
+}
+
+TEST(DecodeI8, ViewChecksNameTheProblem) {
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::vector<float> rows(4 * 128, 0.1f);
+  std::vector<uint8_t> keys(size_t(KeysI8Bytes(4, 128)) + 16), values(4 * 128 * 2 + 16);
+  auto align = [](std::vector<uint8_t>& v) {
+    return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 15) / 16 * 16);
+  };
+  void* kb = align(keys);
+  QuantizeKeysI8(rows.data(), 4, 128, kb);
+  std::vector<float> lse(4, 0.f), w(128 * 128, 0.f), mean(128, 0.f);
+  DictLayerView v;
+  v.keys = kb;
+  v.values_o = align(values);
+  v.values_lse = lse.data();
+  v.K = 4;
+  v.keys_dtype = KernelDType::kI8;
+  EXPECT_NO_THROW(ValidateDictLayerView(v, 2, 64, true, "v"));
+  EXPECT_NE(message([&] { ValidateDictLayerView(v, 3, 64, true, "v"); }).find("multiple of 128"), std::string::npos);
+  DictLayerView wv = v;
+  wv.whitening = w.data();
+  wv.whitening_mean = mean.data();
+  EXPECT_NE(message([&] { ValidateDictLayerView(wv, 2, 64, true, "v"); }).find("whitening"), std::string::npos);
+  float neg = -1.f;
+  std::memcpy(static_cast<uint8_t*>(kb) + 4 * 128 + 8, &neg, 4);
+  EXPECT_NE(message([&] { ValidateDictLayerView(v, 2, 64, true, "v"); }).find("keys scale of row 2"),
+            std::string::npos);
+  EXPECT_NO_THROW(ValidateDictLayerView(v, 2, 64, false, "v"));  // device memory: not read
+  DictLayerView fv = v;
+  fv.values_dtype = KernelDType::kI8;
+  EXPECT_NE(message([&] { ValidateDictLayerView(fv, 2, 64, false, "v"); }).find("values_dtype"), std::string::npos);
 }
 
 TEST(HalfBits, RoundTripAndRounding) {

@@ -27,6 +27,12 @@ struct Buffer {
     dtype = t;
     bytes.assign(size_t(n * KernelDTypeSize(t)) + 16, 0);  // +16: room to realign
   }
+  // i8 key rows with their scales (QuantizeKeysI8); get(i) reads the raw codes.
+  void quantize(const std::vector<float>& rows, int64_t n, int64_t D) {
+    dtype = KernelDType::kI8;
+    bytes.assign(size_t(KeysI8Bytes(n, D)) + 16, 0);
+    QuantizeKeysI8(rows.data(), n, D, data());
+  }
   // 16-byte aligned start (std::vector<uint8_t> data is at least 16-aligned with glibc, but
   // do not rely on it).
   void* data() {
@@ -156,8 +162,12 @@ inline void FillDict(Problem& pb, HostDict& hd, std::mt19937_64& rng) {
   hd.offsets.resize(Hkv);
   for (int64_t h = 0; h < Hkv; ++h) {
     const std::vector<float> keys = RandomUnitRows(K, D, rng);
-    hd.keys[h].resize(hd.spec.keys_dtype, K * D);
-    for (int64_t i = 0; i < K * D; ++i) hd.keys[h].set(i, keys[i]);
+    if (hd.spec.keys_dtype == KernelDType::kI8) {
+      hd.keys[h].quantize(keys, K, D);
+    } else {
+      hd.keys[h].resize(hd.spec.keys_dtype, K * D);
+      for (int64_t i = 0; i < K * D; ++i) hd.keys[h].set(i, keys[i]);
+    }
     hd.values_o[h].resize(hd.spec.values_dtype, K * G * d);
     for (int64_t i = 0; i < K * G * d; ++i) hd.values_o[h].set(i, 0.5f * nd(rng));
     hd.values_lse[h].resize(K * G);
@@ -165,8 +175,12 @@ inline void FillDict(Problem& pb, HostDict& hd, std::mt19937_64& rng) {
     if (hd.spec.C1 > 0) {
       const int64_t C1 = hd.spec.C1;
       const std::vector<float> parents = RandomUnitRows(C1, D, rng);
-      hd.parent_keys[h].resize(hd.spec.keys_dtype, C1 * D);
-      for (int64_t i = 0; i < C1 * D; ++i) hd.parent_keys[h].set(i, parents[i]);
+      if (hd.spec.keys_dtype == KernelDType::kI8) {
+        hd.parent_keys[h].quantize(parents, C1, D);
+      } else {
+        hd.parent_keys[h].resize(hd.spec.keys_dtype, C1 * D);
+        for (int64_t i = 0; i < C1 * D; ++i) hd.parent_keys[h].set(i, parents[i]);
+      }
       std::vector<int64_t> count(C1, 0);
       std::uniform_int_distribution<int64_t> pick(0, C1 - 1);
       const int64_t skip = (hd.spec.empty_parents && C1 > 2) ? 1 : -1;  // parent 1 stays empty

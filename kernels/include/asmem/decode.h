@@ -159,7 +159,7 @@ struct DecodeConfig {
   int32_t probe_max_batch = 0;  // steps of at most this many requests (params.batch) may
                                 // score only the top_m parents' children of a hierarchical
                                 // view: the parents first, then those children (bf16 / f16
-                                // keys of the op's dtype, no whitening, at most
+                                // keys of the op's dtype or i8 keys, no whitening, at most
                                 // kDecodeProbeMaxParents parents, and only where the
                                 // children skipped pay for the second round trip); larger
                                 // steps score every row for all their requests at once.
