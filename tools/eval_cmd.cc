@@ -62,6 +62,8 @@ void run_eval(const EvalArgs& a) {
                m.compile.key_mode.c_str(), device.str().c_str(), c10::toString(dtype), prompts.size(),
                (long long)st.max_new_tokens);
   const EvalReport r = evaluate_dictionary(*sv.model, *sv.tok, *sv.dict, prefix_text, a.system_file, prompts, st);
+  const std::string keys = key_storage(st.int8_keys, r.int8_sections, int64_t(m.sections.size()));
+  std::fprintf(stderr, "lookup keys: %s\n", keys.c_str());
 
   const std::string hier_name = r.top_m > 0 ? "dictionary (top_m " + std::to_string(r.top_m) + ")"
                                             : std::string("dictionary (linear)");
@@ -118,6 +120,9 @@ void run_eval(const EvalArgs& a) {
                       {"value_dtype", m.compile.value_dtype},
                       {"key_mode", m.compile.key_mode},
                       {"whitening", m.compile.whitening},
+                      {"int8_keys", st.int8_keys},
+                      {"int8_sections", r.int8_sections},
+                      {"keys", keys},
                       {"prefix_tokens", m.prefix.n_tokens},
                       {"chunk_tokens", m.prefix.chunk_tokens},
                       {"n_traces", m.compile.n_traces}}},
@@ -155,6 +160,7 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--top-m", a->settings.top_m, "Parents probed by the lookup (0: the dictionary's)")
       ->capture_default_str();
   cmd->add_flag("--no-linear", a->no_linear, "Skip the exact-linear-lookup variant");
+  cmd->add_flag("--int8-keys", a->settings.int8_keys, kInt8KeysHelp);
   cmd->add_option("--limit", a->limit, "Evaluate only the first N prompts (0: all)")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on CUDA)")

@@ -58,6 +58,7 @@ struct GenerateArgs {
   std::string dict;   // serve the system prompt from this dictionary
   int64_t top_m = 0;  // parents probed (0: the dictionary's)
   bool linear = false;
+  bool int8_keys = false;  // --int8-keys: int8 lookup keys (DictPrefixOptions::int8_keys)
   bool compare = false;
   MacConfig mac;          // --mac / --no-mac / --mac-*
   bool use_mac = false;   // --mac or --no-mac given: decode through the MAC op
@@ -175,7 +176,7 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   const std::vector<int32_t> turn = layout_turn_tokens(*sv.tok, layout, prompt);
   if (turn.empty()) throw InvalidArgument("the prompt has no tokens");
   const int64_t base = served_base_position(m);
-  DictionaryPrefix hook(*sv.dict, model, {a.top_m, a.linear});
+  DictionaryPrefix hook(*sv.dict, model, {a.top_m, a.linear, a.int8_keys});
   std::unique_ptr<MacDecode> mac;
   if (a.use_mac) {
     MacDecodeOptions mo;
@@ -192,11 +193,12 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   }
   std::fprintf(stderr,
                "model: %s (%s, %s, %s) loaded in %.2f s\ndictionary: %s (K=%lld, prefix %lld tokens served by "
-               "%s lookup%s); prompt: %lld tokens at positions %lld..\n",
+               "%s lookup%s; keys %s); prompt: %lld tokens at positions %lld..\n",
                a.model.c_str(), cfg.summary().c_str(), device.str().c_str(), c10::toString(dtype), load_s,
                a.dict.c_str(), (long long)m.compile.entries, (long long)m.prefix.n_tokens,
                hook.top_m() > 0 ? "hierarchical" : "linear",
                hook.top_m() > 0 ? (", top_m " + std::to_string(hook.top_m())).c_str() : "",
+               key_storage(a.int8_keys, hook.int8_sections(), int64_t(m.sections.size())).c_str(),
                (long long)turn.size(), (long long)base);
   std::vector<at::Tensor> rows;
   double prefill_s = 0, decode_s = 0;
@@ -249,7 +251,9 @@ void run_generate(const GenerateArgs& a) {
   const at::Device device = parse_device(a.device);
   const at::ScalarType dtype = parse_dtype(a.dtype, device);
   if (!a.dict.empty()) return run_with_dictionary(a, prompt, system, device, dtype);
-  if (a.linear || a.top_m != 0) throw InvalidArgument("--linear and --top-m apply only with --dict");
+  if (a.linear || a.top_m != 0 || a.int8_keys) {
+    throw InvalidArgument("--linear, --top-m and --int8-keys apply only with --dict");
+  }
   if (a.compare && !a.use_mac) throw InvalidArgument("--compare applies only with --dict or --mac");
   auto t_load = std::chrono::steady_clock::now();
   std::unique_ptr<WeightSource> weights = open_weights(a.model);
@@ -375,6 +379,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-m", args->top_m, "With --dict: parents probed by the lookup (0: the dictionary's)")
       ->capture_default_str();
   cmd->add_flag("--linear", args->linear, "With --dict: exact linear lookup over all entries");
+  cmd->add_flag("--int8-keys", args->int8_keys, std::string("With --dict: ") + kInt8KeysHelp);
   cmd->add_flag("--compare", args->compare,
                 "With --dict and --system-file (the prefix text), or with --mac: also run the full prefix / full "
                 "attention over the same tokens and report top-1 agreement and KL");

@@ -249,22 +249,37 @@ CudaState::~CudaState() {
 
 int CudaState::device() const { return impl_->device; }
 
-std::shared_ptr<DeviceBlob> CudaState::upload(const void* host, size_t bytes) {
+std::shared_ptr<DeviceBlob> CudaState::upload(const std::vector<HostPiece>& pieces,
+                                              size_t bytes) {
   UploadArena& a = *impl_->arena;
   ScopedDevice guard(a.device);
   std::lock_guard<std::mutex> lock(a.mu);
   Trace("upload: allocate", bytes);
   auto blob = std::make_shared<DeviceBlob>(impl_->arena, bytes);
   Trace("upload: copy", bytes);
-  const uint8_t* src = static_cast<const uint8_t*>(host);
   uint8_t* dst = static_cast<uint8_t*>(blob->data());
+  size_t next = 0;  // first piece not wholly staged yet
   int k = 0;
   for (size_t off = 0; off < bytes; off += kUploadChunk, ++k) {
     const int i = k & 1;
     const size_t n = std::min(kUploadChunk, bytes - off);
     // The copy that last read staging[i] must be done (it ran on the upload stream).
     if (k >= 2) ASMEM_CUDA_CHECK(cudaEventSynchronize(a.staged[i]));
-    std::memcpy(a.staging[i], src + off, n);
+    // Chunk [off, off + n) of the allocation: the pieces that overlap it, zeros between.
+    uint8_t* stage = static_cast<uint8_t*>(a.staging[i]);
+    size_t filled = 0;
+    for (size_t j = next; j < pieces.size() && pieces[j].offset < off + n; ++j) {
+      const HostPiece& p = pieces[j];
+      const size_t lo = std::max(p.offset, off), hi = std::min(p.offset + p.bytes, off + n);
+      if (hi > lo) {
+        std::memset(stage + filled, 0, lo - off - filled);
+        std::memcpy(stage + (lo - off), static_cast<const uint8_t*>(p.host) + (lo - p.offset),
+                    hi - lo);
+        filled = hi - off;
+      }
+      if (p.offset + p.bytes <= off + n) next = j + 1;
+    }
+    std::memset(stage + filled, 0, n - filled);
     ASMEM_CUDA_CHECK(
         cudaMemcpyAsync(dst + off, a.staging[i], n, cudaMemcpyHostToDevice, a.stream));
     ASMEM_CUDA_CHECK(cudaEventRecord(a.staged[i], a.stream));
@@ -382,7 +397,9 @@ struct CudaState::Impl {};
 CudaState::CudaState(int, int32_t, int32_t, int32_t, size_t) { NoCuda(); }
 CudaState::~CudaState() = default;
 int CudaState::device() const { NoCuda(); }
-std::shared_ptr<DeviceBlob> CudaState::upload(const void*, size_t) { NoCuda(); }
+std::shared_ptr<DeviceBlob> CudaState::upload(const std::vector<HostPiece>&, size_t) {
+  NoCuda();
+}
 const DictLayerView* CudaState::table(int32_t) const { NoCuda(); }
 void* CudaState::workspace() const { NoCuda(); }
 size_t CudaState::workspace_bytes() const { NoCuda(); }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "asmem/cuda_fwd.h"
 #include "asmem/decode.h"
@@ -58,6 +59,13 @@ class DeviceBlob {
   size_t bytes_ = 0;
 };
 
+// Host bytes and where they go in a device allocation (CudaState::upload).
+struct HostPiece {
+  const void* host = nullptr;
+  size_t bytes = 0;
+  size_t offset = 0;  // byte offset in the allocation
+};
+
 class CudaState {
  public:
   // Allocates the tables [L][max_dicts][Hkv] (all views empty: K = 0) and a workspace of
@@ -70,11 +78,12 @@ class CudaState {
   CudaState& operator=(const CudaState&) = delete;
 
   int device() const;
-  // Copies `bytes` host bytes (pageable: a file mapping) into a new device allocation and
-  // waits for the copy. The bytes go through two reusable pinned staging buffers on the
-  // private upload stream; the host waits only for that stream, never for a step or the
-  // device. Concurrent uploads serialize.
-  std::shared_ptr<DeviceBlob> upload(const void* host, size_t bytes);
+  // Copies `pieces` (pageable host memory: a file mapping; sorted by offset, not
+  // overlapping, within `bytes`) into a new device allocation of `bytes` bytes, the gaps
+  // between them zeroed, and waits for the copy. The bytes go through two reusable pinned
+  // staging buffers on the private upload stream; the host waits only for that stream, never
+  // for a step or the device. Concurrent uploads serialize.
+  std::shared_ptr<DeviceBlob> upload(const std::vector<HostPiece>& pieces, size_t bytes);
   const DictLayerView* table(int32_t layer) const;
   void* workspace() const;
   size_t workspace_bytes() const;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -980,6 +981,71 @@ DictLayerView host_layer_view(const DictSection& s, int32_t top_m) {
     v.whitening_mean = static_cast<const float*>(s.whitening_mean.data);
   }
   return v;
+}
+
+bool keys_i8_supported(const DictLayerView& v, int32_t group_size, int32_t head_dim) {
+  return (int64_t(group_size) * head_dim) % 128 == 0 && v.whitening == nullptr;
+}
+
+namespace {
+
+// Quantizes `rows` key rows of D dims of type `t` at `src` into `dst` (KeysI8Bytes(rows, D)
+// bytes: the int8 rows, then the scales), a block of rows at a time so that no fp32 copy of
+// a whole tensor is made (a section's keys may be gigabytes).
+void QuantizeRowsI8(const void* src, KernelDType t, int64_t rows, int64_t D, uint8_t* dst,
+                    const std::string& what) {
+  constexpr int64_t kBlockRows = 256;
+  std::vector<float> f;
+  std::vector<uint8_t> q;  // 4-byte aligned (operator new) as QuantizeKeysI8 needs
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+    const int64_t n = std::min(kBlockRows, rows - r0);
+    f.resize(size_t(n * D));
+    for (int64_t i = 0; i < n * D; ++i) {
+      f[size_t(i)] = LoadAsFloat(src, t, r0 * D + i);
+      if (!std::isfinite(f[size_t(i)])) {
+        throw InvalidArgument(what + " row " + std::to_string(r0 + i / D) +
+                              " has a non-finite value");
+      }
+    }
+    q.resize(size_t(KeysI8Bytes(n, D)));
+    QuantizeKeysI8(f.data(), n, D, q.data());
+    std::memcpy(dst + r0 * D, q.data(), size_t(n * D));
+    std::memcpy(dst + rows * D + 4 * r0, q.data() + n * D, size_t(4 * n));
+  }
+}
+
+}  // namespace
+
+std::vector<KeysI8Block> quantize_keys_i8(std::vector<DictLayerView>* views, int32_t num_kv_heads,
+                                          int32_t group_size, int32_t head_dim,
+                                          const std::string& where) {
+  const int64_t D = int64_t(group_size) * head_dim;
+  auto blocks = [](int64_t bytes) { return size_t((bytes + 15) / 16); };
+  size_t n = 0;
+  for (const DictLayerView& v : *views) {
+    if (!keys_i8_supported(v, group_size, head_dim)) continue;
+    n += blocks(KeysI8Bytes(v.K, D)) + blocks(KeysI8Bytes(v.C1, D));
+  }
+  std::vector<KeysI8Block> out(n);
+  size_t at = 0;
+  for (size_t i = 0; i < views->size(); ++i) {
+    DictLayerView& v = (*views)[i];
+    if (!keys_i8_supported(v, group_size, head_dim)) continue;
+    const std::string sec = where + ": layer " + std::to_string(i / size_t(num_kv_heads)) +
+                            " kv_head " + std::to_string(i % size_t(num_kv_heads));
+    uint8_t* keys = (out.data() + at)->bytes;
+    QuantizeRowsI8(v.keys, v.keys_dtype, v.K, D, keys, sec + ": keys");
+    at += blocks(KeysI8Bytes(v.K, D));
+    v.keys = keys;
+    if (v.C1 > 0) {
+      uint8_t* parents = (out.data() + at)->bytes;
+      QuantizeRowsI8(v.parent_keys, v.keys_dtype, v.C1, D, parents, sec + ": parent_keys");
+      at += blocks(KeysI8Bytes(v.C1, D));
+      v.parent_keys = parents;
+    }
+    v.keys_dtype = KernelDType::kI8;
+  }
+  return out;
 }
 
 }  // namespace asmem

@@ -9,6 +9,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,7 @@ namespace detail {
 struct ResidentDictionary {
   DictionaryInfo info;
   std::unique_ptr<DictionaryFile> file;  // CPU: the mapping the views point into; CUDA: null
+  std::vector<KeysI8Block> keys_i8;      // CPU: int8 keys the views point into (int8_keys)
   std::vector<DictLayerView> views;      // [L][Hkv]: host (CPU) or device (CUDA) pointers
   std::shared_ptr<DeviceBlob> blob;      // CUDA: the uploaded tensors
   uint32_t can_probe = 0;                // bit 0 / 1: some view can probe in bf16 / f16 steps
@@ -63,6 +65,27 @@ int64_t LookupRows(const DictLayerView& v) {
   int64_t rows = v.C1;
   for (int64_t i = 0; i < m; ++i) rows += children[size_t(i)];
   return rows;
+}
+
+// Calls f(pointer, bytes) for every tensor of view `v` (group size G, head dim d) that is
+// present, with a reference to the view's pointer field.
+template <class F>
+void ForEachTensor(DictLayerView* v, int64_t G, int64_t d, F&& f) {
+  const int64_t D = G * d;
+  auto key_bytes = [&](int64_t rows) {
+    return v->keys_dtype == KernelDType::kI8 ? KeysI8Bytes(rows, D)
+                                             : rows * D * KernelDTypeSize(v->keys_dtype);
+  };
+  auto call = [&](auto& p, int64_t bytes) {
+    if (p != nullptr) f(p, bytes);
+  };
+  call(v->keys, key_bytes(v->K));
+  call(v->values_o, v->K * G * d * KernelDTypeSize(v->values_dtype));
+  call(v->values_lse, v->K * G * int64_t(sizeof(float)));
+  call(v->parent_keys, key_bytes(v->C1));
+  call(v->child_offsets, (v->C1 + 1) * int64_t(sizeof(int32_t)));
+  call(v->whitening, D * D * int64_t(sizeof(float)));
+  call(v->whitening_mean, D * int64_t(sizeof(float)));
 }
 
 // Rethrows an asmem error as the same type with `prefix` in front unless it is there.
@@ -362,71 +385,76 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
     info.compile = m.compile;
     info.top_m = top_m;
     r->views.resize(size_t(s.L) * size_t(s.Hkv));
-    const uint8_t* lo_ptr = nullptr;
-    const uint8_t* hi_ptr = nullptr;
-    auto extend = [&](const TensorRef& t) {
-      if (!t.present()) return;
-      const uint8_t* p = static_cast<const uint8_t*>(t.data);
-      if (!lo_ptr || p < lo_ptr) lo_ptr = p;
-      if (!hi_ptr || p + t.nbytes > hi_ptr) hi_ptr = p + t.nbytes;
+    auto where = [&](size_t i) {
+      return path + ": layer " + str(int64_t(i) / s.Hkv) + " kv_head " + str(int64_t(i) % s.Hkv);
     };
     for (int32_t l = 0; l < s.L; ++l) {
       for (int32_t h = 0; h < s.Hkv; ++h) {
+        const size_t i = size_t(l) * size_t(s.Hkv) + size_t(h);
         const DictSection& sec = file->section(l, h);
-        const std::string where = path + ": layer " + str(l) + " kv_head " + str(h);
         if (sec.group_size != s.G || sec.head_dim != s.d) {
-          throw InvalidArgument(where + ": section has group_size=" + str(sec.group_size) +
+          throw InvalidArgument(where(i) + ": section has group_size=" + str(sec.group_size) +
                                 " head_dim=" + str(sec.head_dim) + ", the runtime needs " +
                                 str(s.G) + " and " + str(s.d));
         }
-        DictLayerView v;
+        DictLayerView& v = r->views[i];
         try {
           v = host_layer_view(sec, top_m);
         } catch (const InvalidArgument& e) {
-          throw InvalidArgument(where + ": " + e.what());
+          throw InvalidArgument(where(i) + ": " + e.what());
         }
-        ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/true, where);
-        info.total_entries += v.K;
-        info.max_lookup_rows = std::max(info.max_lookup_rows, LookupRows(v));
-        info.whitening = info.whitening || v.whitening != nullptr;
-        for (uint32_t bit : {1u, 2u}) {  // CUDA steps only (the CPU reference does not probe)
-          StepConfig step;
-          step.dtype = bit == 1u ? KernelDType::kBF16 : KernelDType::kF16;
-          step.max_batch = 1;
-          if (s.cuda && DecodeViewCanProbe(s.config(step, 0, false, bit), v)) r->can_probe |= bit;
-        }
-        r->views[size_t(l) * size_t(s.Hkv) + size_t(h)] = v;
-        for (const TensorRef* t : {&sec.keys, &sec.values_o, &sec.values_lse, &sec.parent_keys,
-                                   &sec.child_offsets, &sec.whitening, &sec.whitening_mean}) {
-          extend(*t);
-        }
+        ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/true, where(i));
+      }
+    }
+    std::vector<KeysI8Block> keys_i8;
+    if (lo.int8_keys) keys_i8 = quantize_keys_i8(&r->views, s.Hkv, s.G, s.d, path);
+    for (size_t i = 0; i < r->views.size(); ++i) {
+      const DictLayerView& v = r->views[i];
+      if (v.keys_dtype == KernelDType::kI8) {
+        ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/true, where(i));  // the scales
+        ++info.int8_sections;
+      }
+      info.total_entries += v.K;
+      info.max_lookup_rows = std::max(info.max_lookup_rows, LookupRows(v));
+      info.whitening = info.whitening || v.whitening != nullptr;
+      for (uint32_t bit : {1u, 2u}) {  // CUDA steps only (the CPU reference does not probe)
+        StepConfig step;
+        step.dtype = bit == 1u ? KernelDType::kBF16 : KernelDType::kF16;
+        step.max_batch = 1;
+        if (s.cuda && DecodeViewCanProbe(s.config(step, 0, false, bit), v)) r->can_probe |= bit;
       }
     }
     if (s.cuda) {
-      // One copy of the file's blob region; every view pointer moves by the same offset,
-      // so the 64-byte alignment of the file carries over (cudaMalloc is 256-aligned).
-      const size_t bytes = size_t(hi_ptr - lo_ptr);
-      r->blob = s.cs->upload(lo_ptr, bytes);
+      // Every tensor the views read (the file's, or the int8 keys in place of the file's
+      // keys, which then stay on the host) goes to its own 64-byte aligned place in one
+      // device allocation (cudaMalloc is 256-aligned), as the file aligns its tensors.
+      std::vector<detail::HostPiece> pieces;
+      size_t bytes = 0;
+      for (DictLayerView& v : r->views) {
+        ForEachTensor(&v, s.G, s.d, [&](auto& p, int64_t n) {
+          const size_t at = (bytes + 63) / 64 * 64;
+          pieces.push_back(detail::HostPiece{p, size_t(n), at});
+          bytes = at + size_t(n);
+        });
+      }
+      r->blob = s.cs->upload(pieces, bytes);
       uint8_t* base = static_cast<uint8_t*>(r->blob->data());
-      auto move = [&](const void* p) -> const void* {
-        return p ? base + (static_cast<const uint8_t*>(p) - lo_ptr) : nullptr;
-      };
+      size_t next = 0;
       for (size_t i = 0; i < r->views.size(); ++i) {
         DictLayerView& v = r->views[i];
-        v.keys = move(v.keys);
-        v.values_o = move(v.values_o);
-        v.values_lse = static_cast<const float*>(move(v.values_lse));
-        v.parent_keys = move(v.parent_keys);
-        v.child_offsets = static_cast<const int32_t*>(move(v.child_offsets));
-        v.whitening = static_cast<const float*>(move(v.whitening));
-        v.whitening_mean = static_cast<const float*>(move(v.whitening_mean));
+        ForEachTensor(&v, s.G, s.d, [&](auto& p, int64_t) {
+          using Ptr = std::remove_reference_t<decltype(p)>;
+          p = static_cast<Ptr>(static_cast<const void*>(base + pieces[next++].offset));
+        });
         ValidateDictLayerView(v, s.G, s.d, /*host_memory=*/false,
                               path + ": device view " + str(int64_t(i)));
       }
       info.device_bytes = bytes;
-      // The mapping is no longer needed: the device copy is what steps read.
+      // The mapping and the host int8 keys are no longer needed: the device copy is what
+      // steps read.
     } else {
       r->file = std::move(file);
+      r->keys_i8 = std::move(keys_i8);  // the views point into it (moving keeps the buffer)
     }
   } catch (const Error&) {
     Rethrow(path);

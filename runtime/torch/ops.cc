@@ -11,15 +11,17 @@
 //   release_runtime(str device) -> ()
 //       Drops the device's runtime and its dictionaries (after the current stream's work).
 //   load_dictionary(str path, str device="cpu", int slot=-1, int top_m=0,
-//                   bool verify_data=True) -> int
+//                   bool verify_data=True, bool int8_keys=False) -> int
 //       Loads into `slot` (-1: the lowest free one; an occupied slot is an error: use
-//       replace_dictionary) and returns the slot.
+//       replace_dictionary) and returns the slot. int8_keys: LoadOptions::int8_keys (int8
+//       lookup keys with per-row scales where G*d % 128 == 0 and there is no whitening).
 //   replace_dictionary(int slot, str path, str device="cpu", int top_m=0,
-//                      bool verify_data=True) -> ()
+//                      bool verify_data=True, bool int8_keys=False) -> ()
 //       Hot swap: the new file is validated and uploaded first; on error the old one stays.
 //   unload_dictionary(int slot, str device="cpu") -> ()
 //   dictionary_info(int slot, str device="cpu") -> str
-//       JSON: path, generation, shapes, entries, bytes, prefix tokens; "" for an empty slot.
+//       JSON: path, generation, shapes, entries, bytes, prefix tokens, int8_sections
+//       (sections with int8 keys); "" for an empty slot.
 //   decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table,
 //          Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0.,
 //          int max_seq_len=0, str kv_layout="HND") -> (Tensor o, Tensor lse)
@@ -195,15 +197,16 @@ void release_runtime(std::string device) {
   rt.reset();
 }
 
-LoadOptions MakeLoad(int64_t top_m, bool verify_data) {
+LoadOptions MakeLoad(int64_t top_m, bool verify_data, bool int8_keys) {
   LoadOptions lo;
   lo.top_m = int32_t(std::max<int64_t>(0, std::min<int64_t>(top_m, 1 << 30)));
   lo.verify_data = verify_data;
+  lo.int8_keys = int8_keys;
   return lo;
 }
 
 int64_t load_dictionary(std::string path, std::string device, int64_t slot, int64_t top_m,
-                        bool verify_data) {
+                        bool verify_data, bool int8_keys) {
   const std::string op = "load_dictionary";
   const Device d = ParseDevice(op, device);
   std::shared_ptr<DecodeRuntime> rt = Find(d);
@@ -216,15 +219,16 @@ int64_t load_dictionary(std::string path, std::string device, int64_t slot, int6
   if (s >= 0 && rt->info(s)) {
     Fail(op, path + ": slot " + std::to_string(s) + " is occupied (use replace_dictionary)");
   }
-  PreparedDictionary p = rt->prepare(path, MakeLoad(top_m, verify_data));
+  PreparedDictionary p = rt->prepare(path, MakeLoad(top_m, verify_data, int8_keys));
   return rt->publish(p, s, CurrentStream(d));
 }
 
 void replace_dictionary(int64_t slot, std::string path, std::string device, int64_t top_m,
-                        bool verify_data) {
+                        bool verify_data, bool int8_keys) {
   const std::string op = "replace_dictionary";
   const Device d = ParseDevice(op, device);
-  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data), CurrentStream(d));
+  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data, int8_keys),
+                          CurrentStream(d));
 }
 
 void unload_dictionary(int64_t slot, std::string device) {
@@ -254,6 +258,7 @@ std::string dictionary_info(int64_t slot, std::string device) {
   j["total_entries"] = info->total_entries;
   j["top_m"] = info->top_m;
   j["whitening"] = info->whitening;
+  j["int8_sections"] = info->int8_sections;
   j["value_dtype"] = info->compile.value_dtype;
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
@@ -445,11 +450,11 @@ TORCH_LIBRARY(asmem, m) {
   m.def("release_runtime(str device) -> ()", &release_runtime);
   m.def(
       "load_dictionary(str path, str device=\"cpu\", int slot=-1, int top_m=0, "
-      "bool verify_data=True) -> int",
+      "bool verify_data=True, bool int8_keys=False) -> int",
       &load_dictionary);
   m.def(
       "replace_dictionary(int slot, str path, str device=\"cpu\", int top_m=0, "
-      "bool verify_data=True) -> ()",
+      "bool verify_data=True, bool int8_keys=False) -> ()",
       &replace_dictionary);
   m.def("unload_dictionary(int slot, str device=\"cpu\") -> ()", &unload_dictionary);
   m.def("dictionary_info(int slot, str device=\"cpu\") -> str", &dictionary_info);

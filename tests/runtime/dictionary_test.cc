@@ -1185,5 +1185,90 @@ TEST(CheckOutputPath, NamesTheProblemAndCreatesNothing) {
   EXPECT_EQ(entries, 1);
 }
 
+// quantize_keys_i8: int8 keys byte for byte those of QuantizeKeysI8 over the fp32 rows (the
+// block-wise conversion crosses its 256-row blocks), 16-byte aligned, only where the kernels
+// take them; a non-finite key names the section and row.
+TEST(QuantizeKeysI8, MatchesQuantizeKeysI8OnlyWhereTheKernelsTakeIt) {
+  const int32_t G = 2, d = 64, D = G * d, Hkv = 2;
+  std::mt19937_64 rng(test::test_seed(5));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto rows = [&](int64_t n) {
+    std::vector<float> v(size_t(n * D));
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  // Layer 0: linear bf16 keys (K = 600: three blocks) and hierarchical f32 keys; layer 1:
+  // whitened, then f32 keys of one row.
+  const std::vector<float> k0 = rows(600), k1 = rows(7), p1 = rows(3), k2 = rows(5), k3 = rows(1);
+  std::vector<uint16_t> k0_bf16(k0.size());
+  std::vector<float> k0_rounded(k0.size());
+  for (size_t i = 0; i < k0.size(); ++i) {
+    k0_bf16[i] = FloatToBF16Bits(k0[i]);
+    k0_rounded[i] = BF16BitsToFloat(k0_bf16[i]);
+  }
+  const std::vector<int32_t> offsets = {0, 2, 2, 7};
+  const std::vector<float> w(size_t(D * D), 0.f), mean(size_t(D), 0.f);
+  std::vector<DictLayerView> views(4);
+  views[0].keys = k0_bf16.data();
+  views[0].K = 600;
+  views[1].keys = k1.data();
+  views[1].keys_dtype = KernelDType::kF32;
+  views[1].K = 7;
+  views[1].parent_keys = p1.data();
+  views[1].C1 = 3;
+  views[1].child_offsets = offsets.data();
+  views[1].top_m = 1;
+  views[2].keys = k2.data();
+  views[2].keys_dtype = KernelDType::kF32;
+  views[2].K = 5;
+  views[2].whitening = w.data();
+  views[2].whitening_mean = mean.data();
+  views[3].keys = k3.data();
+  views[3].keys_dtype = KernelDType::kF32;
+  views[3].K = 1;
+  const std::vector<DictLayerView> before = views;
+  const std::vector<KeysI8Block> buf = quantize_keys_i8(&views, Hkv, G, d, "dict.asmd");
+
+  auto expect_quantized = [&](const void* got, const std::vector<float>& src, int64_t n,
+                              const std::string& what) {
+    SCOPED_TRACE(what);
+    ASSERT_NE(got, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(got) % 16, 0u);
+    std::vector<uint8_t> want(size_t(KeysI8Bytes(n, D)));
+    QuantizeKeysI8(src.data(), n, D, want.data());
+    EXPECT_EQ(std::memcmp(got, want.data(), want.size()), 0);
+  };
+  EXPECT_EQ(views[0].keys_dtype, KernelDType::kI8);
+  expect_quantized(views[0].keys, k0_rounded, 600, "bf16 keys");
+  EXPECT_EQ(views[1].keys_dtype, KernelDType::kI8);
+  expect_quantized(views[1].keys, k1, 7, "f32 keys");
+  expect_quantized(views[1].parent_keys, p1, 3, "f32 parent keys");
+  EXPECT_EQ(views[1].child_offsets, offsets.data());
+  EXPECT_EQ(views[2].keys, before[2].keys) << "a whitened view keeps its keys";
+  EXPECT_EQ(views[2].keys_dtype, KernelDType::kF32);
+  EXPECT_EQ(views[3].keys_dtype, KernelDType::kI8);
+  expect_quantized(views[3].keys, k3, 1, "one row");
+  for (size_t i : {0, 1, 3}) {  // the kernels' checks (the scales among them) pass
+    DictLayerView v = views[i];
+    v.values_o = k0.data();  // stand-in values: the views have none
+    v.values_lse = k0.data();
+    EXPECT_NO_THROW(ValidateDictLayerView(v, G, d, /*host_memory=*/true, "view"));
+  }
+
+  // G * d = 192: nothing to quantize.
+  std::vector<DictLayerView> odd = before;
+  EXPECT_TRUE(quantize_keys_i8(&odd, Hkv, 3, 64, "dict.asmd").empty());
+  EXPECT_EQ(odd[0].keys, before[0].keys);
+  EXPECT_EQ(odd[0].keys_dtype, KernelDType::kBF16);
+
+  std::vector<float> bad = k1;
+  bad[size_t(5 * D + 3)] = std::nanf("");
+  std::vector<DictLayerView> bad_views = before;
+  bad_views[1].keys = bad.data();
+  test::expect_error<InvalidArgument>(
+      [&] { quantize_keys_i8(&bad_views, Hkv, G, d, "dict.asmd"); },
+      {"dict.asmd: layer 0 kv_head 1: keys row 5 has a non-finite value"});
+}
+
 }  // namespace
 }  // namespace asmem

@@ -216,6 +216,62 @@ TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
   }
 }
 
+// LoadOptions::int8_keys on both runtimes: the same sections are int8 (where G*d is a
+// multiple of 128, not the whitened dictionary), lookups pick the same entries, and the
+// device holds fewer bytes than with the file's keys.
+TEST_P(RuntimeGpuShapes, Int8KeysMatchTheCpuRuntime) {
+  const GpuCase& c = GetParam();
+  SCOPED_TRACE(test::seed_trace(seed_));
+  const bool int8_shape = (c.Hq / c.Hkv) * c.d % 128 == 0;
+  SynthSpec base;
+  base.L = 2;
+  base.Hq = c.Hq;
+  base.Hkv = c.Hkv;
+  base.d = c.d;
+  SynthSpec s0 = base, s1 = base, s2 = base;
+  s0.K = 301;
+  s1.K = 640;
+  s1.parents = 30;
+  s1.top_m = 4;
+  s1.keys = DType::kF32;
+  s1.seed = 2;
+  s2.K = 33;
+  s2.whitening = true;
+  s2.seed = 3;
+  const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1), p2 = write("d2.asmd", s2);
+  const HostStep st =
+      MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 613, 77, 130, 3, 1000, 5},
+               {0, -1, 2, 1, -1, 0, 1, 1}, seed_ + 11, c.nhd);
+  LoadOptions i8;
+  i8.int8_keys = true;
+  DecodeRuntime cpu(Options(base, Device::Cpu(), st));
+  DecodeRuntime gpu(Options(base, Device::Cuda(0), st));
+  for (const std::string& p : {p0, p1, p2}) {
+    EXPECT_EQ(cpu.load(p, i8), gpu.load(p, i8));
+  }
+  const int64_t sections = int64_t(base.L) * base.Hkv;
+  for (int32_t slot = 0; slot < 3; ++slot) {
+    EXPECT_EQ(gpu.info(slot)->int8_sections, cpu.info(slot)->int8_sections) << "slot " << slot;
+    EXPECT_EQ(gpu.info(slot)->int8_sections, slot < 2 && int8_shape ? sections : 0) << "slot " << slot;
+  }
+  const uint64_t bytes_i8 = gpu.info(1)->device_bytes;
+  const DeviceStep dev(st);
+  for (int32_t layer = 0; layer < base.L; ++layer) {
+    const StepOutputs want = test::RunRuntime(cpu, st, layer);
+    DeviceOutputs got(st);
+    gpu.decode(layer, Args(dev, got), nullptr);
+    ExpectClose(got.Download(), want, st, "int8 keys, layer " + std::to_string(layer));
+  }
+  // The file's keys in the same slot: more device bytes where keys were int8.
+  gpu.replace(1, p1);
+  EXPECT_EQ(gpu.info(1)->int8_sections, 0);
+  if (int8_shape) {
+    EXPECT_LT(bytes_i8, gpu.info(1)->device_bytes);
+  } else {
+    EXPECT_EQ(bytes_i8, gpu.info(1)->device_bytes);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeGpuShapes,
                          ::testing::Values(GpuCase{KernelDType::kBF16, 32, 8, 128, 16, false},
                                            GpuCase{KernelDType::kF16, 9, 3, 64, 1, false},

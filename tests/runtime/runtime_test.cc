@@ -270,6 +270,99 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeMixedBatch,
                                            MixedCase{KernelDType::kBF16, 8, 1, 8, 32, true}),
                          test::StepShapeName());
 
+// LoadOptions::int8_keys: sections whose G*d is a multiple of 128 and that have no
+// whitening serve int8 keys, the others their file's keys; the step equals the reference over
+// views quantized the same way; the option holds per load, replace and prepare.
+class RuntimeInt8Keys : public RuntimeTest, public ::testing::WithParamInterface<MixedCase> {};
+
+TEST_P(RuntimeInt8Keys, EqualsReferenceOnQuantizedViews) {
+  const MixedCase& c = GetParam();
+  SCOPED_TRACE(test::seed_trace(seed_));
+  const bool int8_shape = (c.Hq / c.Hkv) * c.d % 128 == 0;
+  SynthSpec base;
+  base.L = 2;
+  base.Hq = c.Hq;
+  base.Hkv = c.Hkv;
+  base.d = c.d;
+  // Linear bf16 keys, hierarchical f16 keys with childless parents, whitened f32 keys.
+  SynthSpec s0 = base, s1 = base, s2 = base;
+  s0.K = 300;
+  s1.K = 40;
+  s1.parents = 45;
+  s1.top_m = 3;
+  s1.keys = DType::kF16;
+  s1.seed = 2;
+  s2.K = 20;
+  s2.parents = 3;
+  s2.keys = DType::kF32;
+  s2.whitening = true;
+  s2.seed = 3;
+  const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1), p2 = write("d2.asmd", s2);
+  LoadOptions i8;
+  i8.int8_keys = true;
+  DecodeRuntime rt(CpuOptions(base, 3));
+  ASSERT_EQ(rt.load(p0, i8), 0);
+  ASSERT_EQ(rt.load(p1, i8), 1);
+  ASSERT_EQ(rt.load(p2, i8), 2);
+  const int64_t sections = int64_t(base.L) * base.Hkv;
+  EXPECT_EQ(rt.info(0)->int8_sections, int8_shape ? sections : 0);
+  EXPECT_EQ(rt.info(1)->int8_sections, int8_shape ? sections : 0);
+  EXPECT_EQ(rt.info(2)->int8_sections, 0) << "whitened sections keep their keys";
+  EXPECT_EQ(rt.info(0)->device_bytes, 0u);
+  auto f0 = DictionaryFile::open(p0), f1 = DictionaryFile::open(p1), f2 = DictionaryFile::open(p2);
+  const std::vector<const DictionaryFile*> slots = {f0.get(), f1.get(), f2.get()};
+
+  const HostStep st =
+      MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 77, 13, 130, 5, 33, 0, 9, 2, 1, 4},
+               {0, -1, 2, 1, -1, 0, 0, 1, 0, 1, 2, 0}, seed_ + 100, c.nhd);
+  int64_t lookups = 0, same = 0;
+  for (int32_t layer = 0; layer < base.L; ++layer) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const StepOutputs got = RunRuntime(rt, st, layer);
+    const StepOutputs want = RunReference(st, layer, slots, 0, /*int8_keys=*/true);
+    EXPECT_EQ(got.index, want.index) << "lookup indices differ from the reference's";
+    EXPECT_TRUE(got == want) << "runtime output differs from DecodeAttentionCpu";
+    const StepOutputs keys16 = RunReference(st, layer, slots);
+    if (!int8_shape) EXPECT_TRUE(got == keys16) << "no section can take int8 keys";
+    for (size_t i = 0; i < got.index.size(); ++i) {
+      if (got.index[i] < 0) continue;
+      ++lookups;
+      same += got.index[i] == keys16.index[i];
+    }
+  }
+  std::printf("[runtime] int8 keys: %lld of %lld lookups pick the 16-bit keys' entry\n",
+              (long long)same, (long long)lookups);
+
+  // Replace honours each call's option: slot 0 back to the file's keys, then int8 again;
+  // prepare + publish likewise (slot 1). Steps that name only the slot at hand check it.
+  const HostStep st0 = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {5, 40, 1}, {0, -1, 0},
+                                seed_ + 200, c.nhd);
+  const HostStep st1 = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {5, 40, 1}, {1, -1, 1},
+                                seed_ + 300, c.nhd);
+  rt.replace(0, p0);
+  EXPECT_EQ(rt.info(0)->int8_sections, 0);
+  EXPECT_TRUE(RunRuntime(rt, st0, 1) == RunReference(st0, 1, {f0.get()}));
+  rt.replace(0, p0, i8);
+  EXPECT_EQ(rt.info(0)->int8_sections, int8_shape ? sections : 0);
+  EXPECT_TRUE(RunRuntime(rt, st0, 1) == RunReference(st0, 1, {f0.get()}, 0, true));
+  PreparedDictionary p = rt.prepare(p1);
+  EXPECT_EQ(p.info().int8_sections, 0);
+  rt.publish(p, 1);
+  EXPECT_EQ(rt.info(1)->int8_sections, 0);
+  EXPECT_TRUE(RunRuntime(rt, st1, 0) == RunReference(st1, 0, {nullptr, f1.get()}));
+  p = rt.prepare(p1, i8);
+  EXPECT_EQ(p.info().int8_sections, int8_shape ? sections : 0);
+  rt.publish(p, 1);
+  EXPECT_TRUE(RunRuntime(rt, st1, 0) == RunReference(st1, 0, {nullptr, f1.get()}, 0, true));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeInt8Keys,
+                         ::testing::Values(MixedCase{KernelDType::kBF16, 8, 2, 64, 16, false},
+                                           MixedCase{KernelDType::kF16, 4, 4, 128, 4, true},
+                                           MixedCase{KernelDType::kBF16, 3, 1, 64, 16, false},
+                                           MixedCase{KernelDType::kF32, 1, 1, 64, 8, true}),
+                         test::StepShapeName());
+
 TEST_F(RuntimeTest, OwnWorkspaceStepAndTopM) {
   SynthSpec s;
   s.parents = 6;

@@ -291,10 +291,11 @@ inline StepOutputs RunRuntime(DecodeRuntime& rt, const HostStep& s, int32_t laye
 }
 
 // The reference: DecodeAttentionCpu with views built by hand from the files. `slots[i]`
-// is the file in slot i (null: empty); `top_m` <= 0: each file's compile.top_m.
+// is the file in slot i (null: empty); `top_m` <= 0: each file's compile.top_m;
+// `int8_keys`: the views' keys quantized by quantize_keys_i8 where the kernels take them.
 inline StepOutputs RunReference(const HostStep& s, int32_t layer,
                                 const std::vector<const DictionaryFile*>& slots,
-                                int32_t top_m = 0) {
+                                int32_t top_m = 0, bool int8_keys = false) {
   StepOutputs out = EmptyOutputs(s);
   DecodeConfig c;
   c.batch = s.B;
@@ -305,12 +306,18 @@ inline StepOutputs RunReference(const HostStep& s, int32_t layer,
   c.page_size = s.page_size;
   c.use_dictionaries = true;
   std::vector<DictLayerView> views(slots.size() * size_t(s.Hkv));
+  std::vector<std::vector<KeysI8Block>> keys_i8;  // what int8 views point into
   for (size_t i = 0; i < slots.size(); ++i) {
     if (!slots[i]) continue;
     const int32_t m = top_m > 0 ? top_m : int32_t(slots[i]->manifest().compile.top_m);
+    std::vector<DictLayerView> slot_views(size_t(s.Hkv));
     for (int32_t h = 0; h < s.Hkv; ++h) {
-      views[i * size_t(s.Hkv) + size_t(h)] = host_layer_view(slots[i]->section(layer, h), m);
+      slot_views[size_t(h)] = host_layer_view(slots[i]->section(layer, h), m);
     }
+    if (int8_keys) {
+      keys_i8.push_back(quantize_keys_i8(&slot_views, s.Hkv, s.Hq / s.Hkv, s.d, "reference"));
+    }
+    std::copy(slot_views.begin(), slot_views.end(), views.begin() + ptrdiff_t(i * size_t(s.Hkv)));
   }
   DecodeParams p;
   const DecodeArgs a = s.args(out.o.data(), out.lse.data(), out.index.data());

@@ -41,8 +41,8 @@ using DecodeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const Opt
                                                     const at::Tensor&, const at::Tensor&,
                                                     const OptionalTensor&, int64_t, double, int64_t,
                                                     std::string);
-using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool);
-using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool);
+using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool, bool);
+using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool, bool);
 using UnloadFn = void(int64_t, std::string);
 using InfoFn = std::string(int64_t, std::string);
 using CreateFn = void(std::string, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -141,8 +141,8 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
   s1.values = DType::kF16;
   const std::string p0 = write("a.asmd", s0), p1 = write("b.asmd", s1);
   // The first load creates the CPU runtime from the file's shape.
-  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(p0, "cpu", -1, 0, true), 0);
-  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(p1, "cpu", 3, 0, true), 3);
+  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(p0, "cpu", -1, 0, true, false), 0);
+  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(p1, "cpu", 3, 0, true, false), 3);
   auto f0 = DictionaryFile::open(p0), f1 = DictionaryFile::open(p1);
   const std::vector<const DictionaryFile*> slots = {f0.get(), nullptr, nullptr, f1.get()};
   const HostStep st = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {5, 0, 77, 16, 1},
@@ -184,7 +184,7 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   expect_error<InvalidArgument>(
       [&] { Op<CreateFn>("asmem::create_runtime").call("cpu", 5, s.Hq, s.Hkv, s.d, 2); },
       {"asmem.create_runtime: a runtime with another shape exists on cpu"});
-  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(a, "cpu", -1, 0, true), 0);
+  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(a, "cpu", -1, 0, true, false), 0);
   const std::string info = Op<InfoFn>("asmem::dictionary_info").call(0, "cpu");
   EXPECT_NE(info.find("\"path\":\"" + a + "\""), std::string::npos) << info;
   EXPECT_NE(info.find("\"generation\":1"), std::string::npos) << info;
@@ -200,14 +200,14 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   // A bad file: one-line error naming it, the old dictionary keeps serving.
   const std::string missing = dir_ + "/missing.asmd";
   expect_error<IoError>(
-      [&] { Op<ReplaceFn>("asmem::replace_dictionary").call(0, missing, "cpu", 0, true); },
+      [&] { Op<ReplaceFn>("asmem::replace_dictionary").call(0, missing, "cpu", 0, true, false); },
       {missing + ": cannot open"});
   EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fa.get()})));
   expect_error<InvalidArgument>(
-      [&] { Op<LoadFn>("asmem::load_dictionary").call(b, "cpu", 0, 0, true); },
+      [&] { Op<LoadFn>("asmem::load_dictionary").call(b, "cpu", 0, 0, true, false); },
       {"asmem.load_dictionary: " + b + ": slot 0 is occupied (use replace_dictionary)"});
 
-  Op<ReplaceFn>("asmem::replace_dictionary").call(0, b, "cpu", 0, true);
+  Op<ReplaceFn>("asmem::replace_dictionary").call(0, b, "cpu", 0, true, false);
   EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fb.get()})));
   EXPECT_NE(Op<InfoFn>("asmem::dictionary_info").call(0, "cpu").find("\"generation\":2"),
             std::string::npos);
@@ -216,6 +216,27 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   expect_error<InvalidArgument>([&] { decode(x, 1); }, {"dict_ids[0] = 0 names an empty slot"});
   expect_error<InvalidArgument>([&] { Op<UnloadFn>("asmem::unload_dictionary").call(0, "cpu"); },
                                 {"slot 0 is empty"});
+}
+
+TEST_F(TorchOpsTest, Int8KeysOnLoadAndReplace) {
+  SynthSpec s;
+  s.Hq = 4;
+  s.Hkv = 2;
+  s.d = 64;  // G * d = 128: every section can take int8 keys
+  s.K = 50;
+  const std::string a = write("a.asmd", s);
+  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(a, "cpu", -1, 0, true, true), 0);
+  const std::string info = Op<InfoFn>("asmem::dictionary_info").call(0, "cpu");
+  EXPECT_NE(info.find("\"int8_sections\":4"), std::string::npos) << info;
+  const HostStep st =
+      MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20, 3}, {0, -1, 0}, seed_ + 4);
+  const StepTensors x = ToTensors(st);
+  auto fa = DictionaryFile::open(a);
+  EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fa.get()}, 0, /*int8_keys=*/true)));
+  Op<ReplaceFn>("asmem::replace_dictionary").call(0, a, "cpu", 0, true, false);
+  EXPECT_NE(Op<InfoFn>("asmem::dictionary_info").call(0, "cpu").find("\"int8_sections\":0"),
+            std::string::npos);
+  EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fa.get()})));
 }
 
 TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
@@ -268,11 +289,11 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
       [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 7); },
       {"asmem.decode: layer 7 is outside [0, 2)"});
   expect_error<InvalidArgument>(
-      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true); },
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true, false); },
       {"asmem.load_dictionary: device 'tpu:0'"});
 #ifndef ASMEM_TORCH_CUDA
   expect_error<InvalidArgument>(
-      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cuda:0", -1, 0, true); },
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cuda:0", -1, 0, true, false); },
       {"device 'cuda:0': this asmem_torch_ops was built against a torch without CUDA"});
 #endif
   Op<ReleaseFn>("asmem::release_runtime").call("cpu");

@@ -135,6 +135,15 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
     }
   }
   if (!any_hierarchy) top_m_ = 0;
+  if (options.int8_keys) {
+    keys_i8_ = quantize_keys_i8(&host_views_, int32_t(Hkv_), int32_t(G), int32_t(d_), path);
+    for (size_t i = 0; i < host_views_.size(); ++i) {
+      if (host_views_[i].keys_dtype != KernelDType::kI8) continue;
+      ++int8_sections_;
+      ValidateDictLayerView(host_views_[i], int32_t(G), int32_t(d_), /*host_memory=*/true,
+                            path + ": int8 view " + std::to_string(i));
+    }
+  }
 
   if (model.device().is_cuda()) {
 #ifdef ASMEM_ENGINE_CUDA
@@ -151,16 +160,22 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
       dev_->blobs.push_back(t);
       return t.data_ptr();
     };
+    // Keys come from the host views: the file's, or their int8 copies.
+    auto key_bytes = [&](const DictLayerView& v, int64_t rows) {
+      const int64_t D = G * d_;
+      return uint64_t(v.keys_dtype == KernelDType::kI8 ? KeysI8Bytes(rows, D)
+                                                       : rows * D * KernelDTypeSize(v.keys_dtype));
+    };
     std::vector<DictLayerView> dv = host_views_;
     for (int64_t l = 0; l < L_; ++l) {
       for (int64_t h = 0; h < Hkv_; ++h) {
         const DictSection& s = dict.section(int32_t(l), int32_t(h));
         DictLayerView& v = dv[l * Hkv_ + h];
-        v.keys = upload(s.keys.data, s.keys.nbytes);
+        v.keys = upload(v.keys, key_bytes(v, v.K));
         v.values_o = upload(s.values_o.data, s.values_o.nbytes);
         v.values_lse = static_cast<const float*>(upload(s.values_lse.data, s.values_lse.nbytes));
         if (v.C1 > 0) {
-          v.parent_keys = upload(s.parent_keys.data, s.parent_keys.nbytes);
+          v.parent_keys = upload(v.parent_keys, key_bytes(v, v.C1));
           v.child_offsets = static_cast<const int32_t*>(upload(s.child_offsets.data, s.child_offsets.nbytes));
         }
         if (v.whitening) {

@@ -47,10 +47,13 @@ EvalReport evaluate_dictionary(LlamaModel& model, const Tokenizer& tok, const Di
   rep.prefill_s = since(t0);
   const CacheFactory full = [&](int64_t b, int64_t cap) { return model.share_as_prefix(parts, b, cap); };
   const CacheFactory served = [&](int64_t b, int64_t cap) { return model.new_cache(b, cap, base); };
-  DictionaryPrefix hier(dict, model, {st.top_m, false});
+  DictionaryPrefix hier(dict, model, {st.top_m, false, st.int8_keys});
   std::unique_ptr<DictionaryPrefix> lin;
-  if (st.linear_too) lin = std::make_unique<DictionaryPrefix>(dict, model, DictPrefixOptions{0, true});
+  if (st.linear_too) {
+    lin = std::make_unique<DictionaryPrefix>(dict, model, DictPrefixOptions{0, true, st.int8_keys});
+  }
   rep.top_m = hier.top_m();
+  rep.int8_sections = hier.int8_sections();
 
   // Batches of similar turn lengths (little padding).
   std::vector<int64_t> order(N);

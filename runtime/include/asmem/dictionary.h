@@ -148,6 +148,28 @@ void write_dictionary(const std::string& path, const DictionaryManifest& manifes
 // Throws InvalidArgument when the section's dtypes cannot be read by the kernels.
 DictLayerView host_layer_view(const DictSection& section, int32_t top_m);
 
+// Int8 lookup keys (KernelDType::kI8 in asmem/decode.h) for views of a dictionary: half the
+// key bytes of bf16; a lookup may pick another entry where two entries score within the
+// quantization error. Whether the kernels take int8 keys for view `v` of a section of
+// group size G and head dim d: G * d a multiple of 128 and no whitening.
+bool keys_i8_supported(const DictLayerView& v, int32_t group_size, int32_t head_dim);
+
+// Host memory of int8 keys: blocks of 16 bytes, 16-byte aligned as key buffers must be.
+struct alignas(16) KeysI8Block {
+  uint8_t bytes[16];
+};
+
+// Quantizes the keys and parent keys of every view in `views` ([L][num_kv_heads] views
+// over host memory, keys of any 16- or 32-bit float dtype read as fp32) that
+// keys_i8_supported() into int8 with per-row scales (QuantizeKeysI8), all into the buffer
+// it returns, and points those views there with keys_dtype kI8 (each key buffer 16-byte
+// aligned). Other views are left as they are; so are the views' other tensors. The views
+// must not outlive the buffer. Throws InvalidArgument naming `where`, the layer and KV head
+// for a key that is not finite.
+std::vector<KeysI8Block> quantize_keys_i8(std::vector<DictLayerView>* views, int32_t num_kv_heads,
+                                          int32_t group_size, int32_t head_dim,
+                                          const std::string& where);
+
 // Current format version. Checksums (manifest and tensors) are XXH64 with seed 0.
 constexpr uint32_t kDictionaryFormatVersion = 1;
 

@@ -149,6 +149,16 @@ struct LoadOptions {
   int32_t top_m = 0;        // parents probed by hierarchical lookups; <= 0: the file's
                             // compile.top_m (default 16 in the compiler)
   bool verify_data = true;  // checksum every tensor when opening (slower for big files)
+  bool int8_keys = false;   // quantize the lookup keys (keys and parent keys) of every
+                            // section whose G*d is a multiple of 128 and that has no
+                            // whitening to int8 with per-row scales (KernelDType::kI8:
+                            // quantize_keys_i8 on the file's keys read as fp32); other
+                            // sections keep the file's keys. Half the key bytes of bf16 on
+                            // the device (CUDA: the file's keys of those sections are not
+                            // uploaded; CPU: the int8 keys are held in host memory beside
+                            // the mapping). A lookup may pick another entry where two
+                            // entries score within the quantization error; int8 views never
+                            // take the probing lookup (DecodeViewCanProbe). Default off.
 };
 
 // A resident (or prepared) dictionary, for logs and admin endpoints.
@@ -158,7 +168,8 @@ struct DictionaryInfo {
                             // load / replace); 0 while prepared
   std::string path;         // the file it was loaded from
   uint64_t file_bytes = 0;
-  uint64_t device_bytes = 0;  // CUDA: device memory held; CPU: 0 (the file is mapped)
+  uint64_t device_bytes = 0;  // CUDA: device memory held; CPU: 0 (the file is mapped; int8
+                              // keys live in host memory)
   ModelFingerprint model;     // from the manifest
   uint64_t tokenizer_hash = 0;
   PrefixInfo prefix;
@@ -167,6 +178,7 @@ struct DictionaryInfo {
   int64_t total_entries = 0;    // sum of K over all sections
   int64_t max_lookup_rows = 0;  // most key rows one lookup scans (plan input)
   bool whitening = false;       // sections carry whitening
+  int64_t int8_sections = 0;    // sections whose lookup keys are int8 (LoadOptions::int8_keys)
 };
 
 namespace detail {

@@ -25,9 +25,11 @@
 #include "asmem/engine/eval.h"
 #include "asmem/engine/fidelity.h"
 #include "asmem/error.h"
+#include "asmem/lookup.h"
 #include "asmem/model/prompt_layout.h"
 #include "asmem/model/weights.h"
 #include "model_test_util.h"
+#include "runtime/runtime_test_util.h"
 
 namespace asmem {
 namespace {
@@ -317,6 +319,81 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
       {"prefix mismatch", "other.txt"});
   test::expect_error<InvalidArgument>(
       [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", {}, st); }, {"no prompts"});
+}
+
+// DictPrefixOptions::int8_keys on a random model whose G*d (4 x 64) takes int8 keys (the
+// bundled model's 3 x 64 does not): every lookup picks the entry of the int8 CPU lookup
+// (LookupLinearI8Cpu over QuantizeKeysI8 of the file's keys), and most pick the 16-bit
+// keys' entry. A whitened dictionary keeps its keys.
+TEST(EngineInt8Keys, LookupsEqualTheInt8ReferenceAndMostlyThe16BitOnes) {
+  const uint64_t seed = test::test_seed(17);
+  SCOPED_TRACE(test::seed_trace(seed));
+  ModelConfig cfg;
+  cfg.name = "int8 keys test";
+  cfg.n_layers = 2;
+  cfg.n_heads = 8;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.hidden = 512;
+  cfg.ffn = 256;
+  cfg.vocab = 64;
+  const LlamaModel model(*make_synthetic_weights(cfg, seed), at::Device(at::kCPU), at::kFloat);
+  const std::string dir = test::temp_dir("engine_int8");
+  test::SynthSpec spec;
+  spec.L = 2;
+  spec.Hq = 8;
+  spec.Hkv = 2;
+  spec.d = 64;
+  spec.K = 2000;  // many entries: close runners-up, so int8 can pick another one
+  spec.seed = seed;
+  test::WriteSynthDictionary(dir + "/d.asmd", spec);
+  auto dict = DictionaryFile::open(dir + "/d.asmd");
+  const int64_t T = 128, G = 4, D = G * 64;
+  at::manual_seed(seed);
+  const at::Tensor q_pre = at::randn({1, T, 8, 64}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor positions = at::arange(T, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  DictionaryPrefix i8(*dict, model, {0, false, true}), k16(*dict, model);
+  EXPECT_EQ(i8.int8_sections(), 4);
+  EXPECT_EQ(k16.int8_sections(), 0);
+  i8.set_record_lookups(true);
+  k16.set_record_lookups(true);
+  int64_t lookups = 0, same = 0, ref_same = 0;
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    i8.prefix_state(layer, q_pre, q_pre, positions, AttnState());
+    k16.prefix_state(layer, q_pre, q_pre, positions, AttnState());
+    const at::Tensor keys = i8.lookup_keys(q_pre);  // [T, Hq, d] fp32
+    for (int64_t h = 0; h < 2; ++h) {
+      const TensorRef& kt = dict->section(int32_t(layer), int32_t(h)).keys;
+      const int64_t K = kt.shape[0];
+      std::vector<float> rows(size_t(K * D));
+      for (int64_t i = 0; i < K * D; ++i) rows[size_t(i)] = LoadAsFloat(kt.data, KernelDType::kBF16, i);
+      std::vector<uint8_t> qk(size_t(KeysI8Bytes(K, D)));
+      QuantizeKeysI8(rows.data(), K, D, qk.data());
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int8_t> qkey(static_cast<size_t>(D));
+        QuantizeLookupKeyI8(keys.data_ptr<float>() + (t * 8 + h * G) * 64, D, qkey.data());
+        const int32_t want = LookupLinearI8Cpu(qk.data(), K, D, qkey.data());
+        const int32_t got = i8.last_lookup_index()[t][h].item<int32_t>();
+        ref_same += got == want;
+        same += got == k16.last_lookup_index()[t][h].item<int32_t>();
+        ++lookups;
+      }
+    }
+  }
+  EXPECT_EQ(ref_same, lookups) << "int8 lookups that differ from LookupLinearI8Cpu";
+  const double agree = double(same) / double(lookups);
+  std::printf("int8 keys: %lld of %lld lookups (%.1f%%) pick the bf16 keys' entry\n", (long long)same,
+              (long long)lookups, 100.0 * agree);
+  EXPECT_GE(agree, 0.9) << "int8 keys agree with bf16 keys on " << same << " of " << lookups << " lookups";
+  EXPECT_LT(agree, 1.0) << "K = 2000 random entries: some lookup should change (or int8 keys are not used)";
+
+  test::SynthSpec white = spec;
+  white.K = 20;
+  white.whitening = true;
+  test::WriteSynthDictionary(dir + "/w.asmd", white);
+  auto wd = DictionaryFile::open(dir + "/w.asmd");
+  EXPECT_EQ(DictionaryPrefix(*wd, model, {0, false, true}).int8_sections(), 0);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(Engine, RejectsAnotherModelAnotherTokenizerAndABadFile) {

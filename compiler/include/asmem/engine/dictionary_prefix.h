@@ -14,9 +14,11 @@
 // lookup_keys did); the kernel whitens it when the section has whitening. Each (token, KV
 // head) is one request of the decode-attention op (asmem/decode.h) with no non-prefix
 // tokens (seq_lens = 0), so its output is exactly the chosen entry's state (o, lse) per
-// query head. CPU: DecodeAttentionCpu over host_layer_view()s of the mapped file. CUDA
-// (builds with a CUDA torch): DecodeAttention over device copies of the sections, uploaded
-// once; the keys go to the kernel in the model's dtype (bf16 when the model runs in fp32).
+// query head. CPU: DecodeAttentionCpu over host_layer_view()s of the mapped file (with
+// int8_keys, over int8 copies of the keys in host memory). CUDA (builds with a CUDA torch):
+// DecodeAttention over device copies of the sections (and of the int8 keys in place of the
+// file's), uploaded once; the queries go to the kernel in the model's dtype (bf16 when the
+// model runs in fp32).
 //
 // Lookup: hierarchical with top_m parents (the manifest's compile.top_m unless
 // overridden), or exact linear over all K entries.
@@ -37,8 +39,12 @@
 namespace asmem {
 
 struct DictPrefixOptions {
-  int64_t top_m = 0;    // parents probed by hierarchical lookup; <= 0: the manifest's top_m
-  bool linear = false;  // exact linear lookup over all K entries (the hierarchy is ignored)
+  int64_t top_m = 0;       // parents probed by hierarchical lookup; <= 0: the manifest's top_m
+  bool linear = false;     // exact linear lookup over all K entries (the hierarchy is ignored)
+  bool int8_keys = false;  // the lookup keys of every section with G*d a multiple of 128 and
+                           // no whitening as int8 with per-row scales (quantize_keys_i8):
+                           // half the key bytes; a lookup may pick another entry where two
+                           // score within the quantization error. Other sections keep theirs.
 };
 
 // The AttentionHook that serves the prefix part from a dictionary. `dict` must outlive it.
@@ -61,6 +67,8 @@ class DictionaryPrefix : public AttentionHook {
   at::Tensor lookup_keys(const at::Tensor& q_pre) const;
   // The top_m used (0 with linear lookup or a dictionary without hierarchy).
   int64_t top_m() const { return top_m_; }
+  // Sections whose lookup keys are int8 (DictPrefixOptions::int8_keys), of L * Hkv.
+  int64_t int8_sections() const { return int8_sections_; }
   // Requests (token, KV head) looked up so far.
   int64_t lookups() const { return lookups_; }
   // When set, every prefix_state() keeps the chosen entries: last_lookup_index() is then
@@ -80,6 +88,8 @@ class DictionaryPrefix : public AttentionHook {
   int64_t max_lookup_rows_ = 0;  // per view, for the op's plan
   bool whitening_ = false;
   std::vector<DictLayerView> host_views_;  // [L * Hkv]
+  std::vector<KeysI8Block> keys_i8_;       // int8 keys the host views point into
+  int64_t int8_sections_ = 0;
   struct Device;                           // device copies (CUDA builds)
   std::unique_ptr<Device> dev_;
   int64_t lookups_ = 0;

@@ -28,6 +28,8 @@ struct EvalSettings {
   int64_t batch = 8;            // prompts per forward batch (>= 1)
   int64_t top_m = 0;            // parents probed; <= 0: the dictionary's compile.top_m
   bool linear_too = true;       // also score exact linear lookup
+  bool int8_keys = false;       // int8 lookup keys where the kernels take them
+                                // (DictPrefixOptions::int8_keys), for both lookups
   int64_t chunk = 512;          // prefill chunk size of the prefix
   bool progress = true;         // print a progress bar (rate, ETA) to stderr
 };
@@ -44,6 +46,7 @@ struct EvalReport {
   std::vector<EvalPromptResult> prompts;  // in input order
   FidelityStats dictionary, linear, no_prefix;  // over all predicted positions
   int64_t top_m = 0;                      // used (0: linear only or no hierarchy)
+  int64_t int8_sections = 0;              // sections served with int8 keys (of L * Hkv)
   double prefill_s = 0, reference_s = 0, dictionary_s = 0, linear_s = 0, no_prefix_s = 0, total_s = 0;
 };
 
