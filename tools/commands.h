@@ -19,7 +19,7 @@ inline std::string key_storage(bool int8_keys, int64_t int8_sections, int64_t se
   std::string s = "int8 with per-row scales in " + std::to_string(int8_sections) + " of " +
                   std::to_string(sections) + " sections";
   if (int8_sections < sections) {
-    s += " (the others keep the file's keys: int8 needs G*d a multiple of 128 and no whitening)";
+    s += " (the others keep the file's keys: whitened sections take no int8 keys)";
   }
   return s;
 }

@@ -33,14 +33,15 @@ int64_t KernelDTypeSize(KernelDType t) {
   throw InvalidArgument("unknown KernelDType " + std::to_string(int(t)));
 }
 
-int64_t KeysI8Bytes(int64_t rows, int64_t D) { return rows * D + 4 * rows; }
+int64_t KeysI8Bytes(int64_t rows, int64_t D) { return rows * KeysI8RowBytes(D) + 4 * rows; }
 
 void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out) {
   if (n < 0 || D < 1) {
     throw InvalidArgument("QuantizeKeysI8: bad shape n=" + std::to_string(n) + " D=" + std::to_string(D));
   }
+  const int64_t P = KeysI8RowBytes(D);
   int8_t* codes = static_cast<int8_t*>(out);
-  float* scales = reinterpret_cast<float*>(codes + n * D);
+  float* scales = reinterpret_cast<float*>(codes + n * P);
   for (int64_t r = 0; r < n; ++r) {
     const float* x = rows + r * D;
     float a = 0.f;
@@ -52,8 +53,9 @@ void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out) {
     }
     const float inv = a > 0.f ? 127.f / a : 0.f;
     for (int64_t i = 0; i < D; ++i) {
-      codes[r * D + i] = int8_t(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+      codes[r * P + i] = int8_t(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
     }
+    std::fill(codes + r * P + D, codes + (r + 1) * P, int8_t(0));
     scales[r] = a / 127.f;
   }
 }
@@ -272,9 +274,7 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
 size_t DecodeWorkspaceBytes(const DecodeConfig& config) { return PlanDecode(config).workspace_bytes; }
 
 bool DecodeViewCanProbe(const DecodeConfig& c, const DictLayerView& v) {
-  // Keys of the op's type, or int8 keys where the device serves them (G * d % 128 == 0).
-  const bool i8 = v.keys_dtype == KernelDType::kI8 && c.num_kv_heads > 0 &&
-                  (int64_t(c.num_q_heads) / c.num_kv_heads * c.head_dim) % 128 == 0;
+  const bool i8 = v.keys_dtype == KernelDType::kI8;  // keys of the op's type, or int8 keys
   if (!c.use_dictionaries || c.probe_max_batch < 0 || v.whitening != nullptr || (v.keys_dtype != c.dtype && !i8) ||
       (c.dtype != KernelDType::kBF16 && c.dtype != KernelDType::kF16)) {
     return false;
@@ -299,9 +299,6 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   if (v.K < 1) fail("K must be >= 1, got " + std::to_string(v.K));
   const bool i8 = v.keys_dtype == KernelDType::kI8;
   if (!dtype_ok(v.keys_dtype) && !i8) fail("keys_dtype is not f32/f16/bf16/i8");
-  if (i8 && (int64_t(G) * d) % 128 != 0) {
-    fail("i8 keys need G * head_dim to be a multiple of 128, got " + std::to_string(int64_t(G) * d));
-  }
   if (i8 && v.whitening != nullptr) fail("i8 keys do not support whitening");
   if (!dtype_ok(v.values_dtype)) fail("values_dtype is not f32/f16/bf16");
   const std::pair<const void*, const char*> ptrs[] = {
@@ -336,7 +333,7 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   if (i8 && host_memory) {
     const int64_t D = int64_t(G) * d;
     auto scales_ok = [&](const void* buf, int64_t rows, const char* name) {
-      const float* sc = reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * D);
+      const float* sc = reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * KeysI8RowBytes(D));
       for (int64_t r = 0; r < rows; ++r) {
         if (!(sc[r] >= 0.f) || !std::isfinite(sc[r])) {
           fail(std::string(name) + " scale of row " + std::to_string(r) + " is not finite and >= 0");

@@ -519,11 +519,8 @@ struct SegSmem {
 };
 
 // A view the lookup serves: usable, and its parents fit the workspace's parent tables.
-// i8 keys: only where the key's G * d bytes are a multiple of 128 (the i8 scan's layout,
-// LookupBlockI8).
 __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const LaunchArgs& a) {
-  return ViewUsable(v) && v.C1 <= a.parent_width &&
-         (v.keys_dtype != KernelDType::kI8 || (a.group * a.head_dim) % 128 == 0);
+  return ViewUsable(v) && v.C1 <= a.parent_width;
 }
 
 // One segment of a lookup unit: rows [lo, hi) of the parent keys (parents) or of the keys;
@@ -774,7 +771,7 @@ struct KeyRing {
   int g;
   int prow = 0, pch = 0;
   __device__ KeyRing(const SegSmem<SMEM_DIM>& sm, const DictLayerView& v, const SegList& s) : segs(s) {
-    static_assert(L::kRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
+    static_assert(L::kOwnRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t4 = lane & 3;
     g = lane >> 2;
     keys = static_cast<const uint4*>(v.keys) + t4;
@@ -981,26 +978,13 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
   CpAsyncWait<0>();  // only empty groups are left; the ring is rewritten by the next block
 }
 
-// The member keys of sm.mem[0, n) into sm.q for the int8 scan (whole CTA; KEY_DIM a multiple
-// of 128): their q_pre rows into the ring's space first (cp.async, one round trip; the ring
-// is free and holds kMaxMembers * KEY_DIM * 2 bytes), then one warp per member quantizes its
-// row as QuantizeLookupKeyI8 does (the key's amax, then rint(x * (127 / amax)) in fp32,
-// clamped) into the layout of 16-bit member keys of KEY_DIM / 2 dims (a row of KEY_DIM bytes,
-// 16-byte chunk c at c ^ (i & 7); rows up to the last n-tile zero), so that the ring, the
-// ldmatrix addressing and the swizzles of the 16-bit scan serve int8 keys unchanged (MmaI8).
-// Ends with a barrier.
+// Member keys for the int8 scan. CopyMemberRows: the q_pre rows of sm.mem[0, n) into `raw`
+// (shared, n * KEY_DIM * 2 bytes) by cp.async, one commit group.
 template <typename DType, int KEY_DIM>
-__device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, int n, int h) {
+__device__ __forceinline__ void CopyMemberRows(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, char* raw, int n,
+                                               int h) {
   constexpr int kPieces = KEY_DIM / 8;  // 8-dim pieces of a member key
-  constexpr int kPer = (kPieces + 31) / 32;
-  constexpr int kRowChunks = KEY_DIM / 16;
-  static_assert(KEY_DIM % 128 == 0, "int8 rows of whole 128-byte swizzle groups");
-  static_assert(SegTile<KEY_DIM>::kMaxMembers * KEY_DIM <= SegTile<KEY_DIM>::kQueryBytes, "member keys");
-  static_assert(SegTile<KEY_DIM>::kMaxMembers * KEY_DIM * 2 <= SegTile<KEY_DIM>::kRingBytes, "raw member keys");
   const DecodeParams& p = a.p;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rows = (n + 7) / 8 * 8;
-  char* raw = sm.ring;
   for (int c = threadIdx.x; c < n * kPieces; c += kThreads) {
     const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
     const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
@@ -1008,8 +992,24 @@ __device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const Seg
     CpAsync16(raw + int64_t(c) * 16, src, true);
   }
   CpAsyncCommit();
-  CpAsyncWait<0>();
-  __syncthreads();
+}
+
+// QuantizeMemberRows: one warp per member quantizes its row of `raw` as QuantizeLookupKeyI8
+// does (the key's amax, then rint(x * (127 / amax)) in fp32, clamped) into sm.q, in the
+// layout of 16-bit member keys of KP / 2 dims (a row of KP = kI8RowBytes bytes, the dims
+// past KEY_DIM zero, 16-byte chunk c at c ^ (i & 7); rows up to the last n-tile zero), so that the ring, the ldmatrix
+// addressing and the swizzles of the 16-bit scan serve int8 keys unchanged (MmaI8). `raw`
+// must not overlap sm.q's first 8 ceil(n / 8) rows; the caller's barriers order it.
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ void QuantizeMemberRows(const SegSmem<KEY_DIM>& sm, const char* raw, int n) {
+  constexpr int KP = SegTile<KEY_DIM>::kI8RowBytes;
+  constexpr int kPieces = KEY_DIM / 8;  // 8-dim pieces of a member key
+  constexpr int kRowPieces = KP / 8;    // with the zero padding
+  constexpr int kPer = (kRowPieces + 31) / 32;
+  constexpr int kRowChunks = KP / 16;
+  static_assert(SegTile<KEY_DIM>::kMaxMembers * KP <= SegTile<KEY_DIM>::kQueryBytes, "member keys");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rows = (n + 7) / 8 * 8;
   for (int i = warp; i < rows; i += kWarps) {
     float x[kPer][8];
     float amax = 0.f;
@@ -1031,8 +1031,8 @@ __device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const Seg
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int c = lane + 32 * j;
-      if (c >= kPieces) continue;
-      uint32_t w[2] = {0u, 0u};
+      if (c >= kRowPieces) continue;
+      uint32_t w[2] = {0u, 0u};  // pieces past kPieces: x is zero
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const int q = min(127, max(-127, __float2int_rn(__fmul_rn(x[j][k], inv))));  // NaN: 0
@@ -1042,27 +1042,53 @@ __device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const Seg
       *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
     }
   }
+}
+
+// The member keys of sm.mem[0, n) into sm.q for the int8 scan through the ring's space (free
+// here; it holds kMaxMembers * KEY_DIM * 2 bytes): copy, wait, quantize. Ends with a barrier.
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ void StageMemberKeysI8(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, int n, int h) {
+  static_assert(SegTile<KEY_DIM>::kMaxMembers * KEY_DIM * 2 <= SegTile<KEY_DIM>::kRingBytes, "raw member keys");
+  CopyMemberRows<DType, KEY_DIM>(a, sm, sm.ring, n, h);
+  CpAsyncWait<0>();
+  __syncthreads();
+  QuantizeMemberRows<DType, KEY_DIM>(sm, sm.ring, n);
   __syncthreads();  // the member keys are staged and the raw rows read: the ring may fill
 }
 
 // The f32 row scales that follow `rows` int8 rows of KEY_DIM dims (KernelDType::kI8).
 template <int KEY_DIM>
 __device__ __forceinline__ const float* ScalesI8(const void* keys, int64_t rows) {
-  return reinterpret_cast<const float*>(static_cast<const int8_t*>(keys) + rows * KEY_DIM);
+  return reinterpret_cast<const float*>(static_cast<const int8_t*>(keys) + rows * SegTile<KEY_DIM>::kI8RowBytes);
 }
 
-// Members sm.mem[0, n) of view v with int8 keys (KernelDType::kI8; KEY_DIM a multiple of
-// 128, LookupViewOk) on int8 tensor cores: the common scan (WarpSegScanTc) over a ring of
-// KEY_DIM / 2 16-bit dims, each row's score float(dot) * its scale.
+// Members sm.mem[0, n) of view v with int8 keys (KernelDType::kI8) on int8 tensor cores: the
+// common scan (WarpSegScanTc) over a ring of kI8RowBytes / 2 16-bit dims, each row's score
+// float(dot) * its scale.
 template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void LookupBlockI8(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
                                               const DictLayerView& v, int n, int s, int U, int h) {
-  constexpr int VK = KEY_DIM / 2;  // the 16-bit geometry of a row's bytes
+  using L = SegTile<KEY_DIM>;
+  constexpr int KP = L::kI8RowBytes;
+  constexpr int VK = KP / 2;  // the 16-bit geometry of a row's bytes
   const int warp = threadIdx.x >> 5;
-  StageMemberKeysI8<DType, KEY_DIM>(a, sm, n, h);
   const SegList mine(v, kLookupUnits * s + warp, U);
   KeyRing<VK, KEY_DIM> kr(sm, v, mine);
-  kr.Start();
+  const int rows = (n + 7) / 8 * 8;
+  if (rows * KP + n * KEY_DIM * 2 <= L::kQueryBytes) {
+    // Few members: their raw rows fit in sm.q past the int8 rows, so they are copied beside
+    // the ring's first chunks (one round trip for both, as the 16-bit scan's member keys).
+    char* raw = sm.q + rows * KP;
+    CopyMemberRows<DType, KEY_DIM>(a, sm, raw, n, h);
+    kr.Start();
+    CpAsyncWait<L::kRingStages - 1>();  // the raw rows (the oldest group)
+    __syncthreads();
+    QuantizeMemberRows<DType, KEY_DIM>(sm, raw, n);
+    __syncthreads();
+  } else {
+    StageMemberKeysI8<DType, KEY_DIM>(a, sm, n, h);
+    kr.Start();
+  }
   WarpSegScanTc<int8_t, VK, 1, false, KEY_DIM>(a, sm, mine, kr, n, SegTile<KEY_DIM>::kMaxMembers, h,
                                                ScalesI8<KEY_DIM>(v.keys, v.K),
                                                v.parent_keys ? ScalesI8<KEY_DIM>(v.parent_keys, v.C1) : nullptr);
@@ -1128,7 +1154,7 @@ __device__ __noinline__ void LookupBlockOther(const LaunchArgs& a, int32_t id, i
   const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
   const int warp = threadIdx.x >> 5;
   if (v.keys_dtype == KernelDType::kI8) {  // the caller's MB: kMaxMembers (not tc)
-    if constexpr (KEY_DIM % 128 == 0) LookupBlockI8<DType, KEY_DIM>(a, sm, v, n, s, U, h);
+    LookupBlockI8<DType, KEY_DIM>(a, sm, v, n, s, U, h);
     return;
   }
   if (!tc) {
@@ -1283,7 +1309,7 @@ struct ProbeRing {
   __device__ ProbeRing(const SegSmem<SMEM_DIM>& sm, const void* keys, const int32_t* cum_, const int32_t* base_,
                        int np_, int t0, int stride_, int end_)
       : cum(cum_), base(base_), np(np_), t(t0), stride(stride_), end(end_) {
-    static_assert(L::kRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
+    static_assert(L::kOwnRingBytes <= SegTile<SMEM_DIM>::kRingBytes, "ring within the CTA's");
     const int lane = threadIdx.x & 31, t4 = lane & 3;
     g = lane >> 2;
     src = static_cast<const uint4*>(keys) + t4;
@@ -1402,12 +1428,15 @@ __device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_D
   CpAsyncWait<0>();  // only empty groups are left
 }
 
-// The probing lookup's work (LookupBlockProbe). KT: the view's key type, DType or int8_t (the int8 scan's ring has KEY_DIM / 2 16-bit dims).
+// The probing lookup's work (LookupBlockProbe). KT: the view's key type, DType or int8_t
+// (the int8 scan's ring has kI8RowBytes / 2 16-bit dims).
 template <typename DType, int KEY_DIM, typename KT>
 __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
   using L = SegTile<KEY_DIM>;
   constexpr bool kI8 = std::is_same<KT, int8_t>::value;
-  constexpr int GK = kI8 ? KEY_DIM / 2 : KEY_DIM;
+  constexpr int GK = kI8 ? SegTile<KEY_DIM>::kI8RowBytes / 2 : KEY_DIM;
+  static_assert(kProbeMembers * SegTile<KEY_DIM>::kI8RowBytes <= kProbeMembers * KEY_DIM * 2,
+                "int8 member rows below the probe tables");
   extern __shared__ float4 lookup_smem[];
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const ProbeSmem<KEY_DIM> pm(sm);
@@ -1503,13 +1532,11 @@ __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int 
 // LookupBlockOther, so that the common scan's code stays as it was.
 template <typename DType, int KEY_DIM>
 __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, int n, int s, int U, int h) {
-  if constexpr (KEY_DIM % 128 == 0) {
-    if (a.p.dict_views[int64_t(id) * a.hkv + h].keys_dtype == KernelDType::kI8) {
-      ProbeBlock<DType, KEY_DIM, int8_t>(a, id, n, s, U, h);
-      return;
-    }
+  if (a.p.dict_views[int64_t(id) * a.hkv + h].keys_dtype == KernelDType::kI8) {
+    ProbeBlock<DType, KEY_DIM, int8_t>(a, id, n, s, U, h);
+  } else {
+    ProbeBlock<DType, KEY_DIM, DType>(a, id, n, s, U, h);
   }
-  ProbeBlock<DType, KEY_DIM, DType>(a, id, n, s, U, h);
 }
 
 // Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits

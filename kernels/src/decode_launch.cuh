@@ -87,6 +87,13 @@ struct AttnTile {
 // (kRingStages chunks of 16 rows x up to 128 dims, 4 KB each, filled by cp.async, read back
 // by ldmatrix), and small tables: 97 KB, which fits beside two attention CTAs of
 // kAttnLookupStages (228 KB per SM).
+// Ring bytes of the lookup's warps for key rows of `dims` 16-bit dims (SegTile's layout).
+constexpr size_t LookupRingBytes(int dims) {
+  const int pairs = dims / 32;
+  const int chunk_pairs = pairs % 4 == 0 ? 4 : (pairs % 3 == 0 ? 3 : (pairs % 2 == 0 ? 2 : 1));
+  return size_t(kWarps) * 4 * (2 * chunk_pairs) * 32 * 16;
+}
+
 template <int KEY_DIM>
 struct SegTile {
   static constexpr int kQueryBytes = 32 * 1024;
@@ -97,7 +104,13 @@ struct SegTile {
       kPairs % 4 == 0 ? 4 : (kPairs % 3 == 0 ? 3 : (kPairs % 2 == 0 ? 2 : 1));  // <= 4
   static constexpr int kPieces = 2 * kChunkPairs;  // 16-byte pieces per lane per chunk
   static constexpr int kRingStages = 4;
-  static constexpr size_t kRingBytes = size_t(kWarps) * kRingStages * kPieces * 32 * 16;
+  // Int8 keys (decode_kernels.cuh LookupBlockI8) scan rows of kI8RowBytes bytes (KEY_DIM
+  // rounded up to a multiple of 128) as 16-bit rows of half as many dims: the ring holds
+  // either layout.
+  static constexpr int kI8RowBytes = (KEY_DIM + 127) / 128 * 128;
+  static constexpr size_t kOwnRingBytes = size_t(kWarps) * kRingStages * kPieces * 32 * 16;
+  static constexpr size_t kRingBytes =
+      kOwnRingBytes > LookupRingBytes(kI8RowBytes / 2) ? kOwnRingBytes : LookupRingBytes(kI8RowBytes / 2);
   static constexpr size_t kBytes =
       size_t(kQueryBytes) + kRingBytes + 8 * kWarps + 4 * (kMaxMembers + kIdCache + 8) + kIdCache;
   // A lookup CTA and two attention CTAs of kAttnLookupStages (1 KB reserved per CTA) fit in

@@ -2,6 +2,7 @@
 #include <string>
 #include <vector>
 
+#include "asmem/decode.h"
 #include "asmem/error.h"
 #include "asmem/lookup.h"
 
@@ -71,16 +72,17 @@ int32_t HierarchicalBest(int64_t C1, const int32_t* child_offsets, int64_t K, in
 struct I8Scorer {
   const int8_t* codes;
   const float* scales;
-  int64_t D;
+  int64_t D, P;  // dims, row bytes
   const int8_t* query;
   I8Scorer(const void* buf, int64_t rows, int64_t D_, const int8_t* q)
       : codes(static_cast<const int8_t*>(buf)),
-        scales(reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * D_)),
+        scales(reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * KeysI8RowBytes(D_))),
         D(D_),
+        P(KeysI8RowBytes(D_)),
         query(q) {}
   double operator()(int64_t r) const {
     int32_t s = 0;
-    const int8_t* row = codes + r * D;
+    const int8_t* row = codes + r * P;
     for (int64_t i = 0; i < D; ++i) s += int32_t(row[i]) * int32_t(query[i]);
     return double(float(s) * scales[r]);  // one fp32 rounding, as on the device
   }

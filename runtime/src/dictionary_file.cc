@@ -983,14 +983,12 @@ DictLayerView host_layer_view(const DictSection& s, int32_t top_m) {
   return v;
 }
 
-bool keys_i8_supported(const DictLayerView& v, int32_t group_size, int32_t head_dim) {
-  return (int64_t(group_size) * head_dim) % 128 == 0 && v.whitening == nullptr;
-}
+bool keys_i8_supported(const DictLayerView& v) { return v.whitening == nullptr; }
 
 namespace {
 
 // Quantizes `rows` key rows of D dims of type `t` at `src` into `dst` (KeysI8Bytes(rows, D)
-// bytes: the int8 rows, then the scales), a block of rows at a time so that no fp32 copy of
+// bytes: the padded int8 rows, then the scales), a block of rows at a time so that no fp32 copy of
 // a whole tensor is made (a section's keys may be gigabytes).
 void QuantizeRowsI8(const void* src, KernelDType t, int64_t rows, int64_t D, uint8_t* dst,
                     const std::string& what) {
@@ -1009,8 +1007,9 @@ void QuantizeRowsI8(const void* src, KernelDType t, int64_t rows, int64_t D, uin
     }
     q.resize(size_t(KeysI8Bytes(n, D)));
     QuantizeKeysI8(f.data(), n, D, q.data());
-    std::memcpy(dst + r0 * D, q.data(), size_t(n * D));
-    std::memcpy(dst + rows * D + 4 * r0, q.data() + n * D, size_t(4 * n));
+    const int64_t P = KeysI8RowBytes(D);  // padded rows, then the scales
+    std::memcpy(dst + r0 * P, q.data(), size_t(n * P));
+    std::memcpy(dst + rows * P + 4 * r0, q.data() + n * P, size_t(4 * n));
   }
 }
 
@@ -1023,14 +1022,14 @@ std::vector<KeysI8Block> quantize_keys_i8(std::vector<DictLayerView>* views, int
   auto blocks = [](int64_t bytes) { return size_t((bytes + 15) / 16); };
   size_t n = 0;
   for (const DictLayerView& v : *views) {
-    if (!keys_i8_supported(v, group_size, head_dim)) continue;
+    if (!keys_i8_supported(v)) continue;
     n += blocks(KeysI8Bytes(v.K, D)) + blocks(KeysI8Bytes(v.C1, D));
   }
   std::vector<KeysI8Block> out(n);
   size_t at = 0;
   for (size_t i = 0; i < views->size(); ++i) {
     DictLayerView& v = (*views)[i];
-    if (!keys_i8_supported(v, group_size, head_dim)) continue;
+    if (!keys_i8_supported(v)) continue;
     const std::string sec = where + ": layer " + std::to_string(i / size_t(num_kv_heads)) +
                             " kv_head " + std::to_string(i % size_t(num_kv_heads));
     uint8_t* keys = (out.data() + at)->bytes;

@@ -14,7 +14,7 @@
 //                   bool verify_data=True, bool int8_keys=False) -> int
 //       Loads into `slot` (-1: the lowest free one; an occupied slot is an error: use
 //       replace_dictionary) and returns the slot. int8_keys: LoadOptions::int8_keys (int8
-//       lookup keys with per-row scales where G*d % 128 == 0 and there is no whitening).
+//       lookup keys with per-row scales in every section without whitening).
 //   replace_dictionary(int slot, str path, str device="cpu", int top_m=0,
 //                      bool verify_data=True, bool int8_keys=False) -> ()
 //       Hot swap: the new file is validated and uploaded first; on error the old one stays.

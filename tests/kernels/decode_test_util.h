@@ -310,8 +310,10 @@ inline void BuildProblem(const CaseSpec& spec, uint64_t seed, Problem* out) {
     for (int64_t h = 0; h < Hkv; ++h) {
       if (u01(rng) >= spec.near_key_fraction) continue;
       const int64_t k = std::uniform_int_distribution<int64_t>(0, hd.spec.K - 1)(rng);
+      // int8 rows are padded (KeysI8RowBytes); get() reads their raw codes.
+      const int64_t stride = hd.spec.keys_dtype == KernelDType::kI8 ? KeysI8RowBytes(G * d) : G * d;
       for (int64_t j = 0; j < G * d; ++j) {
-        const float x = 3.f * hd.keys[h].get(k * G * d + j) + 0.02f * nd(rng);
+        const float x = 3.f * hd.keys[h].get(k * stride + j) + 0.02f * nd(rng);
         pb.q_pre.set(b * Hq * d + (h * G + j / d) * d + j % d, x * std::sqrt(float(G * d)));
       }
     }

@@ -76,22 +76,27 @@ namespace asmem {
 // runtime may static_cast between them (kI8 is not a file type).
 //
 // kI8 is for lookup keys only (DictLayerView::keys_dtype, keys and parent keys alike): a
-// buffer of [rows, D] int8 followed by [rows] f32 row scales (KeysI8Bytes; QuantizeKeysI8
-// writes one). Row r stands for scale[r] * row. The lookup quantizes its key per (request,
-// KV head) the same way (QuantizeLookupKeyI8; the key's own scale changes no argmax and is
-// dropped) and scores row r as float(int32 dot) * scale[r] in fp32: the dot is an exact
-// integer, so the CUDA lookup (int8 tensor cores) and the CPU reference agree bit for bit.
-// Half the bytes of bf16 keys; a lookup may pick another entry where two score within the
-// quantization error. Needs G * d a multiple of 128 and no whitening.
+// buffer of [rows, KeysI8RowBytes(D)] int8 (D dims, then zeros up to a multiple of 128)
+// followed by [rows] f32 row scales (KeysI8Bytes; QuantizeKeysI8 writes one). Row r stands
+// for scale[r] * row. The lookup quantizes its key per (request, KV head) the same way
+// (QuantizeLookupKeyI8; the key's own scale changes no argmax and is dropped) and scores row
+// r as float(int32 dot) * scale[r] in fp32: the dot is an exact integer, so the CUDA lookup
+// (int8 tensor cores) and the CPU reference agree bit for bit. Half the bytes of bf16 keys
+// (two thirds at D = 192); a lookup may pick another entry where two score within the
+// quantization error. No whitening.
 enum class KernelDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 4 };
 const char* KernelDTypeName(KernelDType t);  // "f32", "f16", "bf16", "i8"
 int64_t KernelDTypeSize(KernelDType t);      // bytes per element (kI8: 1, scales not counted)
 
-// Bytes of `rows` int8 key rows of D dims with their scales: rows * D + 4 * rows.
+// Bytes of one int8 key row of D dims: D rounded up to a multiple of 128 (the row layout of
+// the int8 tensor-core scan).
+inline int64_t KeysI8RowBytes(int64_t D) { return (D + 127) / 128 * 128; }
+// Bytes of `rows` int8 key rows of D dims with their scales: rows * KeysI8RowBytes(D) + 4 * rows.
 int64_t KeysI8Bytes(int64_t rows, int64_t D);
 // Quantizes fp32 key rows [n, D] into `out` (KeysI8Bytes(n, D) bytes, 4-byte aligned): per
 // row, scale = max |x| / 127 and q = round(x / scale) (to nearest even), a zero row gets
-// scale 0. Throws InvalidArgument for n < 0, D < 1 or a non-finite value.
+// scale 0; the padding bytes are zero. Throws InvalidArgument for n < 0, D < 1 or a
+// non-finite value.
 void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out);
 // The lookup key's quantization, as the CUDA lookup does it: a = max |x|; a == 0 gives
 // zeros; else q[i] = rint(x[i] * (127 / a)) in fp32 (each operation rounded to nearest
@@ -102,7 +107,7 @@ void QuantizeLookupKeyI8(const float* x, int64_t D, int8_t* q);
 // memory for DecodeAttention and host memory for DecodeAttentionCpu. D = G*d.
 struct DictLayerView {
   const void* keys = nullptr;             // [K, D] keys_dtype, rows L2-normalized (kI8:
-                                          // then [K] f32 scales, KernelDType)
+                                          // padded rows, then [K] f32 scales, KernelDType)
   const void* values_o = nullptr;         // [K, G, d] values_dtype
   const float* values_lse = nullptr;      // [K, G] f32, natural log
   const void* parent_keys = nullptr;      // [C1, D] keys_dtype (kI8: + [C1] scales); null
@@ -224,7 +229,7 @@ size_t DecodeWorkspaceBytes(const DecodeConfig& config);
 
 // Host-side check of one view for a group of G heads of dim d: pointers present and 16-byte
 // aligned, dtypes, K >= 1, 0 <= C1 <= kDecodeMaxParents, top_m >= 1 when C1 > 0, whitening
-// and its mean together, i8 keys only with G * d a multiple of 128 and no whitening. Child
+// and its mean together, i8 keys only without whitening. Child
 // offsets and i8 key scales (finite, >= 0) are checked too when `host_memory` (they are host
 // readable). Throws InvalidArgument naming `where` and the field.
 void ValidateDictLayerView(const DictLayerView& view, int32_t group_size, int32_t head_dim,

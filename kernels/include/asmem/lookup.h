@@ -21,8 +21,8 @@ int32_t LookupHierarchicalCpu(const float* parent_keys, int64_t C1, const int32_
                               const float* keys, int64_t K, int64_t D, const float* query,
                               int64_t top_m);
 
-// The same two lookups over int8 keys (KernelDType::kI8 buffers: [rows, D] int8, then
-// [rows] f32 scales; QuantizeKeysI8) for a lookup key quantized by QuantizeLookupKeyI8. The
+// The same two lookups over int8 keys (KernelDType::kI8 buffers: [rows, KeysI8RowBytes(D)]
+// int8, then [rows] f32 scales; QuantizeKeysI8) for a lookup key quantized by QuantizeLookupKeyI8. The
 // score of row r is float(integer dot) * scale[r] in fp32, as the CUDA lookup computes it.
 int32_t LookupLinearI8Cpu(const void* keys, int64_t K, int64_t D, const int8_t* query);
 int32_t LookupHierarchicalI8Cpu(const void* parent_keys, int64_t C1, const int32_t* child_offsets,

@@ -150,9 +150,9 @@ DictLayerView host_layer_view(const DictSection& section, int32_t top_m);
 
 // Int8 lookup keys (KernelDType::kI8 in asmem/decode.h) for views of a dictionary: half the
 // key bytes of bf16; a lookup may pick another entry where two entries score within the
-// quantization error. Whether the kernels take int8 keys for view `v` of a section of
-// group size G and head dim d: G * d a multiple of 128 and no whitening.
-bool keys_i8_supported(const DictLayerView& v, int32_t group_size, int32_t head_dim);
+// quantization error. Whether the kernels take int8 keys for view `v`: no whitening (any G
+// and d: rows of G * d int8 are padded to a multiple of 128 bytes).
+bool keys_i8_supported(const DictLayerView& v);
 
 // Host memory of int8 keys: blocks of 16 bytes, 16-byte aligned as key buffers must be.
 struct alignas(16) KeysI8Block {

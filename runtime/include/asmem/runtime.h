@@ -150,15 +150,15 @@ struct LoadOptions {
                             // compile.top_m (default 16 in the compiler)
   bool verify_data = true;  // checksum every tensor when opening (slower for big files)
   bool int8_keys = false;   // quantize the lookup keys (keys and parent keys) of every
-                            // section whose G*d is a multiple of 128 and that has no
-                            // whitening to int8 with per-row scales (KernelDType::kI8:
-                            // quantize_keys_i8 on the file's keys read as fp32); other
-                            // sections keep the file's keys. Half the key bytes of bf16 on
-                            // the device (CUDA: the file's keys of those sections are not
-                            // uploaded; CPU: the int8 keys are held in host memory beside
-                            // the mapping). A lookup may pick another entry where two
-                            // entries score within the quantization error; int8 views never
-                            // take the probing lookup (DecodeViewCanProbe). Default off.
+                            // section that has no whitening to int8 with per-row scales
+                            // (KernelDType::kI8: quantize_keys_i8 on the file's keys read
+                            // as fp32); whitened sections keep the file's keys. Half the
+                            // key bytes of bf16 on the device (rows padded to a multiple of
+                            // 128 bytes: two thirds at G*d = 192; CUDA: the file's keys of
+                            // those sections are not uploaded; CPU: the int8 keys are held
+                            // in host memory beside the mapping). A lookup may pick another
+                            // entry where two entries score within the quantization error.
+                            // Default off.
 };
 
 // A resident (or prepared) dictionary, for logs and admin endpoints.

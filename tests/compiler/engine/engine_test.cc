@@ -321,8 +321,8 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
       [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", {}, st); }, {"no prompts"});
 }
 
-// DictPrefixOptions::int8_keys on a random model whose G*d (4 x 64) takes int8 keys (the
-// bundled model's 3 x 64 does not): every lookup picks the entry of the int8 CPU lookup
+// DictPrefixOptions::int8_keys on a random model (G*d = 4 x 64): every lookup picks the entry
+// of the int8 CPU lookup
 // (LookupLinearI8Cpu over QuantizeKeysI8 of the file's keys), and most pick the 16-bit
 // keys' entry. A whitened dictionary keeps its keys.
 TEST(EngineInt8Keys, LookupsEqualTheInt8ReferenceAndMostlyThe16BitOnes) {

@@ -41,10 +41,10 @@ namespace asmem {
 struct DictPrefixOptions {
   int64_t top_m = 0;       // parents probed by hierarchical lookup; <= 0: the manifest's top_m
   bool linear = false;     // exact linear lookup over all K entries (the hierarchy is ignored)
-  bool int8_keys = false;  // the lookup keys of every section with G*d a multiple of 128 and
-                           // no whitening as int8 with per-row scales (quantize_keys_i8):
-                           // half the key bytes; a lookup may pick another entry where two
-                           // score within the quantization error. Other sections keep theirs.
+  bool int8_keys = false;  // the lookup keys of every section without whitening as int8
+                           // with per-row scales (quantize_keys_i8): about half the key
+                           // bytes; a lookup may pick another entry where two score within
+                           // the quantization error. Whitened sections keep theirs.
 };
 
 // The AttentionHook that serves the prefix part from a dictionary. `dict` must outlive it.
