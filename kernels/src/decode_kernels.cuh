@@ -997,9 +997,10 @@ __device__ __forceinline__ void CopyMemberRows(const LaunchArgs& a, const SegSme
 // QuantizeMemberRows: one warp per member quantizes its row of `raw` as QuantizeLookupKeyI8
 // does (the key's amax, then rint(x * (127 / amax)) in fp32, clamped) into sm.q, in the
 // layout of 16-bit member keys of KP / 2 dims (a row of KP = kI8RowBytes bytes, the dims
-// past KEY_DIM zero, 16-byte chunk c at c ^ (i & 7); rows up to the last n-tile zero), so that the ring, the ldmatrix
-// addressing and the swizzles of the 16-bit scan serve int8 keys unchanged (MmaI8). `raw`
-// must not overlap sm.q's first 8 ceil(n / 8) rows; the caller's barriers order it.
+// past KEY_DIM zero, 16-byte chunk c at c ^ (i & 7); rows up to the last n-tile zero), so
+// that the ring, the ldmatrix addressing and the swizzles of the 16-bit scan serve int8
+// keys unchanged (MmaI8). `raw` must not overlap sm.q's first 8 ceil(n / 8) rows; the
+// caller's barriers order it.
 template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void QuantizeMemberRows(const SegSmem<KEY_DIM>& sm, const char* raw, int n) {
   constexpr int KP = SegTile<KEY_DIM>::kI8RowBytes;
@@ -1225,10 +1226,10 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 }
 
 // Whether the probing lookup serves hierarchical view v (LookupViewOk) in this step: keys of
-// the op's 16-bit type (KeysOfType) or int8 keys, unwhitened (the one-term tensor-core scan), and
-// ProbePays (decode_common.h; DecodeViewCanProbe applies it on the host). Only the kernels
-// of probing steps (template argument PROBE) hold this and the probing lookup: with the
-// decision in every step's kernels, out of line or not, steps that never probe lost up to
+// the op's 16-bit type (KeysOfType) or int8 keys, unwhitened (the one-term tensor-core
+// scan), and ProbePays (decode_common.h; DecodeViewCanProbe applies it on the host). Only
+// the kernels of probing steps (template argument PROBE) hold this and the probing lookup:
+// with the decision in every step's kernels, out of line or not, steps that never probe lost up to
 // 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
 // line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>

@@ -177,11 +177,7 @@ class RuntimeGpuShapes : public RuntimeGpu, public ::testing::WithParamInterface
 TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
   const GpuCase& c = GetParam();
   SCOPED_TRACE(test::seed_trace(seed_));
-  SynthSpec base;
-  base.L = 2;
-  base.Hq = c.Hq;
-  base.Hkv = c.Hkv;
-  base.d = c.d;
+  const SynthSpec base = test::ShapeSpec(c, 2);
   SynthSpec s0 = base, s1 = base, s2 = base;
   s0.K = 301;
   s1.K = 64;
@@ -222,11 +218,7 @@ TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
 TEST_P(RuntimeGpuShapes, Int8KeysMatchTheCpuRuntime) {
   const GpuCase& c = GetParam();
   SCOPED_TRACE(test::seed_trace(seed_));
-  SynthSpec base;
-  base.L = 2;
-  base.Hq = c.Hq;
-  base.Hkv = c.Hkv;
-  base.d = c.d;
+  const SynthSpec base = test::ShapeSpec(c, 2);
   SynthSpec s0 = base, s1 = base, s2 = base;
   s0.K = 301;
   s1.K = 640;

@@ -201,11 +201,7 @@ class RuntimeMixedBatch : public RuntimeTest, public ::testing::WithParamInterfa
 TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   const MixedCase& c = GetParam();
   SCOPED_TRACE(test::seed_trace(seed_));
-  SynthSpec base;
-  base.L = 3;
-  base.Hq = c.Hq;
-  base.Hkv = c.Hkv;
-  base.d = c.d;
+  const SynthSpec base = test::ShapeSpec(c, 3);
   // Three different dictionaries: linear bf16, hierarchical f16 with childless parents,
   // f32 keys with whitening and a hierarchy.
   SynthSpec s0 = base, s1 = base, s2 = base;
@@ -278,11 +274,7 @@ class RuntimeInt8Keys : public RuntimeTest, public ::testing::WithParamInterface
 TEST_P(RuntimeInt8Keys, EqualsReferenceOnQuantizedViews) {
   const MixedCase& c = GetParam();
   SCOPED_TRACE(test::seed_trace(seed_));
-  SynthSpec base;
-  base.L = 2;
-  base.Hq = c.Hq;
-  base.Hkv = c.Hkv;
-  base.d = c.d;
+  const SynthSpec base = test::ShapeSpec(c, 2);
   // Linear bf16 keys, hierarchical f16 keys with childless parents, whitened f32 keys.
   SynthSpec s0 = base, s1 = base, s2 = base;
   s0.K = 300;

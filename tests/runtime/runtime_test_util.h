@@ -358,6 +358,15 @@ struct StepShape {
   int32_t Hq, Hkv, d, page_size;
   bool nhd;
 };
+// A dictionary spec of L layers with the step shape's heads.
+inline SynthSpec ShapeSpec(const StepShape& c, int32_t L) {
+  SynthSpec s;
+  s.L = L;
+  s.Hq = c.Hq;
+  s.Hkv = c.Hkv;
+  s.d = c.d;
+  return s;
+}
 inline void PrintTo(const StepShape& c, std::ostream* os) {
   *os << KernelDTypeName(c.dtype) << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " d=" << c.d
       << " page=" << c.page_size << (c.nhd ? " NHD" : " HND");
