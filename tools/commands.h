@@ -10,7 +10,7 @@ namespace asmem::cli {
 
 // --int8-keys of the commands that serve a dictionary (generate, eval).
 inline constexpr const char* kInt8KeysHelp =
-    "store the dictionary's lookup keys as int8 with per-row scales (half the key bytes)";
+    "store the dictionary's lookup keys as int8 with per-row scales (about half the key bytes)";
 
 // How the lookup keys are held, for reports: `int8_sections` of `sections` are int8 when
 // --int8-keys was given.
