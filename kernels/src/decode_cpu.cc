@@ -333,7 +333,7 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   if (i8 && host_memory) {
     const int64_t D = int64_t(G) * d;
     auto scales_ok = [&](const void* buf, int64_t rows, const char* name) {
-      const float* sc = reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * KeysI8RowBytes(D));
+      const float* sc = KeysI8Scales(buf, rows, D);
       for (int64_t r = 0; r < rows; ++r) {
         if (!(sc[r] >= 0.f) || !std::isfinite(sc[r])) {
           fail(std::string(name) + " scale of row " + std::to_string(r) + " is not finite and >= 0");

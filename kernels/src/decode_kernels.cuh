@@ -377,6 +377,16 @@ __device__ __forceinline__ void MmaI8(int (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The scans' accumulators (ScanChunk: Mma16816 or MmaI8) and a key row's score from its two
+// accumulator chains: fp32 sums as they are; an int8 dot (exact) times the row's scale, one
+// rounding (the CPU reference's I8 lookups compute the same).
+template <typename KT>
+using AccOf = typename std::conditional<std::is_same<KT, int8_t>::value, int, float>::type;
+__device__ __forceinline__ float RowScore(float x, float y, float) { return x + y; }
+__device__ __forceinline__ float RowScore(int x, int y, float scale) {
+  return __fmul_rn(__int2float_rn(x + y), scale);
+}
+
 // Transpose of an 8x8 16-bit matrix held in fragment layout (lane: row lane/4, columns
 // 2(lane%4), +1).
 __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
@@ -511,7 +521,10 @@ struct SegSmem {
     t += 4 * 8;
     first = reinterpret_cast<uint8_t*>(t);
   }
-  // Warp w's ring: piece slot j of ring slot s at + (s kPieces + j) 512 bytes.
+  // Warp w's ring: piece slot j of ring slot s at + (s kPieces + j) 512 bytes. The int8 scan
+  // (other geometry) repeats this arithmetic in KeyRing, ProbeRing and the scans: a
+  // geometry-templated member here changed the lookup kernels' code for every step (SASS,
+  // session 31), which were measured as they are.
   __device__ char* WarpRing(int w) const { return ring + size_t(w) * L::kRingStages * L::kPieces * 512; }
   __device__ int32_t IdOf(const DecodeParams& p, int b) const {
     return b < L::kIdCache ? ids[b] : p.dict_ids[b];
@@ -837,7 +850,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
                               KeyRing<KEY_DIM, SMEM_DIM>& kr, int n, int MB, int h,
                               const float* kscale = nullptr, const float* pscale = nullptr) {
   constexpr bool kI8 = std::is_same<KT, int8_t>::value;
-  using Acc = typename std::conditional<kI8, int, float>::type;
+  using Acc = AccOf<KT>;
   using L = SegTile<KEY_DIM>;
   constexpr int kChunkPairs = L::kChunkPairs;
   constexpr int kChunks = L::kPairs / kChunkPairs;
@@ -895,14 +908,6 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
           nx_hi = __ldg(sc + min(row + 24 + g, hi - 1));
         }
       }
-      // A row's score from its two accumulator chains.
-      auto score = [&](Acc x, Acc y, float sc) -> float {
-        if constexpr (kI8) {
-          return __fmul_rn(__int2float_rn(x + y), sc);  // the dot is exact: one rounding
-        } else {
-          return x + y;
-        }
-      };
 #pragma unroll 1
       for (int ch = 0; ch < kChunks; ++ch) {
         CpAsyncWait<kRing - 2>();  // this lane's pieces of the chunk in `slot` have landed
@@ -933,8 +938,8 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
             const int i = 8 * nt + 2 * t4 + e;
             if (i >= n) continue;
             float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
-            if (ok_lo) ps[r_lo] = score(acc[nt][0][e], acc[nt][1][e], sc_lo);
-            if (ok_hi) ps[r_hi] = score(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
+            if (ok_lo) ps[r_lo] = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
+            if (ok_hi) ps[r_hi] = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
           }
         }
       } else {
@@ -945,8 +950,8 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
           if (nt >= nnt) continue;
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float s_lo = score(acc[nt][0][e], acc[nt][1][e], sc_lo);
-            const float s_hi = score(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
+            const float s_lo = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
+            const float s_hi = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
             Best& bb = best[nt][e];
             if (ok_lo && (bb.index < 0 || s_lo > bb.score)) bb = {s_lo, r_lo};
             if (ok_hi && (bb.index < 0 || s_hi > bb.score)) bb = {s_hi, r_hi};
@@ -1229,8 +1234,8 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 // the op's 16-bit type (KeysOfType) or int8 keys, unwhitened (the one-term tensor-core
 // scan), and ProbePays (decode_common.h; DecodeViewCanProbe applies it on the host). Only
 // the kernels of probing steps (template argument PROBE) hold this and the probing lookup:
-// with the decision in every step's kernels, out of line or not, steps that never probe lost up to
-// 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
+// with the decision in every step's kernels, out of line or not, steps that never probe
+// lost up to 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
 // line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>
 __device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
@@ -1357,7 +1362,7 @@ __device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_D
                           const float* scale = nullptr) {
   using L = SegTile<KEY_DIM>;
   constexpr bool kI8 = std::is_same<KT, int8_t>::value;
-  using Acc = typename std::conditional<kI8, int, float>::type;
+  using Acc = AccOf<KT>;
   constexpr int kRing = L::kRingStages;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const char* ring = sm.ring + size_t(threadIdx.x >> 5) * kRing * L::kPieces * 512;  // SegSmem::WarpRing
@@ -1372,13 +1377,6 @@ __device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_D
       sc_lo = __ldg(scale + ProbeRow(kr.cum, kr.base, kr.np, min(row + g, end - 1)));
       sc_hi = __ldg(scale + ProbeRow(kr.cum, kr.base, kr.np, min(row + g + 8, end - 1)));
     }
-    auto score = [&](Acc x, Acc y, float sc) -> float {
-      if constexpr (kI8) {
-        return __fmul_rn(__int2float_rn(x + y), sc);  // the dot is exact: one rounding
-      } else {
-        return x + y;
-      }
-    };
 #pragma unroll 1
     for (int ch = 0; ch < ProbeRing<KEY_DIM, SMEM_DIM>::kChunks; ++ch) {
       CpAsyncWait<kRing - 2>();
@@ -1393,8 +1391,8 @@ __device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_D
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = 2 * t4 + e;
-        if (i < n && ok_lo) ps[i * C1 + r_lo] = score(acc[0][0][e], acc[0][1][e], sc_lo);
-        if (i < n && ok_hi) ps[i * C1 + r_hi] = score(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
+        if (i < n && ok_lo) ps[i * C1 + r_lo] = RowScore(acc[0][0][e], acc[0][1][e], sc_lo);
+        if (i < n && ok_hi) ps[i * C1 + r_hi] = RowScore(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
       }
       continue;
     }
@@ -1416,8 +1414,8 @@ __device__ void ProbeScan(const SegSmem<SMEM_DIM>& sm, ProbeRing<KEY_DIM, SMEM_D
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int i = 2 * t4 + e;
-      const float s_lo = score(acc[0][0][e], acc[0][1][e], sc_lo);
-      const float s_hi = score(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
+      const float s_lo = RowScore(acc[0][0][e], acc[0][1][e], sc_lo);
+      const float s_hi = RowScore(acc[0][0][2 + e], acc[0][1][2 + e], sc_hi);
       const bool take_lo = ok_lo && ((m_lo >> i) & 1u) != 0u;
       const bool take_hi = ok_hi && ((m_hi >> i) & 1u) != 0u;
       // A lane's key rows increase, so a later one wins only with a larger score.
@@ -1640,7 +1638,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
-      if (PROBE && probe) {  // implies tc and terms == 1; n <= batch <= kProbeMembers
+      if (PROBE && probe) {  // keys of the op's type or int8, unwhitened; n <= batch <= kProbeMembers
         LookupBlockProbe<DType, KEY_DIM>(a, id, n, s, U, h);
       } else if (tc && terms == 1) {
         // Keys of the decode's own type and q_pre as the member keys (no whitening): the

@@ -83,32 +83,36 @@ struct AttnTile {
   static constexpr size_t kPageBytes = size_t(kPageSlots) * kBlockN * 4;
 };
 
+// The lookup's key rings for rows of `dims` 16-bit dims: 32-dim key blocks per ring chunk
+// (the largest divisor of the row's blocks up to 4), and the bytes of the CTA's warps' rings
+// of kLookupRingStages chunks (16 rows each).
+constexpr int kLookupRingStages = 4;
+constexpr int LookupChunkPairs(int dims) {
+  const int pairs = dims / 32;
+  return pairs % 4 == 0 ? 4 : (pairs % 3 == 0 ? 3 : (pairs % 2 == 0 ? 2 : 1));
+}
+constexpr size_t LookupRingBytes(int dims) {
+  return size_t(kWarps) * kLookupRingStages * (2 * LookupChunkPairs(dims)) * 32 * 16;
+}
+
 // Lookup CTA shared memory: the member keys (kQueryBytes), each warp's ring of key chunks
 // (kRingStages chunks of 16 rows x up to 128 dims, 4 KB each, filled by cp.async, read back
 // by ldmatrix), and small tables: 97 KB, which fits beside two attention CTAs of
 // kAttnLookupStages (228 KB per SM).
-// Ring bytes of the lookup's warps for key rows of `dims` 16-bit dims (SegTile's layout).
-constexpr size_t LookupRingBytes(int dims) {
-  const int pairs = dims / 32;
-  const int chunk_pairs = pairs % 4 == 0 ? 4 : (pairs % 3 == 0 ? 3 : (pairs % 2 == 0 ? 2 : 1));
-  return size_t(kWarps) * 4 * (2 * chunk_pairs) * 32 * 16;
-}
-
 template <int KEY_DIM>
 struct SegTile {
   static constexpr int kQueryBytes = 32 * 1024;
   static constexpr int kMaxMembers = 32;  // requests scored together (8 per mma n-tile)
   static constexpr int kIdCache = 128;    // dict ids cached in shared memory
   static constexpr int kPairs = KEY_DIM / 32;  // 32-dim key blocks (mma k-step pairs)
-  static constexpr int kChunkPairs =            // blocks per ring chunk: the largest divisor
-      kPairs % 4 == 0 ? 4 : (kPairs % 3 == 0 ? 3 : (kPairs % 2 == 0 ? 2 : 1));  // <= 4
+  static constexpr int kChunkPairs = LookupChunkPairs(KEY_DIM);  // blocks per ring chunk
   static constexpr int kPieces = 2 * kChunkPairs;  // 16-byte pieces per lane per chunk
-  static constexpr int kRingStages = 4;
+  static constexpr int kRingStages = kLookupRingStages;
   // Int8 keys (decode_kernels.cuh LookupBlockI8) scan rows of kI8RowBytes bytes (KEY_DIM
   // rounded up to a multiple of 128) as 16-bit rows of half as many dims: the ring holds
   // either layout.
-  static constexpr int kI8RowBytes = (KEY_DIM + 127) / 128 * 128;
-  static constexpr size_t kOwnRingBytes = size_t(kWarps) * kRingStages * kPieces * 32 * 16;
+  static constexpr int kI8RowBytes = int(KeysI8RowBytes(KEY_DIM));
+  static constexpr size_t kOwnRingBytes = LookupRingBytes(KEY_DIM);
   static constexpr size_t kRingBytes =
       kOwnRingBytes > LookupRingBytes(kI8RowBytes / 2) ? kOwnRingBytes : LookupRingBytes(kI8RowBytes / 2);
   static constexpr size_t kBytes =

@@ -76,7 +76,7 @@ struct I8Scorer {
   const int8_t* query;
   I8Scorer(const void* buf, int64_t rows, int64_t D_, const int8_t* q)
       : codes(static_cast<const int8_t*>(buf)),
-        scales(reinterpret_cast<const float*>(static_cast<const int8_t*>(buf) + rows * KeysI8RowBytes(D_))),
+        scales(KeysI8Scales(buf, rows, D_)),
         D(D_),
         P(KeysI8RowBytes(D_)),
         query(q) {}

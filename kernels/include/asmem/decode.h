@@ -90,7 +90,11 @@ int64_t KernelDTypeSize(KernelDType t);      // bytes per element (kI8: 1, scale
 
 // Bytes of one int8 key row of D dims: D rounded up to a multiple of 128 (the row layout of
 // the int8 tensor-core scan).
-inline int64_t KeysI8RowBytes(int64_t D) { return (D + 127) / 128 * 128; }
+constexpr int64_t KeysI8RowBytes(int64_t D) { return (D + 127) / 128 * 128; }
+// The row scales of a kI8 buffer of `rows` rows of D dims (after the rows).
+inline const float* KeysI8Scales(const void* keys, int64_t rows, int64_t D) {
+  return reinterpret_cast<const float*>(static_cast<const int8_t*>(keys) + rows * KeysI8RowBytes(D));
+}
 // Bytes of `rows` int8 key rows of D dims with their scales: rows * KeysI8RowBytes(D) + 4 * rows.
 int64_t KeysI8Bytes(int64_t rows, int64_t D);
 // Quantizes fp32 key rows [n, D] into `out` (KeysI8Bytes(n, D) bytes, 4-byte aligned): per

@@ -322,9 +322,8 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
 }
 
 // DictPrefixOptions::int8_keys on a random model (G*d = 4 x 64): every lookup picks the entry
-// of the int8 CPU lookup
-// (LookupLinearI8Cpu over QuantizeKeysI8 of the file's keys), and most pick the 16-bit
-// keys' entry. A whitened dictionary keeps its keys.
+// of the int8 CPU lookup (LookupLinearI8Cpu over QuantizeKeysI8 of the file's keys), and
+// most pick the 16-bit keys' entry. A whitened dictionary keeps its keys.
 TEST(EngineInt8Keys, LookupsEqualTheInt8ReferenceAndMostlyThe16BitOnes) {
   const uint64_t seed = test::test_seed(17);
   SCOPED_TRACE(test::seed_trace(seed));
