@@ -78,7 +78,23 @@ struct Options {
   std::vector<int> prefixes = {8192, 32768, 131072};
   std::vector<int> ks = {1024, 4096, 16384};
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
+  std::string timeline;  // ASMEM_DECODE_TIMELINE builds: per-CTA stamps, one JSON line per config
 };
+
+// ASMEM_DECODE_TIMELINE builds with --timeline: appends the stamps of the latest step (the
+// last timed replay) as one JSON line labelled `label`.
+void AppendTimeline(const Options& opt, const std::string& label) {
+#ifdef ASMEM_DECODE_TIMELINE
+  if (opt.timeline.empty() || opt.check_only) return;
+  std::FILE* f = std::fopen(opt.timeline.c_str(), "a");
+  if (f == nullptr) throw IoError("cannot append to " + opt.timeline);
+  DecodeTimelineDump(label.c_str(), f);
+  std::fclose(f);
+#else
+  (void)opt;
+  (void)label;
+#endif
+}
 
 using bench::DevMem;
 using bench::ElapsedUs;
@@ -587,6 +603,8 @@ int Run(const Options& opt) {
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, L, r, nullptr, nullptr, 0));
           CheckOutputs(c, rot[0], workspace, stream, s.name + " full");
           const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
+          AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " P=" + std::to_string(P) + " T=" +
+                                  std::to_string(T) + " no dictionary med=" + std::to_string(t.median_us));
           ours_us = t.median_us;
           json j = TimingJson(t);
           j["roofline_fraction"] = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
@@ -671,6 +689,9 @@ int Run(const Options& opt) {
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));
           CheckOutputs(c, rot[0], workspace, stream, s.name + " op " + mode);
           const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
+          AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " K=" +
+                                  std::to_string(K) + " " + mode + " " + opt.key_dtype +
+                                  " med=" + std::to_string(t.median_us));
           // HBM bytes: the KV rows, the dictionary rows the lookups can touch (shared by all
           // requests: at most K rows per head), the gathered values, q/q_pre/o.
           const double touched = std::min<double>(double(K), double(rows) * B) * KeyRowBytes(D, i8) * s.hkv;
@@ -754,6 +775,11 @@ int main(int argc, char** argv) {
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");
   app.add_flag("--check-only", opt.check_only, "run each config once and check it, no timing (for profilers)");
+#ifdef ASMEM_DECODE_TIMELINE
+  app.add_option("--timeline", opt.timeline,
+                 "append each config's per-CTA timestamps (last timed replay) to this file as one JSON "
+                 "line (tools/decode_timeline.py summarizes it); the file is emptied first");
+#endif
   try {
     app.parse(argc, argv);
     opt.torch = !no_torch;
@@ -763,6 +789,11 @@ int main(int argc, char** argv) {
       if (app.count("--ks") == 0) opt.ks = {4096};
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
+    if (!opt.timeline.empty()) {
+      std::FILE* f = std::fopen(opt.timeline.c_str(), "w");
+      if (f == nullptr) throw asmem::IoError("cannot write " + opt.timeline);
+      std::fclose(f);
+    }
     return asmem::Run(opt);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

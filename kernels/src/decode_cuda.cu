@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "asmem/cuda_check.cuh"
 #include "asmem/decode.h"
@@ -22,6 +23,19 @@ namespace {
 
 using kernel_dispatch::Log2;
 
+#ifdef ASMEM_DECODE_TIMELINE
+// The stamps' device buffer (decode_launch.cuh kTlBytes), allocated on first use on the
+// device current then; diagnostic builds run one device.
+unsigned long long* TimelineBuffer() {
+  static unsigned long long* buf = [] {
+    void* p = nullptr;
+    ASMEM_CUDA_CHECK(cudaMalloc(&p, kTlBytes));
+    ASMEM_CUDA_CHECK(cudaMemset(p, 0, kTlBytes));
+    return static_cast<unsigned long long*>(p);
+  }();
+  return buf;
+}
+#endif
 
 }  // namespace
 }  // namespace decode
@@ -98,6 +112,10 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
   }
   a.n_attn_ctas = p.batch * c.num_kv_heads * plan.kv_splits;
+#ifdef ASMEM_DECODE_TIMELINE
+  a.tl = TimelineBuffer();  // the header zeroed: each grid's CTA 0 writes its word
+  ASMEM_CUDA_CHECK(cudaMemsetAsync(a.tl, 0, kTlHeader * sizeof(unsigned long long), stream));
+#endif
   // Beside a lookup, attention splits of at most kShortSplitTokens run kAttnLookupStages
   // (two CTAs fit beside a lookup CTA; a short split gains little from a third stage);
   // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with the
@@ -127,6 +145,65 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     if (a.split_out == kSplitOutPartials) LaunchDecodeCombine<DType, HEAD_DIM>(a, stream);
   });
 }
+
+#ifdef ASMEM_DECODE_TIMELINE
+void DecodeTimelineDump(const char* label, std::FILE* out) {
+  using namespace decode;
+  ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> h(kTlBytes / sizeof(unsigned long long));
+  ASMEM_CUDA_CHECK(cudaMemcpy(h.data(), TimelineBuffer(), kTlBytes, cudaMemcpyDeviceToHost));
+  int n[3];
+  for (int g = 0; g < 3; ++g) n[g] = int(std::min<unsigned long long>(h[g], kTlCtas));
+  auto rec = [&](int g, int i) { return h.data() + kTlHeader + (size_t(g) * kTlCtas + i) * kTlWords; };
+  // Time zero: the first CTA's start in the step's first grid.
+  unsigned long long t0 = ~0ull;
+  const int first = n[kTlLookup] > 0 ? kTlLookup : kTlAttn;
+  for (int i = 0; i < n[first]; ++i) t0 = std::min(t0, rec(first, i)[0]);
+  auto stamp = [&](unsigned long long t) {
+    if (t == 0) {
+      std::fputs("null", out);
+    } else {
+      std::fprintf(out, "%.3f", (double(t) - double(t0)) * 1e-3);
+    }
+  };
+  // Words 0-3 are stamps, 4 the SM, 5 and 6 the lookup's and attention's counts.
+  auto grid = [&](const char* name, int g) {
+    std::fprintf(out, ", \"%s\": [", name);
+    for (int i = 0; i < n[g]; ++i) {
+      const unsigned long long* r = rec(g, i);
+      std::fputs(i ? ", [" : "[", out);
+      for (int k = 0; k < 4; ++k) {
+        if (k) std::fputs(", ", out);
+        stamp(r[k]);
+      }
+      std::fprintf(out, ", %llu, %llu, %llu]", r[4], r[5], r[6]);
+    }
+    std::fputs("]", out);
+  };
+  std::fputs("{\"label\": \"", out);
+  for (const char* c = label; *c; ++c) {
+    if (*c == '"' || *c == '\\') std::fputc('\\', out);
+    std::fputc(*c, out);
+  }
+  std::fputs("\"", out);
+  grid("lookup", kTlLookup);
+  grid("attention", kTlAttn);
+  // The combine: start, flag seen, entry picked, attention waited, end (word 5), SM.
+  const unsigned long long kind = n[kTlCombine] > 0 ? h[3] : 0;
+  std::fputs(", \"combine\": [", out);
+  for (int i = 0; i < n[kTlCombine]; ++i) {
+    const unsigned long long* r = rec(kTlCombine, i);
+    std::fputs(i ? ", [" : "[", out);
+    for (int k : {0, 1, 2, 3, 5}) {
+      if (k) std::fputs(", ", out);
+      stamp(r[k]);
+    }
+    std::fprintf(out, ", %llu]", r[4]);
+  }
+  std::fprintf(out, "], \"combine_kind\": \"%s\"}\n",
+               kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");
+}
+#endif
 
 void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size) {
   kernel_dispatch::Dispatch("decode attention", dtype, head_dim, group_size, [](auto dt, auto hd, auto gs) {

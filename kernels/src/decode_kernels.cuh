@@ -419,6 +419,40 @@ __device__ __forceinline__ void GridDependencyWait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
+#ifdef ASMEM_DECODE_TIMELINE
+// Diagnostic builds only (decode_launch.cuh kTlCtas): %globaltimer stamps (about every
+// 0.26 us on an H200) in the record of this CTA of grid `grid`, null past kTlCtas.
+__device__ __forceinline__ unsigned long long DtlNow() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long* DtlRec(const LaunchArgs& a, int grid) {
+  return blockIdx.x < unsigned(kTlCtas) ? a.tl + kTlHeader + (size_t(grid) * kTlCtas + blockIdx.x) * kTlWords
+                                        : nullptr;
+}
+// Thread 0 starts this CTA's record (stamps of earlier steps cleared) and CTA 0 the grid's
+// header word; returns the record for thread 0, null for the others.
+__device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int grid) {
+  if (threadIdx.x != 0) return nullptr;
+  const unsigned long long t = DtlNow();
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  if (blockIdx.x == 0) a.tl[grid] = gridDim.x;
+  unsigned long long* r = DtlRec(a, grid);
+  if (r != nullptr) {
+#pragma unroll
+    for (int i = 1; i < kTlWords; ++i) r[i] = 0;
+    r[0] = t;
+    r[4] = sm;
+  }
+  return r;
+}
+#define DTL(stmt) stmt
+#else
+#define DTL(stmt)
+#endif
+
 // One lane's kPer consecutive f32 values of a row (16- or 8-byte accesses), and kPer output
 // values as DType; the decode and MAC combines share them.
 template <int kPer>
@@ -1555,6 +1589,8 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
   const int h = (cta / S) % a.hkv;
   const int r = cta / S / a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  DTL(unsigned long long* const tlr = DtlStart(a, kTlLookup));
+  DTL(unsigned long long tl_blocks = 0);
   const int cached = min(a.batch, L::kIdCache);
   for (int i = tid; i < cached; i += kThreads) {
     const int32_t id = p.dict_ids[i];
@@ -1581,6 +1617,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     if (tid < cached) sm.first[tid] = first ? 1 : 0;
   }
   __syncthreads();
+  DTL(if (tlr) tlr[1] = DtlNow());
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
@@ -1638,6 +1675,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
+      DTL(++tl_blocks);
       if (PROBE && probe) {  // keys of the op's type or int8, unwhitened; n <= batch <= kProbeMembers
         LookupBlockProbe<DType, KEY_DIM>(a, id, n, s, U, h);
       } else if (tc && terms == 1) {
@@ -1660,12 +1698,15 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
   }
   // Done: the last CTA to count itself raises the flag the combine waits for (both words
   // were zeroed before this launch, in stream order).
+  DTL(if (tlr) { tlr[2] = DtlNow(); tlr[5] = tl_blocks; });
   __threadfence();
   __syncthreads();
   if (tid == 0 && atomicAdd(a.lookup_sync, 1u) + 1u == uint32_t(a.n_lookup_ctas)) {
     __threadfence();
     atomicExch(a.lookup_sync + 1, 1u);
+    DTL(if (tlr) tlr[6] = 1);
   }
+  DTL(if (tlr) tlr[3] = DtlNow());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1764,6 +1805,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
+  DTL(unsigned long long* const tlr = tid == 0 ? DtlRec(a, kTlAttn) : nullptr);
+  DTL(if (tlr) { tlr[5] = unsigned(t1 - t0); tlr[6] = unsigned(split); });
 
   // Q^T as the B operand: column g = query head h*G + g (zero past the group).
   uint32_t qf[kKSteps][2];
@@ -1838,6 +1881,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       CpAsyncWait<0>();
     }
     __syncthreads();  // everyone's have; the buffer of tile-1 is free again
+    DTL(if (tlr && tile == 0) tlr[1] = DtlNow());
     issue_tile(tile + stages - 1);
     const DType* kt = tiles + (tile % stages) * 2 * kTile;
     const DType* vt = kt + kTile;
@@ -1902,6 +1946,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   }
   CpAsyncWait<0>();
   __syncthreads();  // the tiles' shared memory is reused below
+  DTL(if (tlr) tlr[2] = DtlNow());
 
   // Per-warp normalized state per head, then the one merge across warps.
 #pragma unroll
@@ -1983,8 +2028,10 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 template <typename DType, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
+  DTL(unsigned long long* const tlr = DtlStart(a, kTlAttn));
   GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
   AttentionBlock<DType, HEAD_DIM, GROUP>(a, int(blockIdx.x), reinterpret_cast<char*>(decode_smem));
+  DTL(if (tlr) tlr[3] = DtlNow());
   // Launched beside the lookup kernel (programmatic dependent launch): CTA 0 waits for it,
   // so this kernel completes after the lookup and the combine sees its results.
   if (blockIdx.x == 0) GridDependencyWait();
@@ -2155,6 +2202,8 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
   __shared__ uint32_t parent_keys[kWarps][kDecodeMaxParents];  // HierarchicalChoice scratch
   __shared__ int32_t choice;  // the entry warp 0 picked for the CTA (G a multiple of 4)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  DTL(unsigned long long* const tlr = DtlStart(a, kTlCombine));
+  DTL(if (blockIdx.x == 0 && threadIdx.x == 0) a.tl[3] = kTlCombineDict);
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   if (row >= int64_t(a.batch) * a.hq) return;
   const int b = int(row / a.hq), hq = int(row % a.hq);
@@ -2200,6 +2249,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
           if (!up) __nanosleep(64);
         }
         if (!up) GridDependencyWait();
+        DTL(if (tlr) tlr[1] = DtlNow());
         __threadfence();
         const int64_t bh = int64_t(b) * a.hkv + h;
         const LookupPartial* pb = a.pbest + bh * a.lookup_width;
@@ -2218,6 +2268,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         __syncthreads();  // the CTA's rows share (request, KV head): uniform here
         best.index = choice;
       }
+      DTL(if (tlr) tlr[2] = DtlNow());
       if (best.index < 0 || best.index >= v.K) {
         bad = true;  // the view was unusable
       } else {
@@ -2230,6 +2281,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     }
   }
   GridDependencyWait();
+  DTL(if (tlr) tlr[3] = DtlNow());
   auto load_batch = [&](int s0, float (&o2)[kBatch][kPer]) {
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -2293,6 +2345,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
     if (p.lse) p.lse[int64_t(b) * a.hq + hq] = lse;
     if (p.lookup_index && g == 0) p.lookup_index[int64_t(b) * a.hkv + h] = idx;
   }
+  DTL(if (tlr) tlr[5] = DtlNow());
 }
 
 // Without a dictionary, past kMaxClusterSplits splits: one CTA per (request, query head) row.
@@ -2314,7 +2367,10 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const Launc
   const int c0 = lane * kPer;
   const int n = NumActiveSplits(p.seq_lens[b], a.kv_splits);  // an input: before the wait
   const int64_t row0 = row * a.kv_splits;
+  DTL(unsigned long long* const tlr = DtlStart(a, kTlCombine));
+  DTL(if (blockIdx.x == 0 && threadIdx.x == 0) a.tl[3] = kTlCombineSplits);
   GridDependencyWait();  // the attention's partials
+  DTL(if (tlr) tlr[3] = DtlNow());
   const float l = tid < n ? a.part_lse[row0 + tid] : -INFINITY;
   auto load_batch = [&](int j0, float (&o2)[kBatch][kPer]) {
 #pragma unroll
@@ -2365,6 +2421,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitCombineKernel(const Launc
     if (p.lse) p.lse[row] = lse_sum_lse(sum);
     if (p.lookup_index && hq % a.group == 0) p.lookup_index[int64_t(b) * a.hkv + hq / a.group] = -1;
   }
+  DTL(if (tlr) tlr[5] = DtlNow());
 }
 
 // ---------------------------------------------------------------------------------------

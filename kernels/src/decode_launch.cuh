@@ -67,7 +67,31 @@ struct LaunchArgs {
                               // (DecodeConfig::probe_max_batch; decode_kernels.cuh ProbeView)
   int32_t n_lookup_ctas = 0;  // lookup_reps * Hkv * lookup_splits, or 0
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
+#ifdef ASMEM_DECODE_TIMELINE
+  unsigned long long* tl = nullptr;  // diagnostic builds: the stamps (TlStamps below)
+#endif
 };
+
+#ifdef ASMEM_DECODE_TIMELINE
+// Diagnostic builds (CMake -DASMEM_DECODE_TIMELINE=ON; DecodeTimelineDump in asmem/decode.h):
+// thread 0 of each of the first kTlCtas CTAs of every decode kernel records %globaltimer
+// stamps of the step, in one device buffer of kTlHeader words, then kTlWords words per CTA
+// of each grid (lookup, attention, combine). Header: the three grids' CTA counts and the
+// combine's kind (kTlCombine*), written by their CTA 0 after the launcher zeroes it. Off by
+// default: no stamp is compiled in.
+constexpr int kTlCtas = 8192;
+constexpr int kTlWords = 8;
+constexpr int kTlHeader = 8;
+constexpr int kTlLookup = 0, kTlAttn = 1, kTlCombine = 2;  // grids
+constexpr unsigned long long kTlCombineDict = 1, kTlCombineSplits = 2;
+constexpr size_t kTlBytes = (size_t(kTlHeader) + 3 * size_t(kTlCtas) * kTlWords) * 8;
+// Words per CTA record: four stamps, the SM, then
+// - lookup: start, ids and first flags read, loop done, end (done counted); SM; blocks
+//   scanned, raised the flag (1) or not (0);
+// - attention: start, first tile landed, tile loop done, end; SM; tokens, split;
+// - combine (thread 0): start, lookup flag seen, entry picked (the dictionary combine; 0 in
+//   the split combine), attention waited; SM; end.
+#endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB
 // (two CTAs per SM), kAttnLookupStages 64 KB.

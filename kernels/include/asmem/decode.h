@@ -67,6 +67,9 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#ifdef ASMEM_DECODE_TIMELINE
+#include <cstdio>
+#endif
 
 #include "asmem/cuda_fwd.h"
 
@@ -256,6 +259,20 @@ void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size);
 // The CPU reference: naive loops, double accumulation, host memory (dict_views too), the
 // same arguments and results. Accepts any head dim and group size (not only the CUDA set).
 void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
+
+#ifdef ASMEM_DECODE_TIMELINE
+// Diagnostic builds only (CMake -DASMEM_DECODE_TIMELINE=ON, off by default): the decode
+// kernels record per-CTA %globaltimer stamps of the latest DecodeAttention step, written
+// here as one JSON line, us from the first CTA's start (the lookup's when the step has one):
+// "lookup" [start, ids read, loop done, end, SM, blocks scanned, raised the flag] per CTA;
+// "attention" [start, first tile landed, tile loop done, end, SM, tokens, split];
+// "combine" [start, lookup flag seen, entry picked, attention waited, end, SM] (the
+// dictionary combine, warp 0's stamps) or [start, -, -, attention waited, end, SM] (the
+// split combine), "combine_kind" "dictionary" / "splits" / "none". A stamp the CTA did not
+// reach is null. At most 8192 CTAs per grid. Synchronizes the device.
+// tools/decode_timeline.py summarizes a file of such lines (asmem_bench_decode --timeline).
+void DecodeTimelineDump(const char* label, std::FILE* out);
+#endif
 
 // ---------------------------------------------------------------------------------------
 // 16-bit float conversions for host code (round to nearest even; NaN stays NaN).

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""tools/decode_timeline.py on hand-made steps whose summaries are worked out below, and on
+bad input (a one-line error, exit status 1)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import decode_timeline  # noqa: E402
+
+# A dictionary step: three lookup CTAs (two scan a block, the second raises the flag), three
+# attention CTAs (the third has an empty split), two combine CTAs.
+STEP = {
+    "label": "hand-made",
+    # start, ids read, loop done, end, SM, blocks, flag
+    "lookup": [[0.0, 1.0, 20.0, 21.0, 5, 2, 0],
+               [0.5, 1.5, 30.0, 31.0, 6, 1, 1],
+               [1.0, 2.0, 2.5, 3.0, 7, 0, 0]],
+    # start, first tile, loop done, end, SM, tokens, split
+    "attention": [[2.0, 4.0, 24.0, 25.0, 5, 512, 0],
+                  [2.0, 3.0, 13.0, 14.0, 9, 512, 1],
+                  [15.0, None, None, 15.5, 9, 0, 2]],
+    # start, flag seen, entry picked, attention waited, end, SM
+    "combine": [[20.0, 31.5, 33.0, 34.0, 36.0, 1],
+                [21.0, 31.6, 34.0, 34.5, 37.0, 2]],
+    "combine_kind": "dictionary",
+}
+
+EXPECTED = [
+    "== hand-made",
+    # ids read 1.0 1.5 2.0; ends 21 31 3
+    "lookup: 3 CTAs (2 scanned a block), start 0.0-1.0, ids read p50 1.5, last end 31.0",
+    # loops done 20 and 30; ids read to loop done 19 and 28.5
+    "working CTAs: loop done p10 / p50 / p90 20.0 / 30.0 / 30.0, last 30.0; ids read to loop done p50 28.5",
+    "flag raised at 31.0",
+    # ends 25, 14, 15.5
+    "attention: 3 CTAs, start 2.0 / p50 2.0 / last 15.0, end p50 15.5, last 25.0",
+    # first tile 2 and 1 after the start, loops 20 and 10, epilogues 1 and 1 (the empty split
+    # has no tiles)
+    "per CTA p10 / p50 / p90 us: to first tile 1.0 / 2.0 / 2.0; tile loop 10.0 / 20.0 / 20.0; "
+    "epilogue 1.0 / 1.0 / 1.0; tokens 512.0 / 512.0 / 512.0",
+    # SM 5 holds the first lookup CTA
+    "tile loop on SMs of a working lookup CTA 20.0 / 20.0 / 20.0 (n = 1), elsewhere 10.0 / 10.0 / 10.0 (n = 1)",
+    "attention CTAs starting after the last lookup CTA's start: 3",
+    "last attention CTAs to end: split 0 on SM 5, 512 tokens, start 2.0, end 25.0; "
+    "split 2 on SM 9, 0 tokens, start 15.0, end 15.5; split 1 on SM 9, 512 tokens, start 2.0, end 14.0",
+    "combine (dictionary): 2 CTAs, start 20.0-21.0, flag seen p50 31.6, entry picked p50 34.0 / last 34.0, "
+    "attention waited p50 34.5, end p50 37.0 / last 37.0",
+    "step: first CTA start to last CTA end 37.0",
+]
+
+# A step without a dictionary, its splits merged by the split combine.
+STEP2 = {
+    "label": "no dictionary",
+    "lookup": [],
+    "attention": [[0.0, 1.0, 5.0, 6.0, 1, 1024, 0]],
+    "combine": [[0.5, None, None, 6.5, 7.0, 2]],
+    "combine_kind": "splits",
+}
+
+EXPECTED2 = [
+    "== no dictionary",
+    "attention: 1 CTAs, start 0.0 / p50 0.0 / last 0.0, end p50 6.0, last 6.0",
+    "combine (splits): 1 CTAs, start 0.5-0.5, attention waited p50 6.5, end p50 7.0 / last 7.0",
+    "step: first CTA start to last CTA end 7.0",
+]
+
+
+def check(step, expected, absent):
+    text = decode_timeline.summarize(step)
+    missing = [e for e in expected if e not in text]
+    present = [a for a in absent if a in text]
+    if missing or present:
+        print(text)
+        sys.exit("missing from the summary: " + " | ".join(missing) + "; unexpected: " + " | ".join(present))
+
+
+def main():
+    check(STEP, EXPECTED, [])
+    check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA"])
+    # A line that is not JSON, and a step without the combine (not a decode timeline line).
+    old = {k: v for k, v in STEP.items() if k != "combine"}
+    for content, what in (("{not json\n", "1: not a JSON line"),
+                          (json.dumps(STEP) + "\n" + json.dumps(old) + "\n", "2: not a decode timeline step")):
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            f.write(content)
+            bad = f.name
+        try:
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "decode_timeline.py"), bad],
+                               capture_output=True, text=True)
+        finally:
+            os.unlink(bad)
+        if r.returncode != 1 or what not in r.stderr or r.stderr.count("\n") != 1:
+            sys.exit(f"bad input ({what}): status {r.returncode}, stderr {r.stderr!r}")
+    print("decode_timeline summary and bad-input checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Summarizes the per-CTA timestamps of decode-attention steps.
+
+Input: the file `asmem_bench_decode --timeline FILE` writes in a build configured with
+-DASMEM_DECODE_TIMELINE=ON, one JSON line per benchmark config (layout: DecodeTimelineDump
+in kernels/include/asmem/decode.h). Times are microseconds from the first CTA's start (the
+lookup's when the step has one); a stamp a CTA did not reach is null.
+
+    tools/decode_timeline.py FILE
+"""
+import argparse
+import json
+import sys
+
+
+def quantile(values, q):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def spread(values):
+    """p10 / p50 / p90 of a list, or '-' when it is empty."""
+    if not values:
+        return "-"
+    return f"{quantile(values, 0.1):.1f} / {quantile(values, 0.5):.1f} / {quantile(values, 0.9):.1f}"
+
+
+def reached(rows, i):
+    return [r[i] for r in rows if r[i] is not None]
+
+
+def summarize(step):
+    out = [f"== {step['label']}"]
+    lookup, attn, combine = step["lookup"], step["attention"], step["combine"]
+    ends = []
+    # Lookup CTAs: start, ids read, loop done, end, SM, blocks scanned, raised the flag.
+    working_sms = set()
+    if lookup:
+        working = [r for r in lookup if r[5] > 0]
+        working_sms = {r[4] for r in working}
+        starts = reached(lookup, 0)
+        out.append(f"  lookup: {len(lookup)} CTAs ({len(working)} scanned a block), start "
+                   f"{min(starts):.1f}-{max(starts):.1f}, ids read p50 {quantile(reached(lookup, 1), 0.5):.1f}, "
+                   f"last end {max(reached(lookup, 3)):.1f}")
+        if working:
+            out.append(f"    working CTAs: loop done p10 / p50 / p90 {spread(reached(working, 2))}, "
+                       f"last {max(reached(working, 2)):.1f}; ids read to loop done p50 "
+                       f"{quantile([r[2] - r[1] for r in working], 0.5):.1f}")
+        flag = [r for r in lookup if r[6] == 1]
+        if flag:
+            out.append(f"    flag raised at {flag[0][3]:.1f}")
+        ends += reached(lookup, 3)
+    # Attention CTAs: start, first tile landed, tile loop done, end, SM, tokens, split.
+    if attn:
+        starts = reached(attn, 0)
+        out.append(f"  attention: {len(attn)} CTAs, start {min(starts):.1f} / p50 {quantile(starts, 0.5):.1f} / "
+                   f"last {max(starts):.1f}, end p50 {quantile(reached(attn, 3), 0.5):.1f}, "
+                   f"last {max(reached(attn, 3)):.1f}")
+        busy = [r for r in attn if r[1] is not None and r[2] is not None]
+        if busy:
+            out.append("    per CTA p10 / p50 / p90 us: to first tile " +
+                       spread([r[1] - r[0] for r in busy]) + "; tile loop " +
+                       spread([r[2] - r[1] for r in busy]) + "; epilogue " +
+                       spread([r[3] - r[2] for r in busy]) + "; tokens " +
+                       spread([float(r[5]) for r in busy]))
+            if working_sms:
+                beside = [r[2] - r[1] for r in busy if r[4] in working_sms]
+                alone = [r[2] - r[1] for r in busy if r[4] not in working_sms]
+                out.append(f"    tile loop on SMs of a working lookup CTA {spread(beside)} "
+                           f"(n = {len(beside)}), elsewhere {spread(alone)} (n = {len(alone)})")
+        if lookup:
+            after = [s for s in starts if s > max(reached(lookup, 0))]
+            out.append(f"    attention CTAs starting after the last lookup CTA's start: {len(after)}")
+        last = sorted(attn, key=lambda r: -r[3])[:3]
+        out.append("  last attention CTAs to end: " + "; ".join(
+            f"split {r[6]} on SM {r[4]}, {r[5]} tokens, start {r[0]:.1f}, end {r[3]:.1f}" for r in last))
+        ends += reached(attn, 3)
+    # Combine CTAs: start, flag seen, entry picked, attention waited, end, SM.
+    if combine:
+        starts = reached(combine, 0)
+        line = (f"  combine ({step['combine_kind']}): {len(combine)} CTAs, start "
+                f"{min(starts):.1f}-{max(starts):.1f}")
+        if reached(combine, 1):
+            line += (f", flag seen p50 {quantile(reached(combine, 1), 0.5):.1f}, entry picked p50 "
+                     f"{quantile(reached(combine, 2), 0.5):.1f} / last {max(reached(combine, 2)):.1f}")
+        line += (f", attention waited p50 {quantile(reached(combine, 3), 0.5):.1f}, end p50 "
+                 f"{quantile(reached(combine, 4), 0.5):.1f} / last {max(reached(combine, 4)):.1f}")
+        out.append(line)
+        ends += reached(combine, 4)
+    if ends:
+        out.append(f"  step: first CTA start to last CTA end {max(ends):.1f}")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", help="asmem_bench_decode --timeline output")
+    args = ap.parse_args()
+    try:
+        with open(args.file) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        sys.exit(f"decode_timeline.py: cannot read {args.file}: {e.strerror}")
+    for n, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError as e:
+            sys.exit(f"decode_timeline.py: {args.file}:{n}: not a JSON line ({e.msg})")
+        try:
+            text = summarize(step)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            sys.exit(f"decode_timeline.py: {args.file}:{n}: not a decode timeline step ({type(e).__name__}: {e})")
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
