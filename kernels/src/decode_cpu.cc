@@ -400,13 +400,7 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
         } else {
           if (view->whitening) {
             std::vector<float> y(D);
-            for (int64_t i = 0; i < D; ++i) {
-              double t = 0;
-              for (int64_t j = 0; j < D; ++j) {
-                t += double(view->whitening[i * D + j]) * (double(key[j]) - view->whitening_mean[j]);
-              }
-              y[i] = float(t);
-            }
+            WhitenLookupKeyCpu(view->whitening, view->whitening_mean, D, key.data(), y.data());
             key = y;
           }
           keys.resize(view->K * D);

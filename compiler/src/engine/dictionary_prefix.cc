@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -10,8 +12,10 @@
 #include "asmem/compiler/fingerprint.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
+#include "asmem/lookup.h"
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
+#include "asmem/state.cuh"
 #include "xxhash.h"
 
 // The CUDA path needs both our CUDA kernels (ASMEM_WITH_CUDA) and a CUDA build of torch
@@ -52,7 +56,80 @@ DecodeConfig LookupConfig(int64_t batch, int64_t Hq, int64_t Hkv, int64_t d, Ker
   return c;
 }
 
+// ---- The batched CPU lookup ----
+//
+// Error bound of an fp32 matrix-product score. The reference score of row k for query q
+// (LookupScoreCpu) sums the exact products k_i q_i in double in index order; fp32 GEMM
+// forms the products and sums in fp32 in an order of its own (blocked, with or without
+// FMA). Write S = sum_i k_i q_i (exact), A = sum_i |k_i q_i| <= ||k|| ||q||, u = 2^-24.
+//  - fp32: each term reaches the result through at most n = D + 1 roundings (its product,
+//    the additions on its path, a final add into the output), each of relative error <= u,
+//    so |S32 - S| <= n u / (1 - n u) A <= 1.004 (D + 1) u A for D <= 2^16.
+//  - double: products exact, D - 1 additions: |Sref - S| <= 1.0001 D 2^-53 A.
+//  - together |S32 - Sref| <= 1.005 (D + 1) u A. The bound below is 2 (D + 2) u ||k|| ||q||;
+//    the margin of more than 1.9x covers the rounding of the norms (computed in double), of
+//    the bound and of the comparison with it (LookupLinearRescoreCpu rounds down).
+//  - underflow: gradual underflow adds at most 2^-150 per operation; flush-to-zero of a
+//    result loses < 2^-126, and a denormal input read as zero loses < 2^-126 max(|k_i|,
+//    |q_i|); over the 2D operations (D + 1) 2^-124 (1 + ||k|| + ||q||) covers them all.
+//  - overflow: every partial sum is at most about A; ||k|| ||q|| < 2^100 keeps them finite.
+// A query outside these conditions (non-finite, or too large) is served by the reference.
+constexpr int64_t kMaxBoundedDims = int64_t(1) << 16;
+constexpr double kMaxNormProduct = 0x1p100;
+double GemmScoreBound(int64_t D, double key_norm, double query_norm) {
+  return double(D + 2) * 0x1p-23 * key_norm * query_norm +
+         double(D + 1) * 0x1p-124 * (1.0 + key_norm + query_norm);
+}
+
+// Largest row norm of rows [rows, D] (in double, rounded up); +inf when a value is not finite.
+double MaxRowNorm(const float* x, int64_t rows, int64_t D) {
+  double mx = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0.0;
+    for (int64_t i = 0; i < D; ++i) s += double(x[r * D + i]) * double(x[r * D + i]);
+    if (!std::isfinite(s)) return INFINITY;
+    mx = std::max(mx, std::sqrt(s));
+  }
+  return mx * (1.0 + 0x1p-30);
+}
+
+// fp32 copy of rows [rows, D] of a 16- or 32-bit float buffer; the f32 file's own memory
+// when it is f32 (mapped, never written).
+at::Tensor FloatRows(const void* p, KernelDType t, int64_t rows, int64_t D) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  if (t == KernelDType::kF32) return at::from_blob(const_cast<void*>(p), {rows, D}, f32);
+  at::Tensor x = at::empty({rows, D}, f32);
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < rows * D; ++i) xp[i] = LoadAsFloat(p, t, i);
+  return x;
+}
+
+// The integer codes of a kI8 buffer [rows, KeysI8RowBytes(D)] as fp32 [rows, D].
+at::Tensor I8Rows(const void* p, int64_t rows, int64_t D) {
+  at::Tensor x = at::empty({rows, D}, at::TensorOptions().dtype(at::kFloat));
+  float* xp = x.data_ptr<float>();
+  const int8_t* c = static_cast<const int8_t*>(p);
+  const int64_t P = KeysI8RowBytes(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < D; ++i) xp[r * D + i] = float(c[r * P + i]);
+  }
+  return x;
+}
+
 }  // namespace
+
+// One section's keys for the batched CPU lookup, made once by the constructor when the
+// model is on the CPU. Memory: 4 (K + C1) D bytes of fp32 rows per section whose keys are
+// not f32 in the file (bf16 / f16 keys: twice the file's key bytes; int8 sections: their
+// codes as fp32), none for f32 keys (the mapped file's): 73 MB for the SmolLM2 rulebook
+// dictionary (90 sections of K = 1024, C1 = 32, D = 192, bf16 keys).
+struct DictionaryPrefix::CpuSection {
+  at::Tensor keys;     // [K, D] fp32 (int8 sections: the integer codes)
+  at::Tensor parents;  // [C1, D] fp32, or undefined when C1 == 0
+  double key_norm = 0.0, parent_norm = 0.0;  // largest row norm (float keys)
+  bool batched = false;  // false: every lookup of the section through the reference
+                         // (a key that is not finite; int8 rows too long for exact fp32)
+};
 
 #ifdef ASMEM_ENGINE_CUDA
 struct DictionaryPrefix::Device {
@@ -145,6 +222,32 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
     }
   }
 
+  cpu_reference_ = options.cpu_reference;
+  if (model.device().is_cpu() && !cpu_reference_) {
+    const int64_t D = G * d_;
+    cpu_.resize(host_views_.size());
+    for (size_t i = 0; i < host_views_.size(); ++i) {
+      const DictLayerView& v = host_views_[i];
+      CpuSection& c = cpu_[i];
+      if (v.keys_dtype == KernelDType::kI8) {
+        // Integer fp32 products and sums are exact while every partial sum stays below 2^24
+        // in magnitude: D * 128 * 128 <= 2^24, D <= 1024 (SmolLM2: 192).
+        c.batched = D * 128 * 128 <= (int64_t(1) << 24);
+        if (!c.batched) continue;
+        c.keys = I8Rows(v.keys, v.K, D);
+        if (v.C1 > 0) c.parents = I8Rows(v.parent_keys, v.C1, D);
+      } else {
+        c.keys = FloatRows(v.keys, v.keys_dtype, v.K, D);
+        c.key_norm = MaxRowNorm(c.keys.data_ptr<float>(), v.K, D);
+        if (v.C1 > 0) {
+          c.parents = FloatRows(v.parent_keys, v.keys_dtype, v.C1, D);
+          c.parent_norm = MaxRowNorm(c.parents.data_ptr<float>(), v.C1, D);
+        }
+        c.batched = D <= kMaxBoundedDims && std::isfinite(c.key_norm) && std::isfinite(c.parent_norm);
+      }
+    }
+  }
+
   if (model.device().is_cuda()) {
 #ifdef ASMEM_ENGINE_CUDA
     dev_ = std::make_unique<Device>();
@@ -224,7 +327,125 @@ AttnState DictionaryPrefix::prefix_state(int64_t layer, const at::Tensor& q_pre,
 }
 
 AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
+  // The bound assumes full fp32 products (a lower matmul precision may use bf16 passes).
+  if (cpu_.empty() || at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST) {
+    return lookup_cpu_reference(layer, keys);
+  }
+  const int64_t N = keys.size(0), G = Hq_ / Hkv_, D = G * d_;
+  std::atomic<int64_t> by_reference{0};
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor o = at::empty({N, Hq_, d_}, f32);
+  at::Tensor lse = at::empty({N, Hq_}, f32);
+  if (record_) last_index_ = at::empty({N, Hkv_}, at::TensorOptions().dtype(at::kInt));
+  int32_t* ip = record_ ? last_index_.data_ptr<int32_t>() : nullptr;
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const std::vector<float> no_rest(size_t(d_), 0.f);  // the empty rest state's o
+  const at::Tensor all = keys.reshape({N, Hkv_, D});   // row n, head h: the lookup key
+
+  for (int64_t h = 0; h < Hkv_; ++h) {
+    const DictLayerView& v = host_views_[layer * Hkv_ + h];
+    const CpuSection& c = cpu_[layer * Hkv_ + h];
+    const bool i8 = v.keys_dtype == KernelDType::kI8;
+    // q: [N, D] the keys the reference scores (whitened; for int8, the quantized codes).
+    at::Tensor q = all.select(1, h).contiguous();
+    std::vector<int8_t> codes(i8 ? size_t(N * D) : 0);
+    if (v.whitening || i8) {
+      at::Tensor y = at::empty({N, D}, f32);
+      const float* x = q.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          if (v.whitening) {
+            WhitenLookupKeyCpu(v.whitening, v.whitening_mean, D, x + n * D, yp + n * D);
+          } else {
+            int8_t* cn = codes.data() + n * D;
+            QuantizeLookupKeyI8(x + n * D, D, cn);
+            for (int64_t i = 0; i < D; ++i) yp[n * D + i] = float(cn[i]);
+          }
+        }
+      });
+      q = y;
+    }
+    const float* qp = q.data_ptr<float>();
+    const float* kp = c.keys.defined() ? c.keys.data_ptr<float>() : nullptr;
+    const float* pp = c.parents.defined() ? c.parents.data_ptr<float>() : nullptr;
+    const float* ks = i8 ? KeysI8Scales(v.keys, v.K, D) : nullptr;
+    const float* ps = i8 && v.C1 > 0 ? KeysI8Scales(v.parent_keys, v.C1, D) : nullptr;
+    // Tokens in chunks of at most ~4M scores.
+    const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 22) / v.K);
+    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
+      const int64_t n = std::min(chunk, N - c0);
+      at::Tensor sc, psc;
+      if (c.batched) {
+        const at::Tensor qc = q.narrow(0, c0, n);
+        sc = at::mm(qc, c.keys.t()).contiguous();  // [n, K]
+        if (v.C1 > 0) psc = at::mm(qc, c.parents.t()).contiguous();  // [n, C1]
+      }
+      float* sp = sc.defined() ? sc.data_ptr<float>() : nullptr;
+      float* psp = psc.defined() ? psc.data_ptr<float>() : nullptr;
+      at::parallel_for(0, n, 8, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t row = c0 + t;
+          const float* qr = qp + row * D;
+          int32_t idx = -1;
+          if (i8) {
+            const int8_t* q8 = codes.data() + row * D;
+            if (!c.batched) {
+              ++by_reference;
+              idx = v.C1 > 0 ? LookupHierarchicalI8Cpu(v.parent_keys, v.C1, v.child_offsets, v.keys, v.K, D, q8, v.top_m)
+                             : LookupLinearI8Cpu(v.keys, v.K, D, q8);
+            } else {
+              // The exact integer dots, times the row scales in fp32: the reference's scores.
+              float* s = sp + t * v.K;
+              for (int64_t k = 0; k < v.K; ++k) s[k] = s[k] * ks[k];
+              if (v.C1 > 0) {
+                float* p = psp + t * v.C1;
+                for (int64_t k = 0; k < v.C1; ++k) p[k] = p[k] * ps[k];
+                idx = LookupHierarchicalScoresCpu(p, v.C1, v.child_offsets, s, v.K, v.top_m);
+              } else {
+                idx = LookupLinearScoresCpu(s, v.K);
+              }
+            }
+          } else {
+            double qq = 0.0;
+            for (int64_t i = 0; i < D; ++i) qq += double(qr[i]) * double(qr[i]);
+            const double qn = std::sqrt(qq);
+            const bool bounded = c.batched && std::isfinite(qn) &&
+                                 qn * std::max(c.key_norm, c.parent_norm) < kMaxNormProduct;
+            if (!bounded) {
+              ++by_reference;
+              idx = v.C1 > 0 ? LookupHierarchicalCpu(pp, v.C1, v.child_offsets, kp, v.K, D, qr, v.top_m)
+                             : LookupLinearCpu(kp, v.K, D, qr);
+            } else if (v.C1 > 0) {
+              idx = LookupHierarchicalRescoreCpu(pp, v.C1, v.child_offsets, kp, v.K, D, qr, v.top_m,
+                                                 psp + t * v.C1, GemmScoreBound(D, c.parent_norm, qn),
+                                                 sp + t * v.K, GemmScoreBound(D, c.key_norm, qn));
+            } else {
+              idx = LookupLinearRescoreCpu(kp, v.K, D, qr, sp + t * v.K, GemmScoreBound(D, c.key_norm, qn));
+            }
+          }
+          if (ip) ip[row * Hkv_ + h] = idx;
+          // The entry's state merged with the empty rest state, as DecodeAttentionCpu does
+          // for a request without non-prefix tokens.
+          for (int64_t g = 0; g < G; ++g) {
+            float* on = op + (row * Hq_ + h * G + g) * d_;
+            for (int64_t i = 0; i < d_; ++i) on[i] = LoadAsFloat(v.values_o, v.values_dtype, (int64_t(idx) * G + g) * d_ + i);
+            float l = v.values_lse[int64_t(idx) * G + g];
+            merge_state_inplace(on, &l, no_rest.data(), -INFINITY, int(d_));
+            lp[row * Hq_ + h * G + g] = l;
+          }
+        }
+      });
+    }
+  }
+  cpu_reference_lookups_ += by_reference.load();
+  return {o, lse};
+}
+
+AttnState DictionaryPrefix::lookup_cpu_reference(int64_t layer, const at::Tensor& keys) {
   const int64_t N = keys.size(0);
+  cpu_reference_lookups_ += N * Hkv_;
   if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
   // The CPU reference reads fp32 queries.
   const DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, KernelDType::kF32, max_lookup_rows_, whitening_);

@@ -21,6 +21,16 @@ int32_t LookupHierarchicalCpu(const float* parent_keys, int64_t C1, const int32_
                               const float* keys, int64_t K, int64_t D, const float* query,
                               int64_t top_m);
 
+// The score the two lookups above rank by: the dot product of `key` and `query` ([D] each)
+// accumulated in double in index order, sum_i double(key[i]) * double(query[i]) (every
+// product is exact).
+double LookupScoreCpu(const float* key, const float* query, int64_t D);
+
+// The whitened lookup key as DecodeAttentionCpu computes it for a section with whitening:
+// y[i] = float(sum_j double(W[i][j]) * (double(x[j]) - double(mean[j]))), j in order.
+// W: [D, D] f32 row-major; mean, x, y: [D]; y must not alias x.
+void WhitenLookupKeyCpu(const float* whitening, const float* mean, int64_t D, const float* x, float* y);
+
 // The same two lookups over int8 keys (KernelDType::kI8 buffers: [rows, KeysI8RowBytes(D)]
 // int8, then [rows] f32 scales; QuantizeKeysI8) for a lookup key quantized by QuantizeLookupKeyI8. The
 // score of row r is float(integer dot) * scale[r] in fp32, as the CUDA lookup computes it.
@@ -28,5 +38,36 @@ int32_t LookupLinearI8Cpu(const void* keys, int64_t K, int64_t D, const int8_t* 
 int32_t LookupHierarchicalI8Cpu(const void* parent_keys, int64_t C1, const int32_t* child_offsets,
                                 const void* keys, int64_t K, int64_t D, const int8_t* query,
                                 int64_t top_m);
+
+// ---------------------------------------------------------------------------------------
+// The same choices from scores computed elsewhere (the engine's CPU path scores many lookup
+// keys at once with one fp32 matrix product). They share the rule of the lookups above:
+// the largest score, ties to the smaller index; the top_m parents by score, ties to the
+// smaller parent index; the best child of those parents, or the linear best when they are
+// all childless. Shapes and checks as above.
+// ---------------------------------------------------------------------------------------
+
+// Approximate scores of float keys: approx[r] is row r's score up to err,
+// |approx[r] - LookupScoreCpu(keys + r*D, query, D)| <= err (parent_approx and parent_err
+// likewise for parent_keys). Only a row whose approximate score lies within 2 err of the
+// best one can be the best, and only a parent within 2 parent_err of the top_m-th parent's
+// score can be among the top_m: where more than one row (or more than top_m parents) is that
+// close, those are rescored with LookupScoreCpu and chosen by the rule. When the bounds hold
+// the result is exactly LookupLinearCpu(keys, K, D, query) / LookupHierarchicalCpu(
+// parent_keys, C1, child_offsets, keys, K, D, query, top_m). approx values must be finite,
+// err >= 0; InvalidArgument otherwise (for err; a non-finite approx is not checked).
+int32_t LookupLinearRescoreCpu(const float* keys, int64_t K, int64_t D, const float* query,
+                               const float* approx, double err);
+int32_t LookupHierarchicalRescoreCpu(const float* parent_keys, int64_t C1, const int32_t* child_offsets,
+                                     const float* keys, int64_t K, int64_t D, const float* query,
+                                     int64_t top_m, const float* parent_approx, double parent_err,
+                                     const float* approx, double err);
+
+// Exact scores: the rule applied to scores[r] ([K]) and parent_scores[p] ([C1]) as given.
+// With the int8 scores float(integer dot) * scale[r] (fp32) these return what
+// LookupLinearI8Cpu / LookupHierarchicalI8Cpu return.
+int32_t LookupLinearScoresCpu(const float* scores, int64_t K);
+int32_t LookupHierarchicalScoresCpu(const float* parent_scores, int64_t C1, const int32_t* child_offsets,
+                                    const float* scores, int64_t K, int64_t top_m);
 
 }  // namespace asmem

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -241,6 +242,55 @@ TEST_F(Engine, ServedForwardReproducesTheFullPrefixOnTrainingTracesAndKEquals1Do
   }
 }
 
+// Serves through `fast` and holds every layer's entries and states to those of `ref`.
+class CompareLookups : public AttentionHook {
+ public:
+  CompareLookups(DictionaryPrefix* fast, DictionaryPrefix* ref) : fast_(fast), ref_(ref) {
+    fast_->set_record_lookups(true);
+    ref_->set_record_lookups(true);
+  }
+  AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
+                         const AttnState& exact) override {
+    const AttnState a = fast_->prefix_state(layer, q_pre, q, positions, exact);
+    const AttnState b = ref_->prefix_state(layer, q_pre, q, positions, exact);
+    ++calls;
+    auto same = [](const at::Tensor& x, const at::Tensor& y) {
+      return x.sizes() == y.sizes() && std::memcmp(x.contiguous().data_ptr(), y.contiguous().data_ptr(), x.nbytes()) == 0;
+    };
+    differ += !same(fast_->last_lookup_index(), ref_->last_lookup_index()) || !same(a.o, b.o) || !same(a.lse, b.lse);
+    return a;
+  }
+  int64_t calls = 0, differ = 0;  // layers served, layers whose entries or states differ
+
+ private:
+  DictionaryPrefix *fast_, *ref_;
+};
+
+// The batched CPU lookup chooses the reference's entries (DecodeAttentionCpu) and returns
+// its states bit for bit at every layer of the served forward, for the hierarchy probed
+// whole and in part, linear lookup and int8 keys; the logits are then the same too.
+TEST_F(Engine, BatchedCpuLookupEqualsTheReferenceOnTheServedForward) {
+  ASMEM_REQUIRE_MODEL();
+  auto dict = DictionaryFile::open(big_path());
+  for (const DictPrefixOptions& o : {DictPrefixOptions{}, DictPrefixOptions{1, false}, DictPrefixOptions{2, false},
+                                     DictPrefixOptions{0, true}, DictPrefixOptions{1, false, true}}) {
+    const std::string what = "top_m " + std::to_string(o.top_m) + (o.linear ? " linear" : "") + (o.int8_keys ? " int8" : "");
+    DictPrefixOptions ro = o;
+    ro.cpu_reference = true;
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<int32_t> seq = trace_tokens(i);
+      DictionaryPrefix fast(*dict, *model_, o), ref(*dict, *model_, ro), ref2(*dict, *model_, ro);
+      CompareLookups cmp(&fast, &ref);
+      const at::Tensor a = run_served(*dict, seq, &cmp);
+      EXPECT_EQ(cmp.calls, 30) << what;
+      EXPECT_EQ(cmp.differ, 0) << what << ", trace " << i << ": layers with other entries or states";
+      EXPECT_EQ(fast.cpu_reference_lookups(), 0) << what;
+      EXPECT_EQ(fast.lookups(), int64_t(seq.size()) * 30 * 3) << what;
+      EXPECT_TRUE(at::equal(a, run_served(*dict, seq, &ref2))) << what << ", trace " << i << ": logits differ";
+    }
+  }
+}
+
 TEST_F(Engine, RopeUnifiedWhitenedKeysAlsoReproduceTheFullPrefix) {
   ASMEM_REQUIRE_MODEL();
   CompileOptions o = options(dir() + "/ru.asmd", 512);
@@ -256,6 +306,11 @@ TEST_F(Engine, RopeUnifiedWhitenedKeysAlsoReproduceTheFullPrefix) {
   const at::Tensor full = run_full(full_prefix(*dict), seq).narrow(0, 0, T - 1);
   DictionaryPrefix hook(*dict, *model_);
   const at::Tensor served = run_served(*dict, seq, &hook).narrow(0, 0, T - 1);
+  DictPrefixOptions ro;
+  ro.cpu_reference = true;
+  DictionaryPrefix ref(*dict, *model_, ro);
+  EXPECT_TRUE(at::equal(run_served(*dict, seq, &ref).narrow(0, 0, T - 1), served)) << "batched CPU lookup vs reference";
+  EXPECT_EQ(hook.cpu_reference_lookups(), 0);
   const FidelityStats fs = compare_next_token(full, served);
   EXPECT_LT((served - full).abs().max().item<double>(), 2e-2);
   EXPECT_LT(fs.mean_kl(), 1e-5);

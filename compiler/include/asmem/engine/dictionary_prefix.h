@@ -14,8 +14,17 @@
 // lookup_keys did); the kernel whitens it when the section has whitening. Each (token, KV
 // head) is one request of the decode-attention op (asmem/decode.h) with no non-prefix
 // tokens (seq_lens = 0), so its output is exactly the chosen entry's state (o, lse) per
-// query head. CPU: DecodeAttentionCpu over host_layer_view()s of the mapped file (with
-// int8_keys, over int8 copies of the keys in host memory). CUDA (builds with a CUDA torch):
+// query head. CPU: per section (layer, KV head) one batched lookup for all of a call's
+// tokens that chooses exactly the entries DecodeAttentionCpu chooses over host_layer_view()s
+// of the mapped file (with int8_keys, over int8 copies of the keys in host memory) and
+// returns bit for bit its states. One fp32 matrix product (libtorch) scores every key and
+// parent key for every token; an fp32 score is within a stated bound of the reference's
+// double one, so only rows (and parents at the top_m boundary) within twice that bound of
+// the best are rescored as the reference scores them, and the reference's rule picks
+// (LookupLinearRescoreCpu / LookupHierarchicalRescoreCpu, asmem/lookup.h). Int8 keys score
+// exactly in fp32 (integer products and sums below 2^24). A key the bound does not cover
+// (not finite, or huge) goes to the reference's lookup. DictPrefixOptions::cpu_reference
+// serves every lookup through DecodeAttentionCpu itself. CUDA (builds with a CUDA torch):
 // DecodeAttention over device copies of the sections (and of the int8 keys in place of the
 // file's), uploaded once; the queries go to the kernel in the model's dtype (bf16 when the
 // model runs in fp32).
@@ -45,6 +54,9 @@ struct DictPrefixOptions {
                            // with per-row scales (quantize_keys_i8): about half the key
                            // bytes; a lookup may pick another entry where two score within
                            // the quantization error. Whitened sections keep theirs.
+  bool cpu_reference = false;  // CPU: every lookup through DecodeAttentionCpu, one request
+                               // per (token, KV head), instead of the batched lookup (the
+                               // same choices and states; for tests and measurements)
 };
 
 // The AttentionHook that serves the prefix part from a dictionary. `dict` must outlive it.
@@ -71,6 +83,11 @@ class DictionaryPrefix : public AttentionHook {
   int64_t int8_sections() const { return int8_sections_; }
   // Requests (token, KV head) looked up so far.
   int64_t lookups() const { return lookups_; }
+  // Of those, the ones served on the CPU by the reference's own lookup: all of them with
+  // cpu_reference (or a matmul precision below fp32), else those whose key the batched
+  // lookup does not bound (not finite, or too large for fp32 scores) and those of sections
+  // it does not take (a key that is not finite; int8 rows of more than 1024 dims).
+  int64_t cpu_reference_lookups() const { return cpu_reference_lookups_; }
   // When set, every prefix_state() keeps the chosen entries: last_lookup_index() is then
   // [B*T, Hkv] int32 on the CPU (row b*T + t) for the latest call.
   void set_record_lookups(bool on) { record_ = on; }
@@ -78,6 +95,7 @@ class DictionaryPrefix : public AttentionHook {
 
  private:
   AttnState lookup_cpu(int64_t layer, const at::Tensor& keys);
+  AttnState lookup_cpu_reference(int64_t layer, const at::Tensor& keys);
   AttnState lookup_cuda(int64_t layer, const at::Tensor& keys);
   const DictionaryFile& dict_;
   const LlamaModel& model_;
@@ -90,9 +108,13 @@ class DictionaryPrefix : public AttentionHook {
   std::vector<DictLayerView> host_views_;  // [L * Hkv]
   std::vector<KeysI8Block> keys_i8_;       // int8 keys the host views point into
   int64_t int8_sections_ = 0;
+  bool cpu_reference_ = false;
+  struct CpuSection;                       // fp32 keys of the batched CPU lookup
+  std::vector<CpuSection> cpu_;            // [L * Hkv] on the CPU, else empty
   struct Device;                           // device copies (CUDA builds)
   std::unique_ptr<Device> dev_;
   int64_t lookups_ = 0;
+  int64_t cpu_reference_lookups_ = 0;
   bool record_ = false;
   at::Tensor last_index_;
 };
