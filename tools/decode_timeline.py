@@ -8,14 +8,8 @@ lookup's when the step has one); a stamp a CTA did not reach is null.
 
     tools/decode_timeline.py FILE
 """
-import argparse
-import json
-import sys
-
-
-def quantile(values, q):
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+import timeline_file
+from timeline_file import quantile
 
 
 def spread(values):
@@ -93,24 +87,7 @@ def summarize(step):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("file", help="asmem_bench_decode --timeline output")
-    args = ap.parse_args()
-    try:
-        with open(args.file) as f:
-            lines = [line for line in f if line.strip()]
-    except OSError as e:
-        sys.exit(f"decode_timeline.py: cannot read {args.file}: {e.strerror}")
-    for n, line in enumerate(lines, 1):
-        try:
-            step = json.loads(line)
-        except json.JSONDecodeError as e:
-            sys.exit(f"decode_timeline.py: {args.file}:{n}: not a JSON line ({e.msg})")
-        try:
-            text = summarize(step)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            sys.exit(f"decode_timeline.py: {args.file}:{n}: not a decode timeline step ({type(e).__name__}: {e})")
-        print(text)
+    timeline_file.run(__doc__, "decode_timeline.py", "asmem_bench_decode", "decode timeline step", summarize)
 
 
 if __name__ == "__main__":

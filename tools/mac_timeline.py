@@ -7,15 +7,10 @@ kernels/include/asmem/reuse.h). Times are microseconds from the first match CTA'
 
     tools/mac_timeline.py FILE
 """
-import argparse
-import json
 import statistics
-import sys
 
-
-def quantile(values, q):
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+import timeline_file
+from timeline_file import quantile
 
 
 def summarize(step):
@@ -88,25 +83,7 @@ def summarize(step):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("file", help="asmem_bench_mac --timeline output")
-    args = ap.parse_args()
-    try:
-        with open(args.file) as f:
-            lines = [line for line in f if line.strip()]
-    except OSError as e:
-        sys.exit(f"mac_timeline.py: cannot read {args.file}: {e.strerror}")
-    for n, line in enumerate(lines, 1):
-        try:
-            step = json.loads(line)
-        except json.JSONDecodeError as e:
-            sys.exit(f"mac_timeline.py: {args.file}:{n}: not a JSON line ({e.msg})")
-        try:
-            text = summarize(step)
-        except (KeyError, IndexError, TypeError) as e:
-            # e.g. a line from a build before the plan's inner stamps ("plan_steps")
-            sys.exit(f"mac_timeline.py: {args.file}:{n}: not a MAC timeline step ({type(e).__name__}: {e})")
-        print(text)
+    timeline_file.run(__doc__, "mac_timeline.py", "asmem_bench_mac", "MAC timeline step", summarize)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,13 @@
 #!/usr/bin/env python3
 """tools/decode_timeline.py on hand-made steps whose summaries are worked out below, and on
 bad input (a one-line error, exit status 1)."""
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import decode_timeline  # noqa: E402
+from timeline_bad_input import check_bad_input  # noqa: E402
 
 # A dictionary step: three lookup CTAs (two scan a block, the second raises the flag), three
 # attention CTAs (the third has an empty split), two combine CTAs.
@@ -81,20 +79,9 @@ def check(step, expected, absent):
 def main():
     check(STEP, EXPECTED, [])
     check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA"])
-    # A line that is not JSON, and a step without the combine (not a decode timeline line).
+    # A line that is not JSON, and a step without "combine" (an older build's, or not this kind).
     old = {k: v for k, v in STEP.items() if k != "combine"}
-    for content, what in (("{not json\n", "1: not a JSON line"),
-                          (json.dumps(STEP) + "\n" + json.dumps(old) + "\n", "2: not a decode timeline step")):
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-            f.write(content)
-            bad = f.name
-        try:
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "decode_timeline.py"), bad],
-                               capture_output=True, text=True)
-        finally:
-            os.unlink(bad)
-        if r.returncode != 1 or what not in r.stderr or r.stderr.count("\n") != 1:
-            sys.exit(f"bad input ({what}): status {r.returncode}, stderr {r.stderr!r}")
+    check_bad_input(os.path.join(ROOT, "tools", "decode_timeline.py"), STEP, old, "decode timeline step")
     print("decode_timeline summary and bad-input checks passed")
 
 

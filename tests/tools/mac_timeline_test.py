@@ -1,15 +1,13 @@
 #!/usr/bin/env python3
 """tools/mac_timeline.py on a hand-made step whose summary is worked out below, and on bad
 input (a one-line error, exit status 1)."""
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import mac_timeline  # noqa: E402
+from timeline_bad_input import check_bad_input  # noqa: E402
 
 STEP = {
     "label": "hand-made",
@@ -51,20 +49,9 @@ def main():
     if missing:
         print(text)
         sys.exit("missing from the summary: " + " | ".join(missing))
-    # A line that is not JSON, and a step without the plan's inner stamps (an older build).
+    # A line that is not JSON, and a step without "plan_steps" (an older build's, or not this kind).
     old = {k: v for k, v in STEP.items() if k != "plan_steps"}
-    for content, what in (("{not json\n", "1: not a JSON line"),
-                          (json.dumps(STEP) + "\n" + json.dumps(old) + "\n", "2: not a MAC timeline step")):
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-            f.write(content)
-            bad = f.name
-        try:
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "mac_timeline.py"), bad],
-                               capture_output=True, text=True)
-        finally:
-            os.unlink(bad)
-        if r.returncode != 1 or what not in r.stderr or r.stderr.count("\n") != 1:
-            sys.exit(f"bad input ({what}): status {r.returncode}, stderr {r.stderr!r}")
+    check_bad_input(os.path.join(ROOT, "tools", "mac_timeline.py"), STEP, old, "MAC timeline step")
     print("mac_timeline summary and bad-input checks passed")
 
 
