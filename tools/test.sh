@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
 "$ROOT/tools/setup.sh" asmem asmem_kernels_tests asmem_format_tests asmem_tokenizer_tests \
   asmem_model_tests asmem_golden_tests asmem_dictionary_tests asmem_cluster_tests asmem_compiler_tests \
-  asmem_decode_tests asmem_runtime_tests asmem_torch_ops_tests asmem_synth_dictionary asmem_engine_tests asmem_mac_engine_tests \
+  asmem_decode_tests asmem_runtime_tests asmem_torch_ops_tests asmem_synth_dictionary asmem_engine_tests asmem_dictionary_prefix_cpu_tests asmem_mac_engine_tests \
   asmem_reuse_tests asmem_query_trace_tests
 # GPU test targets exist only in CUDA builds.
 targets="$(cmake --build "$BUILD" --target help)"
