@@ -75,6 +75,15 @@ void save_query_trace(const GenerateArgs& a, const MacDecode& mac) {
                (long long)t.first_decode);
 }
 
+// More new tokens than the whole context: every such run decodes past the context (a prompt
+// that only runs over it gets a warning), and the KV cache is sized for all of them.
+void check_new_tokens(const GenerateArgs& a, const ModelConfig& cfg) {
+  if (a.max_new_tokens > cfg.max_context) {
+    throw InvalidArgument("--max-new-tokens " + std::to_string(a.max_new_tokens) + " exceeds the model's context of " +
+                          std::to_string(cfg.max_context) + " tokens");
+  }
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -158,6 +167,7 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   if (a.compare && system.empty()) {
     throw InvalidArgument("--compare needs the prefix text the dictionary was compiled from (--system-file)");
   }
+  if (a.top_m < 0) throw InvalidArgument("--top-m must be >= 0 (0: the dictionary's)");
   if (a.linear && a.top_m != 0) throw InvalidArgument("give at most one of --linear and --top-m");
   auto t_load = std::chrono::steady_clock::now();
   DictionaryServing sv = load_dictionary_serving(a.dict, a.model, device, dtype);
@@ -176,6 +186,7 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   const std::vector<int32_t> turn = layout_turn_tokens(*sv.tok, layout, prompt);
   if (turn.empty()) throw InvalidArgument("the prompt has no tokens");
   const int64_t base = served_base_position(m);
+  check_new_tokens(a, model.config());
   DictionaryPrefix hook(*sv.dict, model, {a.top_m, a.linear, a.int8_keys});
   std::unique_ptr<MacDecode> mac;
   if (a.use_mac) {
@@ -280,6 +291,7 @@ void run_generate(const GenerateArgs& a) {
   }
   const int64_t P = int64_t(ids.size());
   const ModelConfig& cfg = model.config();
+  check_new_tokens(a, cfg);
   if (P + a.max_new_tokens > cfg.max_context) {
     std::fprintf(stderr, "asmem: warning: %lld prompt + %lld new tokens exceed the model's context of %lld\n",
                  (long long)P, (long long)a.max_new_tokens, (long long)cfg.max_context);

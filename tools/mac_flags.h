@@ -10,22 +10,27 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <limits>
+
 #include "asmem/reuse.h"
 
 namespace asmem {
 
 inline void AddMacFlags(CLI::App& app, MacConfig* mac) {
+  // Ranges over int32 (the fields' type): their messages name the bounds readably.
+  constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
   app.add_flag("--mac,!--no-mac", mac->enable, "in-request attention reuse (MAC) on or off");
   app.add_option("--mac-tau", mac->tau, "MAC match margin tau in [0, 1]: hit when dist < 2d(1-tau)^2")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--mac-window", mac->window, "MAC candidate window W (last W positions)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, kMax));
   app.add_option("--mac-band", mac->band, "MAC band r: recent tokens always attended exactly")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, kMax));
   app.add_option("--mac-front-sink", mac->front_sink, "MAC front sink F: first tokens always attended exactly")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, kMax));
   app.add_option("--mac-min-context", mac->min_context, "MAC off while a request has fewer tokens")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, kMax));
 }
 
 }  // namespace asmem

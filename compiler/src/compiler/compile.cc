@@ -380,6 +380,53 @@ std::string fmt(double x) {
   return b;
 }
 
+// The responses an earlier compile generated (OLD.asmd.responses.jsonl, one JSON object per
+// line: prompt, response, response_ids, model, max_response_tokens), keyed by prompt: those
+// of this model (`model_key`) and this --max-response-tokens. A missing file holds none; a
+// line that is not such an object, or whose ids lie outside [0, vocab), throws FormatError
+// "FILE:LINE: ...".
+std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(const std::string& path,
+                                                                            const std::string& model_key,
+                                                                            int64_t max_response_tokens,
+                                                                            int64_t vocab) {
+  std::unordered_map<std::string, std::vector<int32_t>> out;
+  std::ifstream in(path);
+  std::string line;
+  int64_t line_no = 0;
+  while (in && std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto bad = [&](const std::string& what) {
+      return FormatError(path + ":" + std::to_string(line_no) + ": " + what + " (a stored response of an earlier compile)");
+    };
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) throw bad("not valid JSON");
+    if (!j.is_object()) throw bad("not a JSON object");
+    const auto model = j.find("model"), max_tok = j.find("max_response_tokens");
+    if (model == j.end() || !model->is_string()) throw bad("\"model\" is missing or not a string");
+    if (max_tok == j.end() || !max_tok->is_number_integer()) {
+      throw bad("\"max_response_tokens\" is missing or not an integer");
+    }
+    if (model->get<std::string>() != model_key || max_tok->get<int64_t>() != max_response_tokens) continue;
+    const auto prompt = j.find("prompt"), ids = j.find("response_ids");
+    if (prompt == j.end() || !prompt->is_string()) throw bad("\"prompt\" is missing or not a string");
+    if (ids == j.end() || !ids->is_array() || ids->empty()) throw bad("\"response_ids\" is missing or not a non-empty array");
+    if (int64_t(ids->size()) > max_response_tokens + 1) {
+      throw bad("\"response_ids\" holds " + std::to_string(ids->size()) + " tokens, more than --max-response-tokens + 1");
+    }
+    std::vector<int32_t> v;
+    for (const auto& id : *ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+        throw bad("\"response_ids\" holds " + id.dump() + ", not a token id of the model (vocabulary " +
+                  std::to_string(vocab) + ")");
+      }
+      v.push_back(int32_t(id.get<int64_t>()));
+    }
+    out[prompt->get<std::string>()] = std::move(v);
+  }
+  return out;
+}
+
 }  // namespace
 
 void compile_dictionary(const CompileOptions& opt) {
@@ -398,6 +445,29 @@ void compile_dictionary(const CompileOptions& opt) {
   if (opt.key_mode != "pre_rope" && opt.key_mode != "rope_unified") {
     throw InvalidArgument("--key-mode must be pre_rope or rope_unified, got '" + opt.key_mode + "'");
   }
+  // Settings of the later stages, checked here: the clustering starts after minutes of
+  // generation on a real prefix.
+  if (opt.top_m < 1) throw InvalidArgument("--top-m must be >= 1, got " + std::to_string(opt.top_m));
+  if (opt.parents < 0) {
+    throw InvalidArgument("--parents must be >= 0 (0: round(sqrt(K))), got " + std::to_string(opt.parents));
+  }
+  if (opt.kmeans_iters < 0) {
+    throw InvalidArgument("--kmeans-iters must be >= 0, got " + std::to_string(opt.kmeans_iters));
+  }
+  if (opt.kmeans_backend != "auto" && opt.kmeans_backend != "cpu" && opt.kmeans_backend != "cuda" &&
+      opt.kmeans_backend != "reference") {
+    throw InvalidArgument("--kmeans-backend must be auto, cpu, cuda or reference, got '" + opt.kmeans_backend + "'");
+  }
+  if (opt.kmeans_backend == "cuda" && !kmeans_backend_available("cuda")) {
+    throw UnsupportedError("--kmeans-backend cuda: this build has no CUDA k-means or no CUDA device is visible");
+  }
+  if (opt.rope_position < -1) {
+    throw InvalidArgument("--rope-position must be >= 0 (or -1: the prefix length P), got " +
+                          std::to_string(opt.rope_position));
+  }
+  for (int64_t k : opt.report_entries) {
+    if (k <= 0) throw InvalidArgument("--report-entries must be positive, got " + std::to_string(k));
+  }
   configure_cpu_threads(opt.threads);
 
   // --- load ------------------------------------------------------------------------------
@@ -410,6 +480,10 @@ void compile_dictionary(const CompileOptions& opt) {
   const ModelConfig& cfg = model.config();
   const int64_t L = cfg.n_layers, Hq = cfg.n_heads, Hkv = cfg.n_kv_heads, G = cfg.group_size(),
                 d = cfg.head_dim, D = G * d;
+  if (opt.max_response_tokens > cfg.max_context) {
+    throw InvalidArgument("--max-response-tokens " + std::to_string(opt.max_response_tokens) +
+                          " exceeds the model's context of " + std::to_string(cfg.max_context) + " tokens");
+  }
   timings["load_s"] = since(t0);
   std::fprintf(stderr, "compile: model %s (%s) on %s\n", opt.model_path.c_str(), cfg.summary().c_str(),
                device.str().c_str());
@@ -467,14 +541,21 @@ void compile_dictionary(const CompileOptions& opt) {
   std::shuffle(idx.begin(), idx.end(), rng);
   const size_t n_hold = size_t(std::llround(opt.holdout * double(tt.size())));
   for (size_t i = 0; i < n_hold; ++i) tt[idx[i]].holdout = true;
+  if (n_hold >= tt.size()) {
+    throw InvalidArgument("no training traces left after the holdout split (" + std::to_string(n_hold) + " of " +
+                          std::to_string(tt.size()) + " traces held out; lower --holdout)");
+  }
   std::fprintf(stderr, "compile: prefix %lld tokens; %zu traces (%zu held out)\n", (long long)P,
                tt.size(), n_hold);
 
   // The dictionary to update (its responses, and in chunked mode its chunk files).
   std::unique_ptr<DictionaryFile> old;
+  const std::string model_key = std::to_string(fp.attn_weights_hash);
+  std::unordered_map<std::string, std::vector<int32_t>> reuse;
   if (!opt.update_path.empty()) {
     old = DictionaryFile::open(opt.update_path, /*verify_data=*/false);
     old->check_model(fp);
+    reuse = read_stored_responses(opt.update_path + ".responses.jsonl", model_key, opt.max_response_tokens, cfg.vocab);
   }
 
   // --- prefill ------------------------------------------------------------------------------
@@ -573,19 +654,7 @@ void compile_dictionary(const CompileOptions& opt) {
 
   // --- responses: reuse from --update, generate the rest ---------------------------------------
   t0 = Clock::now();
-  const std::string model_key = std::to_string(fp.attn_weights_hash);
-  std::unordered_map<std::string, std::vector<int32_t>> reuse;
   if (old) {
-    std::ifstream in(opt.update_path + ".responses.jsonl");
-    std::string line;
-    while (in && std::getline(in, line)) {
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || j.value("model", "") != model_key ||
-          j.value("max_response_tokens", int64_t(-1)) != opt.max_response_tokens) {
-        continue;
-      }
-      reuse[j.at("prompt").get<std::string>()] = j.at("response_ids").get<std::vector<int32_t>>();
-    }
     const DictionaryManifest& om = old->manifest();
     std::fprintf(stderr, "update: %s: prefix %s (%lld -> %lld tokens); %zu stored responses usable\n",
                  opt.update_path.c_str(),
@@ -638,15 +707,13 @@ void compile_dictionary(const CompileOptions& opt) {
   // --- collect (traces whose responses were given or reused) -------------------------------
   t0 = Clock::now();
   std::vector<const TraceTokens*> train_rest, hold_rest, hold;
-  int64_t n_train = 0, n_hold_tok = 0, n_train_traces = 0;
+  int64_t n_train = 0, n_hold_tok = 0;
   for (const auto& t : tt) {
     const int64_t len = int64_t(t.turn.size() + t.response.size());
     (t.holdout ? n_hold_tok : n_train) += len;
-    n_train_traces += !t.holdout;
     if (t.holdout) hold.push_back(&t);
     if (!t.captured) (t.holdout ? hold_rest : train_rest).push_back(&t);
   }
-  if (n_train_traces == 0) throw InvalidArgument("no training traces left after the holdout split");
   const int64_t max_batch_tokens = 4096;
   if (!train_rest.empty()) collect(model, prefix, train_rest, &cap, opt.batch, max_batch_tokens, true, "collect");
   if (!hold_rest.empty()) collect(model, prefix, hold_rest, &hcap, opt.batch, max_batch_tokens, false, "holdout");

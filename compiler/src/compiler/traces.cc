@@ -1,5 +1,7 @@
 #include "asmem/compiler/traces.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -12,6 +14,11 @@ namespace asmem {
 namespace {
 
 std::string read_all(const std::string& path) {
+  // A directory opens like a file and reads as empty: refuse it by name.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    throw IoError("cannot open '" + path + "': it is a directory");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
   std::ostringstream ss;

@@ -40,6 +40,14 @@ EvalReport evaluate_dictionary(LlamaModel& model, const Tokenizer& tok, const Di
     rep.prompts[i].index = i;
     rep.prompts[i].prompt = prompts[i];
     rep.prompts[i].turn_tokens = int64_t(turns[i].size());
+    // Before the prefix prefill and any cache: the reference decodes every token at base..
+    const int64_t room = model.config().max_context - base - int64_t(turns[i].size());
+    if (st.max_new_tokens > room) {
+      throw InvalidArgument("eval: prompt " + std::to_string(i) + " (" + std::to_string(turns[i].size()) +
+                            " tokens at position " + std::to_string(base) + ") and --max-new-tokens " +
+                            std::to_string(st.max_new_tokens) + " exceed the model's context of " +
+                            std::to_string(model.config().max_context) + " tokens");
+    }
   }
 
   auto t0 = Clock::now();

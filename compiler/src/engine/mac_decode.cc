@@ -88,6 +88,11 @@ MacDecode::MacDecode(const LlamaModel& model, const MacDecodeOptions& options)
     throw InvalidArgument("MacDecode: batch = " + std::to_string(opt_.batch) + " must be >= 1");
   }
   const ModelConfig& mc = model.config();
+  // The rings hold W positions per layer; more than the context can never be candidates.
+  if (opt_.mac.window > mc.max_context) {
+    throw InvalidArgument("MacDecode: window = " + std::to_string(opt_.mac.window) + " exceeds the model's context of " +
+                          std::to_string(mc.max_context) + " tokens");
+  }
   L_ = mc.n_layers;
   Hq_ = mc.n_heads;
   Hkv_ = mc.n_kv_heads;

@@ -80,8 +80,15 @@ MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int3
     throw InvalidArgument("eval-mac: " + std::to_string(st.continuations.size()) + " continuations for " +
                           std::to_string(prompts.size()) + " prompts");
   }
+  const int64_t context = model.config().max_context;
   for (size_t i = 0; i < prompts.size(); ++i) {
     if (prompts[i].empty()) throw InvalidArgument("eval-mac: prompt " + std::to_string(i) + " has no tokens");
+    // Before any cache: each run's cache holds the prompt and every reference token.
+    if (st.max_new_tokens > context - int64_t(prompts[i].size())) {
+      throw InvalidArgument("eval-mac: prompt " + std::to_string(i) + " (" + std::to_string(prompts[i].size()) +
+                            " tokens) and --max-new-tokens " + std::to_string(st.max_new_tokens) +
+                            " exceed the model's context of " + std::to_string(context) + " tokens");
+    }
   }
   MacEvalReport rep;
   rep.runs.resize(st.configs.size());

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <thread>
 
 #include "asmem/error.h"
 #include "asmem/model/weights.h"
@@ -36,6 +37,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor r = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return (xf * r).to(x.scalar_type()) * weight;
+}
+
+// Whether this torch multiplies fp16 matrices on the CPU (older builds have no fp16 CPU
+// matmul: the first forward then fails deep inside torch).
+bool cpu_half_matmul_supported() {
+  static const bool supported = [] {
+    try {
+      const at::Tensor one = at::ones({1, 1}, at::TensorOptions().dtype(at::kHalf));
+      at::mm(one, one);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return supported;
 }
 
 }  // namespace
@@ -69,6 +85,17 @@ std::vector<float> rope_inv_freq(const ModelConfig& cfg) {
 }
 
 void configure_cpu_threads(int requested) {
+  if (requested < 0) {
+    throw InvalidArgument("--threads " + std::to_string(requested) + ": must be >= 0 (0: automatic)");
+  }
+  // Far more threads than the machine has only slow torch's pool down (4 tokens of the
+  // bundled model on 2 cores: 2.2 s with 2 threads, 18 s with 512; 100000 did not finish in
+  // 10 minutes).
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw > 0 && int64_t(requested) > 4 * int64_t(hw)) {
+    throw InvalidArgument("--threads " + std::to_string(requested) + ": more than 4x the " + std::to_string(hw) +
+                          " hardware threads of this machine");
+  }
   if (requested > 0) {
     at::set_num_threads(requested);
   } else if (!at::hasMKL()) {
@@ -101,6 +128,9 @@ LlamaModel::LlamaModel(const WeightSource& w, at::Device device, at::ScalarType 
   cfg_.validate();
   if (device.is_cuda() && !at::hasCUDA()) {
     throw UnsupportedError("CUDA device requested but not available");
+  }
+  if (device.is_cpu() && dtype == at::kHalf && !cpu_half_matmul_supported()) {
+    throw UnsupportedError("dtype fp16 on the CPU: this build of torch has no fp16 matmul there (use fp32 or bf16)");
   }
   const int64_t L = cfg_.n_layers;
   embed_ = load(w, "model.embed_tokens.weight", device, dtype);

@@ -1,5 +1,7 @@
 #include "asmem/util/text_file.h"
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -8,6 +10,11 @@
 namespace asmem {
 
 std::string read_text_file(const std::string& path, const char* what) {
+  // A directory opens like a file and reads as empty: refuse it by name.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    throw IoError(std::string("cannot read ") + what + " file '" + path + "': it is a directory");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
   std::ostringstream ss;

@@ -5,10 +5,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "asmem/compiler/cluster.h"
 #include "asmem/compiler/compile.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
@@ -292,6 +295,42 @@ TEST_F(CompileChunkedUpdate, ReusesUnchangedChunksAndMatchesAFreshCompile) {
   }
 }
 
+// Settings that only the later stages use are checked at once too: the clustering starts
+// after minutes of generation on a real prefix, and an unknown backend or a top-m of -1
+// failed only there (after writing the responses), a top-m of 0 gave a report whose
+// hierarchical lookup probed no parent.
+TEST_F(CompileSmall, BadSettingsFailBeforeAnyWork) {
+  auto bad = [&](auto edit) {
+    CompileOptions o = options(dir_ + "/x.asmd");
+    o.model_path = dir_ + "/no-such-model.gguf";  // reached only if the setting passes
+    edit(o);
+    return o;
+  };
+  struct Case {
+    std::function<void(CompileOptions&)> edit;
+    std::vector<std::string> want;
+  };
+  const Case cases[] = {
+      {[](CompileOptions& o) { o.top_m = 0; }, {"--top-m must be >= 1, got 0"}},
+      {[](CompileOptions& o) { o.top_m = -1; }, {"--top-m must be >= 1, got -1"}},
+      {[](CompileOptions& o) { o.parents = -1; }, {"--parents must be >= 0", "got -1"}},
+      {[](CompileOptions& o) { o.kmeans_iters = -1; }, {"--kmeans-iters must be >= 0, got -1"}},
+      {[](CompileOptions& o) { o.kmeans_backend = "bogus"; }, {"--kmeans-backend", "'bogus'"}},
+      {[](CompileOptions& o) { o.rope_position = -7; }, {"--rope-position", "got -7"}},
+      {[](CompileOptions& o) { o.report_entries = {256, 0}; }, {"--report-entries must be positive, got 0"}},
+      {[](CompileOptions& o) { o.threads = -1; }, {"--threads -1"}},
+  };
+  for (const Case& c : cases) {
+    CompileOptions o = bad(c.edit);
+    test::expect_error<InvalidArgument>([&] { compile_dictionary(o); }, c.want);
+  }
+  if (!kmeans_backend_available("cuda")) {
+    CompileOptions o = bad([](CompileOptions& x) { x.kmeans_backend = "cuda"; });
+    test::expect_error<UnsupportedError>([&] { compile_dictionary(o); }, {"--kmeans-backend cuda"});
+  }
+  EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd.responses.jsonl"));
+}
+
 TEST_F(CompileSmall, PrefixLongerThanContextNeedsChunks) {
   ASMEM_REQUIRE_MODEL();
   std::ofstream big(dir_ + "/big.txt");
@@ -318,6 +357,24 @@ TEST_F(CompileSmall, RejectsBadInputsWithOneLineErrors) {
   o = options(dir_ + "/x.asmd");
   o.holdout = 1.0;
   EXPECT_THROW(compile_dictionary(o), InvalidArgument);
+  // A directory is not an empty prefix or trace file.
+  o = options(dir_ + "/x.asmd");
+  o.prefix_path = dir_;
+  test::expect_error<IoError>([&] { compile_dictionary(o); }, {"prefix file '" + dir_ + "'", "is a directory"});
+  o = options(dir_ + "/x.asmd");
+  o.traces_path = dir_;
+  test::expect_error<IoError>([&] { compile_dictionary(o); }, {"'" + dir_ + "'", "is a directory"});
+  // A response longer than the context (the largest value overflowed the context check).
+  o = options(dir_ + "/x.asmd");
+  o.max_response_tokens = std::numeric_limits<int64_t>::max();
+  test::expect_error<InvalidArgument>([&] { compile_dictionary(o); },
+                                      {"--max-response-tokens 9223372036854775807", "context of 8192"});
+  // Every trace held out: refused after the split, before any response is generated.
+  o = options(dir_ + "/x.asmd");
+  o.holdout = 0.99;
+  test::expect_error<InvalidArgument>([&] { compile_dictionary(o); },
+                                      {"no training traces left", "11 of 11 traces held out"});
+  EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd.responses.jsonl"));
   o = options(dir_ + "/x.asmd");
   std::ofstream(dir_ + "/bad.jsonl") << "{\"prompt\": \"ok\"}\n{\"prompt\": 5}\n";
   o.traces_path = dir_ + "/bad.jsonl";
@@ -328,6 +385,42 @@ TEST_F(CompileSmall, RejectsBadInputsWithOneLineErrors) {
     EXPECT_NE(std::string(e.what()).find("bad.jsonl:2:"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd"));
+}
+
+// --update reads the old compile's stored responses before any work; a malformed line is a
+// one-line FormatError naming the file and line (it was an uncaught JSON library error).
+TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
+  ASMEM_REQUIRE_MODEL();
+  std::ofstream(dir_ + "/given.jsonl") << "{\"prompt\": \"Fees?\", \"response\": \"25 cents a day.\"}\n"
+                                       << "{\"prompt\": \"Loans?\", \"response\": \"21 days.\"}\n";
+  CompileOptions o = options(dir_ + "/old.asmd");
+  o.traces_path = dir_ + "/given.jsonl";
+  o.holdout = 0;
+  o.entries = 4;
+  compile_dictionary(o);
+  const std::string key = std::to_string(DictionaryFile::open(dir_ + "/old.asmd")->manifest().model.attn_weights_hash);
+  const std::string ours = "\"model\": \"" + key + "\", \"max_response_tokens\": 6";
+  const std::string other = "{\"model\": \"1\", \"max_response_tokens\": 6, \"prompt\": \"x\", \"response_ids\": [1]}";
+  struct Case {
+    std::string line, want;
+  };
+  const Case cases[] = {
+      {"5", "not a JSON object"},
+      {"{\"model\": ", "not valid JSON"},
+      {"{\"max_response_tokens\": 6}", "\"model\" is missing"},
+      {"{" + ours + ", \"response_ids\": [1, 2]}", "\"prompt\" is missing"},
+      {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": \"x\"}", "\"response_ids\" is missing or not"},
+      {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": [1, 99999999]}", "holds 99999999, not a token id"},
+  };
+  o = options(dir_ + "/new.asmd");
+  o.update_path = dir_ + "/old.asmd";
+  for (const Case& c : cases) {
+    std::ofstream(dir_ + "/old.asmd.responses.jsonl") << other << "\n" << c.line << "\n";
+    test::expect_error<FormatError>([&] { compile_dictionary(o); },
+                                    {dir_ + "/old.asmd.responses.jsonl:2: ", c.want});
+  }
+  EXPECT_FALSE(test::file_exists(dir_ + "/new.asmd"));
+  EXPECT_FALSE(test::file_exists(dir_ + "/new.asmd.responses.jsonl"));
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
-// Trace and token-id files: parsing and one-line errors with line numbers.
+// Trace, token-id and text files: parsing and one-line errors with line numbers.
 #include <gtest/gtest.h>
 
 #include <fstream>
 
 #include "asmem/compiler/traces.h"
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -66,6 +67,24 @@ TEST(Traces, MissingFileAndEmptyFile) {
   const std::string dir = test::temp_dir("traces");
   EXPECT_THROW(read_traces(write(dir, "e.jsonl", "\n\n")), FormatError);
   EXPECT_THROW(read_traces(write(dir, "s.jsonl", "{\"x\":1}\n"), true), FormatError);
+}
+
+// A directory opens like a file and reads as empty; it is refused by name, not taken for
+// an empty file ("no usable trace", "no token ids", an empty prompt).
+TEST(Traces, DirectoryIsNotAnEmptyFile) {
+  const std::string dir = test::temp_dir("traces");
+  test::expect_error<IoError>([&] { read_traces(dir); }, {"'" + dir + "'", "is a directory"});
+  test::expect_error<IoError>([&] { read_token_file(dir); }, {"'" + dir + "'", "is a directory"});
+}
+
+TEST(TextFile, ReadsBytesAndRefusesMissingFilesAndDirectories) {
+  const std::string dir = test::temp_dir("text");
+  EXPECT_EQ(read_text_file(write(dir, "p.txt", std::string("a\0b\n", 4)), "prompt"), std::string("a\0b\n", 4));
+  EXPECT_EQ(read_text_file(write(dir, "e.txt", ""), "prompt"), "");
+  test::expect_error<IoError>([&] { read_text_file(dir + "/missing.txt", "system"); },
+                              {"cannot read system file '" + dir + "/missing.txt'"});
+  test::expect_error<IoError>([&] { read_text_file(dir, "prompt"); },
+                              {"cannot read prompt file '" + dir + "'", "is a directory"});
 }
 
 TEST(TokenFile, JsonArrayAndWhitespace) {

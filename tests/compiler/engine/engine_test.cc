@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -374,6 +375,13 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
       {"prefix mismatch", "other.txt"});
   test::expect_error<InvalidArgument>(
       [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", {}, st); }, {"no prompts"});
+  // A prompt that with --max-new-tokens does not fit the context is refused before the prefix
+  // prefill and any cache (an overflowing capacity, or an allocation that fails).
+  EvalSettings past = st;
+  past.max_new_tokens = std::numeric_limits<int64_t>::max();
+  test::expect_error<InvalidArgument>(
+      [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", prompts, past); },
+      {"eval: prompt 0", "--max-new-tokens", "context of 8192"});
 }
 
 // DictPrefixOptions::int8_keys on a random model (G*d = 4 x 64): every lookup picks the entry

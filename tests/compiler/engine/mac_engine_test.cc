@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "asmem/engine/mac_decode.h"
@@ -403,10 +404,23 @@ TEST_F(MacEngine, BadSettingsAndMisuseAreOneLineErrors) {
   };
   test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.mac.tau = 1.5f; }); }, {"tau"});
   test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.mac.window = 0; }); }, {"window"});
+  // A window longer than the context: refused by name, not an allocation of rings that fails.
+  test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.mac.window = 100000000; }); },
+                                      {"window = 100000000", "context of 8192"});
   test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.mac.band = -1; }); }, {"band"});
   test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.mac.min_context = -3; }); },
                                       {"min_context"});
   test::expect_error<InvalidArgument>([&] { with([](MacDecodeOptions& o) { o.batch = 0; }); }, {"batch"});
+  // eval-mac: a prompt that with max_new_tokens does not fit the context is refused before
+  // any cache is sized for it (an overflowing capacity, or an allocation that fails).
+  {
+    MacEvalSettings es;
+    es.max_new_tokens = std::numeric_limits<int64_t>::max();
+    es.configs = {no_hit_tau()};
+    es.progress = false;
+    test::expect_error<InvalidArgument>([&] { evaluate_mac(*model_, {ids_}, {}, es); },
+                                        {"eval-mac: prompt 0", "--max-new-tokens", "context of 8192"});
+  }
   // A cache the engine has not seen since reset().
   MacDecodeOptions o;
   o.mac = no_hit_tau();

@@ -1,9 +1,13 @@
 // The libtorch forward pass: attention states, RoPE, caches, chunking and the hook.
 #include <gtest/gtest.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <map>
+#include <memory>
 #include <random>
+#include <thread>
 
 #include "asmem/error.h"
 #include "asmem/model/attention.h"
@@ -305,6 +309,39 @@ TEST(ParseDevice, RejectsUnknown) {
   EXPECT_THROW(parse_device("tpu"), InvalidArgument);
   EXPECT_EQ(parse_dtype("auto", at::Device(at::kCPU)), at::kFloat);
   EXPECT_THROW(parse_dtype("int8", at::Device(at::kCPU)), InvalidArgument);
+}
+
+// fp16 on the CPU: either this torch runs the forward, or the model refuses the dtype up
+// front with a one-line UnsupportedError (not a torch error with a backtrace at the first
+// matmul).
+TEST(LlamaForward, Fp16OnCpuRunsOrIsRefusedUpFront) {
+  TinyWeights w(tiny_config(), 6);
+  std::unique_ptr<LlamaModel> model;
+  try {
+    model = std::make_unique<LlamaModel>(w, at::Device(at::kCPU), at::kHalf);
+  } catch (const UnsupportedError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("fp16 on the CPU"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    return;
+  }
+  KVCache cache = model->new_cache(1, 4);
+  const at::Tensor logits = model->forward(random_tokens(1, 3, 50, 6), cache);
+  EXPECT_TRUE(at::isfinite(logits.to(at::kFloat)).all().item<bool>());
+}
+
+TEST(ConfigureCpuThreads, RejectsNegativeAndAbsurdCounts) {
+  test::expect_error<InvalidArgument>([] { configure_cpu_threads(-1); }, {"--threads -1", ">= 0"});
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw > 0) {
+    const int too_many = int(4 * hw + 1);
+    test::expect_error<InvalidArgument>([&] { configure_cpu_threads(too_many); },
+                                        {"--threads " + std::to_string(too_many), "hardware threads"});
+  }
+  const int before = at::get_num_threads();
+  configure_cpu_threads(1);
+  EXPECT_EQ(at::get_num_threads(), 1);
+  at::set_num_threads(before);
 }
 
 }  // namespace

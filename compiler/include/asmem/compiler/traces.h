@@ -24,12 +24,12 @@ struct TraceFileStats {
 // Reads a JSONL trace file. Blank lines are ignored. A malformed line (bad JSON, not an
 // object, missing or non-string "prompt", non-string "response", empty prompt) throws
 // asmem::FormatError "FILE:LINE: ..." unless `skip_malformed`, in which case it is counted
-// and skipped. A file with no usable trace throws FormatError. Missing file: IoError.
+// and skipped. A file with no usable trace throws FormatError. Missing file or a directory: IoError.
 std::vector<Trace> read_traces(const std::string& path, bool skip_malformed = false,
                                TraceFileStats* stats = nullptr);
 
 // Reads prefix token ids: a JSON array of integers, or integers separated by whitespace.
-// Throws FormatError naming the file and the first bad entry.
+// Throws FormatError naming the file and the first bad entry; IoError as read_traces.
 std::vector<int32_t> read_token_file(const std::string& path);
 
 }  // namespace asmem

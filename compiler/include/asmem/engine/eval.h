@@ -52,7 +52,8 @@ struct EvalReport {
 
 // Runs the evaluation. `dict` must have passed check_dictionary for `model` and `tok`;
 // `prefix_text` must be its prefix (verified_prefix_tokens, errors naming `prefix_name`).
-// Throws InvalidArgument for no prompts, an empty prompt or bad settings.
+// Throws InvalidArgument for no prompts, an empty prompt, a prompt whose turn and
+// max_new_tokens do not fit the model's context, or bad settings.
 EvalReport evaluate_dictionary(LlamaModel& model, const Tokenizer& tok, const DictionaryFile& dict,
                                const std::string& prefix_text, const std::string& prefix_name,
                                const std::vector<std::string>& prompts, const EvalSettings& settings);

@@ -86,8 +86,9 @@ struct MacStats {
 
 class MacDecode : public AttentionHook {
  public:
-  // Throws InvalidArgument for bad options, UnsupportedError when the model's device cannot
-  // run the op (CUDA without a CUDA build).
+  // Throws InvalidArgument for bad options (a window longer than the model's context
+  // included), UnsupportedError when the model's device cannot run the op (CUDA without a
+  // CUDA build).
   MacDecode(const LlamaModel& model, const MacDecodeOptions& options);
   ~MacDecode() override;
 

@@ -75,7 +75,8 @@ struct MacEvalReport {
   double reference_s = 0, total_s = 0;
 };
 
-// Throws InvalidArgument for no prompts, an empty prompt or bad settings (one line).
+// Throws InvalidArgument for no prompts, an empty prompt, a prompt that with max_new_tokens
+// does not fit the model's context, or bad settings (one line).
 MacEvalReport evaluate_mac(LlamaModel& model, const std::vector<std::vector<int32_t>>& prompts,
                            const std::vector<int32_t>& stops, const MacEvalSettings& settings);
 

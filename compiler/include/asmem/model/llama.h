@@ -92,7 +92,8 @@ struct ForwardOptions {
 class LlamaModel {
  public:
   // Loads every weight from `weights` onto `device` in `dtype` (fp32 on CPU).
-  // Throws asmem::UnsupportedError for an unavailable device.
+  // Throws asmem::UnsupportedError for an unavailable device, or for fp16 on the CPU when
+  // this torch has no fp16 CPU matmul.
   LlamaModel(const WeightSource& weights, at::Device device, at::ScalarType dtype);
   ~LlamaModel();
 
@@ -145,7 +146,8 @@ class LlamaModel {
 // Inverse RoPE frequencies [d/2] (fp64 math, fp32 result) with the config's scaling.
 std::vector<float> rope_inv_freq(const ModelConfig& cfg);
 
-// Sets torch's intra-op threads for CPU work. `requested` > 0 is used as is. With 0:
+// Sets torch's intra-op threads for CPU work (the tools' --threads). `requested` > 0 is used
+// as is; negative, or more than 4x the machine's hardware threads, throws InvalidArgument. With 0:
 // when torch's BLAS is MKL, torch's default; otherwise (e.g. Debian's OpenBLAS, which
 // runs its own threads inside every matmul) one torch thread, since two thread pools on
 // the same cores slow each other down (measured: 1.8x slower generation on 2 cores).
