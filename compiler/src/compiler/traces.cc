@@ -1,30 +1,16 @@
 #include "asmem/compiler/traces.h"
 
-#include <sys/stat.h>
-
 #include <cerrno>
-#include <cstring>
-#include <fstream>
+#include <cstdint>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 
 namespace asmem {
 namespace {
-
-std::string read_all(const std::string& path) {
-  // A directory opens like a file and reads as empty: refuse it by name.
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    throw IoError("cannot open '" + path + "': it is a directory");
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Parses one line; returns an error message or "" on success.
 std::string parse_line(const std::string& text, Trace* t) {
@@ -48,7 +34,7 @@ std::string parse_line(const std::string& text, Trace* t) {
 
 std::vector<Trace> read_traces(const std::string& path, bool skip_malformed,
                                TraceFileStats* stats) {
-  const std::string data = read_all(path);
+  const std::string data = read_text_file(path, "traces");
   std::vector<Trace> out;
   TraceFileStats st;
   int64_t line_no = 0;
@@ -83,7 +69,7 @@ std::vector<Trace> read_traces(const std::string& path, bool skip_malformed,
 }
 
 std::vector<int32_t> read_token_file(const std::string& path) {
-  const std::string data = read_all(path);
+  const std::string data = read_text_file(path, "token");
   std::vector<int32_t> ids;
   const size_t first = data.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && data[first] == '[') {

@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -16,7 +18,7 @@ std::string read_text_file(const std::string& path, const char* what) {
     throw IoError(std::string("cannot read ") + what + " file '" + path + "': it is a directory");
   }
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "'");
+  if (!in) throw IoError(std::string("cannot read ") + what + " file '" + path + "': " + std::strerror(errno));
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
