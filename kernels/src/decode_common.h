@@ -34,6 +34,20 @@ constexpr int32_t kMaxKvSplits = 128;
 // dictionaries.
 constexpr int32_t kMaxLookupCtas = 1024;
 constexpr int32_t kLookupReps = 4;
+// Beside a lookup of narrow keys a large step runs the no-dictionary plan's one wave
+// instead (LookupOneWave): one split per (request, KV head) from kOneWaveUnits units on
+// (kTargetCtas), each attention CTA of kAttnLookupStages so that two fit beside a lookup CTA,
+// and one rep of lookup CTAs (it takes every dictionary of the step in turn), so that every
+// lookup CTA and then every attention CTA start at once. With kLookupReps reps of the
+// kTargetCtasWithLookup plan the attention started only once all 544 lookup CTAs had (the
+// idle reps' too): H200, LLaMA-3.1-8B shapes, T = 1K, K = 4096 hierarchical, B = 32, per-CTA
+// timeline (session 33), the attention's first CTA at 13.8 us. One wave: all at 0.8 us, and
+// the op, two runs each, K = 16 / 4096 hierarchical 54.9 / 64.4 -> 51.4 / 59.0 us, linear
+// 58.2 / 61.6 -> 53.3 / 58.3; B = 64 89.4 / 108.8 -> 88.9 / 104.4, linear 94.9 / 106.7 ->
+// 87.7 / 102.0. Wider keys (GQA-8 shapes, G * d = 1024) lost 3-13% at B = 32 and 64: there
+// the lookup ends last, and attention CTAs beside it from the start slow it further.
+constexpr int32_t kOneWaveUnits = kTargetCtas - kTargetCtas / 16;
+constexpr int32_t kOneWaveMaxKeyDim = 512;
 constexpr int32_t kLookupUnits = 4;  // lookup units (warps) per lookup CTA
 // Largest lookup key (G * d) the kernels hold in shared memory.
 constexpr int32_t kMaxKeyDim = 8 * 128;
@@ -103,6 +117,11 @@ struct WorkspaceLayout {
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);
+
+// Whether the config's steps run the attention as one wave beside the lookup (kOneWaveUnits
+// above): dictionaries, the default plan (plan_ctas 0), at least kOneWaveUnits (request, KV
+// head) units and lookup keys of at most kOneWaveMaxKeyDim dims.
+bool LookupOneWave(const DecodeConfig& config);
 
 }  // namespace decode
 }  // namespace asmem

@@ -246,13 +246,21 @@ bool DecodeSupported(const DecodeConfig& config) {
   return decode::WhyUnsupported(config, &invalid).empty();
 }
 
+bool decode::LookupOneWave(const DecodeConfig& c) {
+  const int64_t units = int64_t(c.batch) * c.num_kv_heads;
+  return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits &&
+         int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim <= kOneWaveMaxKeyDim;
+}
+
 DecodePlan PlanDecode(const DecodeConfig& c) {
   decode::CheckConfig(c, "PlanDecode");
   using namespace decode;
   DecodePlan plan;
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;  // (request, KV head) pairs
-  const int64_t target =
-      c.plan_ctas > 0 ? c.plan_ctas : (c.use_dictionaries ? kTargetCtasWithLookup : kTargetCtas);
+  const bool one_wave = LookupOneWave(c);
+  const int64_t target = c.plan_ctas > 0                       ? c.plan_ctas
+                         : (c.use_dictionaries && !one_wave) ? kTargetCtasWithLookup
+                                                               : kTargetCtas;
   const int64_t want = std::max<int64_t>(1, target / units);
   const int64_t by_len = std::max<int64_t>(1, (int64_t(c.max_seq_len) + kMinSplitTokens - 1) /
                                                   kMinSplitTokens);
@@ -261,6 +269,7 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
     const int64_t per_head = (kDecodePlanSms + c.num_kv_heads - 1) / c.num_kv_heads;
     plan.lookup_splits =
         int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
+    plan.lookup_reps = one_wave ? 1 : kLookupReps;
     plan.parent_width = int32_t(kDecodeMaxParents);  // any valid view fits: plans survive
                                                      // a dictionary replace
     // Slots: a hierarchical view's child pieces (at most C1 + U - 1, decode_kernels.cuh

@@ -60,8 +60,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
 
   // The attention kernel starts beside the lookup kernel (programmatic dependent launch;
   // off with ASMEM_DECODE_NO_PDL=1), and lookup CTA sets per KV head take different
-  // dictionaries (ASMEM_DECODE_LOOKUP_REPS, default kLookupReps). The switches are for
-  // comparison and tuning.
+  // dictionaries (ASMEM_DECODE_LOOKUP_REPS forces their count, else the plan's). The
+  // switches are for comparison and tuning.
   static const bool no_pdl = [] {
     const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
     return e != nullptr && e[0] == '1';
@@ -69,7 +69,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   static const int lookup_reps = [] {
     const char* e = std::getenv("ASMEM_DECODE_LOOKUP_REPS");
     const int r = e != nullptr ? std::atoi(e) : 0;
-    return r >= 1 ? r : int(kLookupReps);
+    return r >= 1 ? r : 0;
   }();
   // Attention stages: ASMEM_DECODE_ATTN_STAGES=2 or 3 forces them.
   static const int forced_attn_stages = [] {
@@ -106,7 +106,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
     a.lookup_sync = reinterpret_cast<uint32_t*>(ws + L.lookup_sync);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
-    a.lookup_reps = std::min(p.batch, lookup_reps);
+    a.lookup_reps = std::min(p.batch, lookup_reps > 0 ? lookup_reps : plan.lookup_reps);
     const int32_t probe_max = c.probe_max_batch == 0 ? kDecodeProbeMaxBatch : c.probe_max_batch;
     a.probe = p.batch <= probe_max;  // never with -1
     a.n_lookup_ctas = a.lookup_reps * c.num_kv_heads * plan.lookup_splits;
@@ -117,16 +117,18 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   ASMEM_CUDA_CHECK(cudaMemsetAsync(a.tl, 0, kTlHeader * sizeof(unsigned long long), stream));
 #endif
   // Beside a lookup, attention splits of at most kShortSplitTokens run kAttnLookupStages
-  // (two CTAs fit beside a lookup CTA; a short split gains little from a third stage);
-  // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with the
-  // one-wave plan of 264 CTAs: B = 8 (256-token splits) 45.5 vs 50.3 us with three stages;
-  // B = 32 (1K-token splits) 93.4 vs 83.3 us with two.
+  // (two CTAs fit beside a lookup CTA; a short split gains little from a third stage), and
+  // so does the one wave beside one lookup rep (LookupOneWave: decode_common.h); other
+  // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with a plan
+  // of 264 CTAs and four lookup reps: B = 8 (256-token splits) 45.5 vs 50.3 us with three
+  // stages; B = 32 (1K-token splits) 93.4 vs 83.3 us with two. With one rep
+  // (session 33, B = 32, K = 4096 hierarchical): 59.0 with two, 62.2 with three.
   constexpr int32_t kShortSplitTokens = 512;
   const bool short_splits = SplitTokens(c.max_seq_len, plan.kv_splits) <= kShortSplitTokens;
-  a.attn_stages = forced_attn_stages != 0 ? forced_attn_stages
-                  : !a.lookup             ? kAttnStages
-                  : short_splits          ? kAttnLookupStages
-                                          : kAttnStages;
+  a.attn_stages = forced_attn_stages != 0                ? forced_attn_stages
+                  : !a.lookup                            ? kAttnStages
+                  : short_splits || LookupOneWave(c) ? kAttnLookupStages
+                                                         : kAttnStages;
   a.split_out = a.lookup || split_combine || plan.kv_splits > kMaxClusterSplits ? kSplitOutPartials
                 : plan.kv_splits == 1                                          ? kSplitOutDirect
                                                                                : kSplitOutCluster;

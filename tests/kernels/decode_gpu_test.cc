@@ -428,6 +428,48 @@ TEST(DecodeGpu, ManyMembersAndManySegmentsPerLookupCta) {
   CheckAgainstReference(pb, few, "40 members, 3 lookup CTAs per KV head");
 }
 
+// Large steps with narrow lookup keys (decode_common.h LookupOneWave): one attention split
+// per (request, KV head) of two stages beside one lookup rep, which takes every dictionary
+// of the step in turn (three here, hierarchical and linear, and requests without one).
+TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(211);
+  SCOPED_TRACE(test::seed_trace(seed));
+  struct Shape {
+    int32_t Hq, Hkv, d, B;
+  };
+  uint64_t n = 0;
+  for (const Shape sh : {Shape{32, 8, 128, 32}, Shape{64, 8, 64, 31}, Shape{8, 8, 128, 40}}) {
+    for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+      CaseSpec s;
+      s.dtype = dt;
+      s.Hq = sh.Hq;
+      s.Hkv = sh.Hkv;
+      s.d = sh.d;
+      const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
+      const int32_t ids[] = {0, 1, 0, -1, 2, 0, 1, 0, 0, 2};
+      for (int32_t b = 0; b < sh.B; ++b) {
+        s.T.push_back(T[b % 8]);
+        s.dict_ids.push_back(ids[b % 10]);
+      }
+      s.dicts = {DictSpec{4099, 64, 8}, DictSpec{77, 0, 0}, DictSpec{1, 0, 0}};
+      s.dicts[0].keys_dtype = s.dicts[1].keys_dtype = s.dicts[2].keys_dtype = dt;
+      s.near_key_fraction = 0.3;
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      const DecodePlan plan = PlanDecode(pb.config);
+      ASSERT_EQ(plan.kv_splits, 1);
+      ASSERT_EQ(plan.lookup_reps, 1);
+      CheckAgainstReference(pb, pb.config, "one wave");
+      DecodeConfig four = pb.config;  // the same step with four reps and short splits
+      four.plan_ctas = 8 * kDecodePlanSms;
+      ASSERT_EQ(PlanDecode(four).lookup_reps, 4);
+      ASSERT_GT(PlanDecode(four).kv_splits, 1);
+      CheckAgainstReference(pb, four, "four reps");
+    }
+  }
+}
+
 TEST(DecodeGpu, HierarchicalAllParentsEqualsLinear) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(203);

@@ -615,17 +615,39 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   c.lookup_ctas = 3000;  // many lookup units (4 per CTA): a result slot per unit and parent
   EXPECT_EQ(PlanDecode(c).lookup_splits, 1024);
   EXPECT_EQ(PlanDecode(c).lookup_width, kDecodeMaxParents + 4096);
-  // Beside the lookup the plan cuts the attention into 4x more CTAs (B = 32, T = 1K: 256
-  // token splits instead of one per (request, KV head)).
+  // Beside the lookup the plan cuts the attention into 4x more CTAs, with four lookup reps
+  // (B = 16, T = 1K: eight 128-token splits per (request, KV head) instead of two).
   DecodeConfig cd = c;
   cd.lookup_ctas = 0;
-  cd.batch = 32;
+  cd.batch = 16;
   cd.max_seq_len = 1024;
   cd.use_dictionaries = false;
-  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 2);
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 0);
   cd.use_dictionaries = true;
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 8);
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
+  // From 248 (request, KV head) units on (B = 31 here) and lookup keys of at most 512 dims
+  // (G * d = 4 * 128) the step keeps the one wave beside one lookup rep.
+  cd.batch = 30;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
-  cd.plan_ctas = 256;  // the knob still rules
+  cd.batch = 31;
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 1);
+  cd.max_seq_len = 16 * 1024;  // longer requests too: one split each, as without a dictionary
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
+  cd.max_seq_len = 1024;
+  cd.batch = 64;
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
+  DecodeConfig wide = cd;  // G * d = 1024: the lookup ends last; four reps and short splits
+  wide.num_kv_heads = 4;
+  wide.batch = 64;
+  EXPECT_EQ(PlanDecode(wide).kv_splits, 4);
+  EXPECT_EQ(PlanDecode(wide).lookup_reps, 4);
+  cd.plan_ctas = 1056;  // the knob still rules, with four reps
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 2);
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
+  cd.plan_ctas = 256;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
 }
 

@@ -163,7 +163,9 @@ struct DecodeConfig {
                              // keys it needs on CUDA cores: correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
-                             // 8 * kDecodePlanSms with use_dictionaries).
+                             // 8 * kDecodePlanSms with use_dictionaries, but for steps of
+                             // at least 248 (request, KV head) pairs and lookup keys (G * d)
+                             // of at most 512 dims, which keep the one wave).
                              // A tuning knob; like every field it only changes the plan.
   int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
                              // (about one per SM over all KV heads). A tuning knob: it only
@@ -223,6 +225,9 @@ struct DecodePlan {
                               // pieces of about K / (4S - 1) rows (at least 64); of a
                               // linear view each unit scores a 1/(4S) slice; 0 without
                               // dictionaries
+  int32_t lookup_reps = 0;    // lookup CTA sets per KV head, each taking the first request
+                              // of a different dictionary in turn (at most params.batch
+                              // run); 0 without dictionaries
   int32_t parent_width = 0;   // parent scores kept per (request, KV head): kDecodeMaxParents
   int32_t lookup_width = 0;   // per-(request, KV head) segment results in the workspace
   size_t workspace_bytes = 0; // device workspace DecodeAttention needs
