@@ -42,7 +42,7 @@ constexpr int32_t kLookupReps = 4;
 // kTargetCtasWithLookup plan the attention started only once all 544 lookup CTAs had (the
 // idle reps' too): H200, LLaMA-3.1-8B shapes, T = 1K, K = 4096 hierarchical, B = 32, per-CTA
 // timeline (session 33), the attention's first CTA at 13.8 us. One wave: all at 0.8 us, and
-// the op, two runs each, K = 16 / 4096 hierarchical 54.9 / 64.4 -> 51.4 / 59.0 us, linear
+// the op, two runs each, K = 16 / 4096 hierarchical 55.0 / 64.4 -> 51.4 / 59.0 us, linear
 // 58.2 / 61.6 -> 53.3 / 58.3; B = 64 89.4 / 108.8 -> 88.9 / 104.4, linear 94.9 / 106.7 ->
 // 87.7 / 102.0. Wider keys (GQA-8 shapes, G * d = 1024) lost 3-13% at B = 32 and 64: there
 // the lookup ends last, and attention CTAs beside it from the start slow it further.
