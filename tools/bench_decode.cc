@@ -684,6 +684,7 @@ int Run(const Options& opt) {
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
           c.max_lookup_rows = rows;
+          c.max_dict_keys = K;
           std::vector<DecodeParams> rot;
           const DictLayerView* views = hier ? dd.hier_dev.as<DictLayerView>() : dd.linear_dev.as<DictLayerView>();
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));

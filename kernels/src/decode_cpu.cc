@@ -132,6 +132,7 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.page_size < 1) return "page_size must be positive, got " + std::to_string(c.page_size);
   if (c.max_seq_len < 0) return "max_seq_len must be >= 0";
   if (c.max_lookup_rows < 0) return "max_lookup_rows must be >= 0";
+  if (c.max_dict_keys < 0) return "max_dict_keys must be >= 0";
   if (c.plan_ctas < 0) return "plan_ctas must be >= 0, got " + std::to_string(c.plan_ctas);
   if (c.lookup_ctas < 0) return "lookup_ctas must be >= 0, got " + std::to_string(c.lookup_ctas);
   if (c.probe_max_batch < -1 || c.probe_max_batch > 8) {
@@ -248,8 +249,13 @@ bool DecodeSupported(const DecodeConfig& config) {
 
 bool decode::LookupOneWave(const DecodeConfig& c) {
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;
-  return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits &&
-         int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim <= kOneWaveMaxKeyDim;
+  const int64_t G = c.num_q_heads / c.num_kv_heads;
+  // Key bytes per KV head (K G d 2) against the attention's (batch T d 4), in doubles: the
+  // hint may be any int64.
+  const double key_bytes = double(c.max_dict_keys) * double(G) * 2.0;
+  const double attn_bytes = double(c.batch) * double(c.max_seq_len) * 4.0;
+  return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits && G * c.head_dim <= kOneWaveMaxKeyDim &&
+         c.max_dict_keys > 0 && key_bytes * double(kOneWaveKeyShare) <= attn_bytes;
 }
 
 DecodePlan PlanDecode(const DecodeConfig& c) {

@@ -45,6 +45,7 @@ struct Snapshot {
   std::vector<std::shared_ptr<const ResidentDictionary>> slots;  // [max_dicts]
   std::vector<DictLayerView> host_tables;                        // CPU runtime: [L][max_dicts][Hkv]
   int64_t max_lookup_rows = 0;                                   // over resident dictionaries
+  int64_t max_keys = 0;                                          // largest K of a view, too
   bool whitening = false;                                        // some resident dictionary whitens
   uint32_t can_probe = 0;                                        // ResidentDictionary's, or-ed
 };
@@ -175,6 +176,7 @@ struct DecodeRuntime::Impl {
   uint64_t generation = 0;               // guarded by mu
   // Plan inputs of CUDA steps, written under mu, read by decode() without it.
   std::atomic<int64_t> plan_rows{0};
+  std::atomic<int64_t> plan_keys{0};
   std::atomic<bool> plan_whitening{false};
   std::atomic<uint32_t> plan_probe{0};  // Snapshot::can_probe
 
@@ -182,7 +184,8 @@ struct DecodeRuntime::Impl {
 
   // `probe`: bit 0 / 1, a resident view can probe in bf16 / f16 steps
   // (DecodeConfig::probe_max_batch: the default where one can, else never).
-  DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening, uint32_t probe) const {
+  DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening, uint32_t probe,
+                      int64_t keys = 0) const {
     DecodeConfig c;
     c.batch = step.max_batch;
     c.num_q_heads = Hq;
@@ -193,6 +196,7 @@ struct DecodeRuntime::Impl {
     c.max_seq_len = step.max_seq_len;
     c.use_dictionaries = true;
     c.max_lookup_rows = rows;
+    c.max_dict_keys = keys;
     c.whitening = whitening;
     const uint32_t bit = step.dtype == KernelDType::kBF16 ? 1u : step.dtype == KernelDType::kF16 ? 2u : 0u;
     c.probe_max_batch = (probe & bit) != 0u ? 0 : -1;
@@ -225,15 +229,18 @@ struct DecodeRuntime::Impl {
       }
     }
     next->max_lookup_rows = 0;
+    next->max_keys = 0;
     next->whitening = false;
     next->can_probe = 0;
     for (const auto& s : next->slots) {
       if (!s) continue;
       next->max_lookup_rows = std::max(next->max_lookup_rows, s->info.max_lookup_rows);
+      for (const DictLayerView& v : s->views) next->max_keys = std::max(next->max_keys, v.K);
       next->whitening = next->whitening || s->info.whitening;
       next->can_probe |= s->can_probe;
     }
     plan_rows.store(next->max_lookup_rows);
+    plan_keys.store(next->max_keys);
     plan_whitening.store(next->whitening);
     plan_probe.store(next->can_probe);
     std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
@@ -647,7 +654,8 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     return;
   }
 
-  const DecodeConfig c = s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load());
+  const DecodeConfig c =
+      s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load(), s.plan_keys.load());
   SetKvStrides(c, a, n_kv == 0, &p);
   if (a.dict_ids) {
     p.dict_ids = a.dict_ids;

@@ -428,9 +428,10 @@ TEST(DecodeGpu, ManyMembersAndManySegmentsPerLookupCta) {
   CheckAgainstReference(pb, few, "40 members, 3 lookup CTAs per KV head");
 }
 
-// Large steps with narrow lookup keys (decode_common.h LookupOneWave): one attention split
-// per (request, KV head) of two stages beside one lookup rep, which takes every dictionary
-// of the step in turn (three here, hierarchical and linear, and requests without one).
+// Large steps with narrow lookup keys and small dictionaries (decode_common.h LookupOneWave):
+// one attention split per (request, KV head) of two stages beside one lookup rep, which
+// takes every dictionary of the step in turn (three here, hierarchical and linear, and
+// requests without one).
 TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(211);
@@ -448,11 +449,12 @@ TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
       s.d = sh.d;
       const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
       const int32_t ids[] = {0, 1, 0, -1, 2, 0, 1, 0, 0, 2};
+      s.T.clear();
       for (int32_t b = 0; b < sh.B; ++b) {
         s.T.push_back(T[b % 8]);
         s.dict_ids.push_back(ids[b % 10]);
       }
-      s.dicts = {DictSpec{4099, 64, 8}, DictSpec{77, 0, 0}, DictSpec{1, 0, 0}};
+      s.dicts = {DictSpec{3001, 64, 8}, DictSpec{77, 0, 0}, DictSpec{1, 0, 0}};
       s.dicts[0].keys_dtype = s.dicts[1].keys_dtype = s.dicts[2].keys_dtype = dt;
       s.near_key_fraction = 0.3;
       Problem pb;
@@ -466,6 +468,9 @@ TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
       ASSERT_EQ(PlanDecode(four).lookup_reps, 4);
       ASSERT_GT(PlanDecode(four).kv_splits, 1);
       CheckAgainstReference(pb, four, "four reps");
+      DecodeConfig unknown = pb.config;  // no dictionary size given: four reps
+      unknown.max_dict_keys = 0;
+      ASSERT_EQ(PlanDecode(unknown).lookup_reps, 4);
     }
   }
 }

@@ -505,6 +505,9 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   bad = c;
   bad.lookup_ctas = -1;
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  bad = c;
+  bad.max_dict_keys = -1;
+  EXPECT_THROW(PlanDecode(bad), InvalidArgument);
   for (int32_t probe : {-2, 9}) {
     bad = c;
     bad.probe_max_batch = probe;
@@ -627,13 +630,23 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   cd.use_dictionaries = true;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 8);
   EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
-  // From 248 (request, KV head) units on (B = 31 here) and lookup keys of at most 512 dims
-  // (G * d = 4 * 128) the step keeps the one wave beside one lookup rep.
+  // From 248 (request, KV head) units on (B = 31 here), with lookup keys of at most 512 dims
+  // (G * d = 4 * 128) and key bytes per KV head (K G d 2) at most a quarter of the attention's
+  // (B T d 4), the step keeps the one wave beside one lookup rep.
+  cd.max_dict_keys = 3968;  // 2 K G = B T at B = 31, T = 1K
   cd.batch = 30;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
   cd.batch = 31;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
   EXPECT_EQ(PlanDecode(cd).lookup_reps, 1);
+  cd.max_dict_keys = 3969;  // a larger dictionary: four reps
+  EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
+  cd.max_dict_keys = 0;  // unknown: four reps
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
+  cd.max_dict_keys = int64_t(1) << 62;  // any hint plans
+  EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
+  cd.max_dict_keys = 3968;
   cd.max_seq_len = 16 * 1024;  // longer requests too: one split each, as without a dictionary
   EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
   cd.max_seq_len = 1024;

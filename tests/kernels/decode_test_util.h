@@ -222,6 +222,7 @@ inline void BuildProblem(const CaseSpec& spec, uint64_t seed, Problem* out) {
   c.use_dictionaries = !spec.dict_ids.empty();
   for (const DictSpec& ds : spec.dicts) {
     c.max_lookup_rows = std::max<int64_t>(c.max_lookup_rows, ds.K);
+    c.max_dict_keys = std::max<int64_t>(c.max_dict_keys, ds.K);
     c.whitening = c.whitening || ds.whitening;
   }
 

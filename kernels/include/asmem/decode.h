@@ -158,14 +158,17 @@ struct DecodeConfig {
                                   // C1 + top_m * (largest parent's children) for a
                                   // hierarchical one); a hint for the plan, >= 0 (the
                                   // current plan does not use it)
+  int64_t max_dict_keys = 0;      // most key rows (K) of one view over the dictionaries the
+                                  // steps may use; a hint for the plan, >= 0; 0: unknown
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
                              // a separate launch (without it every lookup CTA whitens the
                              // keys it needs on CUDA cores: correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
                              // 8 * kDecodePlanSms with use_dictionaries, but for steps of
-                             // at least 248 (request, KV head) pairs and lookup keys (G * d)
-                             // of at most 512 dims, which keep the one wave).
+                             // at least 248 (request, KV head) pairs, lookup keys (G * d)
+                             // of at most 512 dims and 2 * max_dict_keys * G at most
+                             // batch * max_seq_len, which keep the one wave).
                              // A tuning knob; like every field it only changes the plan.
   int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
                              // (about one per SM over all KV heads). A tuning knob: it only
