@@ -83,6 +83,12 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_SPLIT_COMBINE");
     return e != nullptr && e[0] == '1';
   }();
+  // With a dictionary and one split the attention CTAs pick the entry and write the output
+  // (kSplitOutDict); ASMEM_DECODE_DICT_COMBINE=1 keeps the partials and the combine kernel.
+  static const bool dict_combine = [] {
+    const char* e = std::getenv("ASMEM_DECODE_DICT_COMBINE");
+    return e != nullptr && e[0] == '1';
+  }();
 
   LaunchArgs a;
   a.p = p;
@@ -129,9 +135,13 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
                   : !a.lookup                            ? kAttnStages
                   : short_splits || LookupOneWave(c) ? kAttnLookupStages
                                                          : kAttnStages;
-  a.split_out = a.lookup || split_combine || plan.kv_splits > kMaxClusterSplits ? kSplitOutPartials
-                : plan.kv_splits == 1                                          ? kSplitOutDirect
-                                                                               : kSplitOutCluster;
+  if (a.lookup) {
+    a.split_out = plan.kv_splits == 1 && !dict_combine ? kSplitOutDict : kSplitOutPartials;
+  } else {
+    a.split_out = split_combine || plan.kv_splits > kMaxClusterSplits ? kSplitOutPartials
+                  : plan.kv_splits == 1                              ? kSplitOutDirect
+                                                                     : kSplitOutCluster;
+  }
   kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

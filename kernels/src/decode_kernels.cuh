@@ -1775,6 +1775,9 @@ __device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, 
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
+template <typename DType>
+__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys);
+
 template <typename DType, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
   using Cfg = AttnTile<HEAD_DIM>;
@@ -1797,7 +1800,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const int T = p.seq_lens[b];
   const int per = SplitTokens(T, a.kv_splits);
   // An empty split (past the request's end) writes no partial; when the CTA writes the output
-  // itself (kSplitOutDirect / kSplitOutCluster) it runs on with no tokens and an empty state.
+  // itself (kSplitOutDirect / kSplitOutCluster / kSplitOutDict) it runs on with no tokens and
+  // an empty state.
   const bool empty = T <= 0 || int64_t(split) * per >= T;
   if (empty && a.split_out == kSplitOutPartials) return;
   const int t0 = empty ? 0 : split * per;
@@ -1996,6 +2000,24 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   __syncthreads();
   // The split's state: [GROUP][HEAD_DIM] f32 beside the merge tables, for the cluster merge.
   float* sm_res = sm_o + kWarps * GROUP * kOStride + 128;
+  // With a dictionary and one split: warp 0 picks the entry (its pick and whether the
+  // request's dictionary was unusable go through shared memory past sm_res, then the parent
+  // keys' scratch of HierarchicalChoice).
+  int32_t entry = -1;
+  bool bad = false;
+  if (a.split_out == kSplitOutDict) {
+    int32_t* sm_pick = reinterpret_cast<int32_t*>(sm_res + GROUP * HEAD_DIM);
+    if (warp == 0) {
+      const int2 r = DictEntryPick<DType>(a, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
+      if (lane == 0) {
+        sm_pick[0] = r.x;
+        sm_pick[1] = r.y;
+      }
+    }
+    __syncthreads();
+    entry = sm_pick[0];
+    bad = sm_pick[1] != 0;
+  }
   for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
     const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -2014,19 +2036,42 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       if (c == 0) a.part_lse[row] = sm_lse[hh];
     } else if (a.split_out == kSplitOutDirect) {
       StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, sm_lse[hh]);
+    } else if (a.split_out == kSplitOutDict) {
+      // The merge of the rest's state with the entry's, as the combine's (state.cuh LseSum).
+      float lse = sm_lse[hh];
+      if (entry >= 0) {
+        const DictLayerView& v = p.dict_views[int64_t(p.dict_ids[b]) * a.hkv + h];
+        const int64_t erow = int64_t(entry) * GROUP + hh;
+        const float pl = v.values_lse[erow];
+        const float po[4] = {LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c),
+                             LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c + 1),
+                             LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c + 2),
+                             LoadElem(v.values_o, v.values_dtype, erow * HEAD_DIM + c + 3)};
+        const LseSum sum = lse_sum_add(lse_sum_add(lse_sum_empty(), lse), pl);
+        const float wr = lse_sum_weight(sum, lse), wp = lse_sum_weight(sum, pl);
+        o = make_float4(fmaf(wr, o.x, wp * po[0]), fmaf(wr, o.y, wp * po[1]), fmaf(wr, o.z, wp * po[2]),
+                        fmaf(wr, o.w, wp * po[3]));
+        lse = lse_sum_lse(sum);
+      }
+      if (bad) {
+        const float nan = __int_as_float(0x7fc00000);
+        o = make_float4(nan, nan, nan, nan);
+        lse = nan;
+      }
+      StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, lse);
     } else {
       *reinterpret_cast<float4*>(&sm_res[e]) = o;
     }
   }
   if (a.split_out == kSplitOutPartials) return;
-  if (tid == 0 && p.lookup_index != nullptr) p.lookup_index[int64_t(b) * a.hkv + h] = -1;
+  if (tid == 0 && p.lookup_index != nullptr) p.lookup_index[int64_t(b) * a.hkv + h] = bad ? -1 : entry;
   if (a.split_out == kSplitOutCluster) ClusterMerge<DType, HEAD_DIM, GROUP>(a, b, h, split, sm_res, sm_lse);
 }
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; 64 KB with kAttnLookupStages,
 // so that two fit beside a lookup CTA while the lookup runs).
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const __grid_constant__ LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
   DTL(unsigned long long* const tlr = DtlStart(a, kTlAttn));
   GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
@@ -2174,6 +2219,41 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   WarpArgmax(any);
   __syncwarp();  // keys is rewritten by the warp's next call
   return best.index >= 0 ? best : any;
+}
+
+// The entry of request b's dictionary for KV head h, by one warp of an attention CTA that
+// holds the step's only split (kSplitOutDict): {entry, 0}; {-1, 0} without a dictionary;
+// {-1, 1} for an id outside [-1, num_dicts) or an unusable view (the combine's NaN). As the
+// combine's pick (below), with the wait for the lookup grid in place of its flag: this kernel
+// was launched after the lookup kernel (programmatic dependent launch, or in stream order),
+// all of whose CTAs run before this one can, so the wait ends. Out of line, beside the
+// attention's loop; `keys`: shared scratch of kDecodeMaxParents words.
+template <typename DType>
+__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys) {
+  const DecodeParams& p = a.p;
+  const int lane = threadIdx.x & 31;
+  const int32_t id = p.dict_ids[b];
+  if (id < -1 || id >= p.num_dicts) return make_int2(-1, 1);
+  if (id < 0) return make_int2(-1, 0);
+  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
+  bool hier = LookupViewOk(v, a) && v.C1 > 0;
+  if (a.probe) hier = hier && !ProbeView<DType>(a, v);
+  const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
+  GridDependencyWait();
+  const int64_t bh = int64_t(b) * a.hkv + h;
+  Best best{-INFINITY, -1};
+  if (hier) {
+    best = HierarchicalChoice(a, v, bh, fp, keys);
+  } else if (LookupViewOk(v, a)) {
+    const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+    for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
+      const LookupPartial x = LoadPartial(pb + q);
+      if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+    }
+    WarpArgmax(best);
+  }
+  if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
+  return make_int2(best.index, 0);
 }
 
 // ---------------------------------------------------------------------------------------

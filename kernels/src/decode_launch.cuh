@@ -23,9 +23,10 @@ constexpr int kAttnStages = 3;
 constexpr int kAttnLookupStages = 2;
 
 // Where the attention CTAs leave their split's state: partials in the workspace for the
-// combine kernel (with a dictionary, or more than kMaxClusterSplits splits), the output itself
-// (one split, no dictionary), or their cluster's shared memory, merged into the output by the
-// cluster (2 .. kMaxClusterSplits splits, no dictionary; decode_kernels.cuh ClusterMerge).
+// combine kernel (with a dictionary and several splits, or more than kMaxClusterSplits
+// splits), the output itself (one split; with a dictionary merged with the entry's state),
+// or their cluster's shared memory, merged into the output by the cluster (2 ..
+// kMaxClusterSplits splits, no dictionary; decode_kernels.cuh ClusterMerge).
 // H200, bench_decode, T = 1K, no dictionary, P = 8K / 32K, us, two runs each, against the
 // partials and the combine kernel for every split count (the build before, same session):
 // - one split, direct: LLaMA-3.1-8B B = 32 282.2, 280.8 / 1000.1, 1001.4 vs 285.4, 285.1 /
@@ -39,6 +40,10 @@ constexpr int kAttnLookupStages = 2;
 constexpr int32_t kSplitOutPartials = 0;
 constexpr int32_t kSplitOutDirect = 1;
 constexpr int32_t kSplitOutCluster = 2;
+// One split per (request, KV head) with a dictionary: each attention CTA picks its entry once
+// the lookup grid is done (decode_kernels.cuh DictEntryPick) and writes the output merged with
+// the entry's state; no combine kernel runs.
+constexpr int32_t kSplitOutDict = 3;
 constexpr int32_t kMaxClusterSplits = 2;
 
 // One step's arguments as the kernels see them (passed by value as a kernel parameter).

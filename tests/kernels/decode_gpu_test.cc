@@ -692,11 +692,12 @@ TEST(DecodeGpu, LongSequenceManySplitsAndLargeLinearDictionary) {
 TEST(DecodeGpu, BatchSmallerThanConfigAndBadDictId) {
   ASMEM_SKIP_WITHOUT_GPU();
   CaseSpec s;
-  s.T = {10, 20, 30};
+  s.T = {10, 300, 30};
   s.dicts = {DictSpec{20, 0, 0}};
   s.dict_ids = {0, 0, 0};
   Problem pb;
   BuildProblem(s, test::test_seed(208), &pb);
+  ASSERT_GT(PlanDecode(pb.config).kv_splits, 1);
   pb.params.batch = 2;
   CheckAgainstReference(pb, pb.config, "batch 2 of 3");
   DeviceProblem dev;
@@ -706,17 +707,23 @@ TEST(DecodeGpu, BatchSmallerThanConfigAndBadDictId) {
   DeviceProblem::Out out = dev.Download(pb);
   const int64_t per = s.Hq * s.d;
   for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_TRUE(std::isnan(out.o.get(i))) << "written past batch";
-  // A dict id outside [-1, num_dicts) on the device gives NaN for that request only.
+  // A dict id outside [-1, num_dicts) on the device gives NaN for that request only, through
+  // the combine and, with one split, through the attention CTAs' own merge.
   pb.params.batch = 3;
   pb.dict_ids[1] = 5;
-  DeviceProblem bad;
-  bad.Upload(pb, pb.config);
-  bad.Poison(nullptr);
-  bad.Run(pb.config, nullptr);
-  out = bad.Download(pb);
-  for (int64_t i = 0; i < per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
-  for (int64_t i = per; i < 2 * per; ++i) ASSERT_TRUE(std::isnan(out.o.get(i)));
-  for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
+  DecodeConfig one = pb.config;
+  one.plan_ctas = pb.config.batch * pb.spec.Hkv;
+  ASSERT_EQ(PlanDecode(one).kv_splits, 1);
+  for (const DecodeConfig& c : {pb.config, one}) {
+    DeviceProblem bad;
+    bad.Upload(pb, c);
+    bad.Poison(nullptr);
+    bad.Run(c, nullptr);
+    out = bad.Download(pb);
+    for (int64_t i = 0; i < per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
+    for (int64_t i = per; i < 2 * per; ++i) ASSERT_TRUE(std::isnan(out.o.get(i)));
+    for (int64_t i = 2 * per; i < 3 * per; ++i) ASSERT_FALSE(std::isnan(out.o.get(i)));
+  }
 }
 
 // One step of `dev` captured in a CUDA graph on its own stream. Replay() poisons the
