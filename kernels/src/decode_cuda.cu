@@ -152,8 +152,11 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     constexpr int GROUP = decltype(gs)::value;
     if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
     if (a.lookup) {
-      // The lookup's done count and flag (the combine picks the entries once it is done).
-      ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
+      // The lookup's done count and flag (the combine picks the entries once it is done; the
+      // attention CTAs of kSplitOutDict wait for the lookup grid's end instead).
+      if (a.split_out != kSplitOutDict) {
+        ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
+      }
       LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
     }
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::Bytes(a.attn_stages),

@@ -1697,8 +1697,14 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     }
   }
   // Done: the last CTA to count itself raises the flag the combine waits for (both words
-  // were zeroed before this launch, in stream order).
+  // were zeroed before this launch, in stream order). The attention CTAs of kSplitOutDict
+  // wait for this grid's end instead (griddepcontrol.wait), and then neither the count nor
+  // the memset before the launch is made.
   DTL(if (tlr) { tlr[2] = DtlNow(); tlr[5] = tl_blocks; });
+  if (a.split_out == kSplitOutDict) {
+    DTL(if (tlr) tlr[3] = DtlNow());
+    return;
+  }
   __threadfence();
   __syncthreads();
   if (tid == 0 && atomicAdd(a.lookup_sync, 1u) + 1u == uint32_t(a.n_lookup_ctas)) {
@@ -1777,6 +1783,30 @@ __device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, 
 
 template <typename DType>
 __device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys);
+
+// Warms the L1 of an attention CTA of kSplitOutDict, by one warp before its tile loop, with
+// the static data DictEntryPick reads before it waits for the lookup: the request's
+// dictionary id, its view, and the view's child offsets. The tile loop's copies bypass L1
+// (cp.async.cg), so after the loop the pick's round trips are the lookup's results and the
+// entry alone, not three dependent loads more beside the other CTAs' streams.
+__device__ __forceinline__ void DictPickWarm(const LaunchArgs& a, int b, int h) {
+  const DecodeParams& p = a.p;
+  const int lane = threadIdx.x & 31;
+  const int32_t id = p.dict_ids[b];
+  if (id < 0 || id >= p.num_dicts) return;
+  const DictLayerView* vp = p.dict_views + int64_t(id) * a.hkv + h;
+  const int32_t* off = vp->child_offsets;
+  const int64_t C1 = vp->C1;
+  if (lane == 0) {
+    const char* end = reinterpret_cast<const char*>(vp) + sizeof(DictLayerView) - 1;
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(end));
+  }
+  if (off == nullptr || C1 <= 0 || C1 > a.parent_width) return;
+  // The offsets [0, C1]: a 128-byte line every 32 of them, and the last.
+  for (int64_t q = int64_t(lane) * 32; q <= C1 + 31; q += 32 * 32) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(off + (q < C1 ? q : C1)));
+  }
+}
 
 template <typename DType, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
@@ -1876,6 +1906,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   };
   load_pages(0);
   for (int i = 0; i < stages - 1; ++i) issue_tile(i);
+  if (a.split_out == kSplitOutDict && warp == 0) DictPickWarm(a, b, h);
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     // This thread's copies of `tile` have landed (stages - 2 newer groups may be pending).
