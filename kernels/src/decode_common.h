@@ -34,25 +34,30 @@ constexpr int32_t kMaxKvSplits = 128;
 // dictionaries.
 constexpr int32_t kMaxLookupCtas = 1024;
 constexpr int32_t kLookupReps = 4;
-// Beside a lookup of narrow keys a large step runs the no-dictionary plan's one wave
+// Beside a lookup of small dictionaries a large step runs the no-dictionary plan's one wave
 // instead (LookupOneWave): one split per (request, KV head) from kOneWaveUnits units on
 // (kTargetCtas), each attention CTA of kAttnLookupStages so that two fit beside a lookup CTA,
-// and one rep of lookup CTAs (it takes every dictionary of the step in turn), so that every
-// lookup CTA and then every attention CTA start at once. With kLookupReps reps of the
+// and, for lookup keys of at most kOneRepMaxKeyDim dims, one rep of lookup CTAs (it takes
+// every dictionary of the step in turn), so that every lookup CTA and then every attention
+// CTA start at once. With kLookupReps reps of the
 // kTargetCtasWithLookup plan the attention started only once all 544 lookup CTAs had (the
 // idle reps' too): H200, LLaMA-3.1-8B shapes, T = 1K, K = 4096 hierarchical, B = 32, per-CTA
 // timeline (session 33), the attention's first CTA at 13.8 us. One wave: all at 0.8 us, and
 // the op, two runs each, K = 16 / 4096 hierarchical 55.0 / 64.4 -> 51.4 / 59.0 us, linear
 // 58.2 / 61.6 -> 53.3 / 58.3; B = 64 89.4 / 108.8 -> 88.9 / 104.4, linear 94.9 / 106.7 ->
-// 87.7 / 102.0. Wider keys (GQA-8 shapes, G * d = 1024) lost 3-13% at B = 32 and 64, and
-// larger dictionaries lost too: K = 16384 at B = 32 98.4 -> 105.2 us hierarchical, 84.1 ->
+// 87.7 / 102.0. With one rep, wider keys (GQA-8 shapes, G * d = 1024) lost 3-13% at B = 32
+// and 64, and larger dictionaries lost too: K = 16384 at B = 32 98.4 -> 105.2 us hierarchical, 84.1 ->
 // 93.1 linear, at B = 64 +1.2% / +6.2% (K = 1024 and 4096 gained 4-9% at both). There the
 // lookup ends last, and attention CTAs beside it from the start slow it further. So the key
 // bytes per KV head (K G d 2, K = DecodeConfig::max_dict_keys) must come to at most a
 // quarter of the attention's (B T d 4, T = max_seq_len): B = 32, K = 4096, T = 1K is a
-// quarter.
+// quarter. Wider keys keep kLookupReps reps in the one wave (a rep of 1024-dim keys scores
+// its 32 requests in two passes): GQA-8 B = 64 (Hkv 4, 256 units), session 34, two runs
+// each, the one wave of four reps against the 1056-CTA plan, with the attention CTAs merging
+// the entry: K = 16 69.6 -> 58.5 us hierarchical, 66.0 -> 62.0 linear; K = 1024 -8.1% /
+// -6.1%; K = 4096 +0.4% / -7.1%.
 constexpr int32_t kOneWaveUnits = kTargetCtas - kTargetCtas / 16;
-constexpr int32_t kOneWaveMaxKeyDim = 512;
+constexpr int32_t kOneRepMaxKeyDim = 512;
 constexpr int64_t kOneWaveKeyShare = 4;
 constexpr int32_t kLookupUnits = 4;  // lookup units (warps) per lookup CTA
 // Largest lookup key (G * d) the kernels hold in shared memory.
@@ -126,8 +131,8 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& pl
 
 // Whether the config's steps run the attention as one wave beside the lookup (kOneWaveUnits
 // above): dictionaries, the default plan (plan_ctas 0), at least kOneWaveUnits (request, KV
-// head) units, lookup keys of at most kOneWaveMaxKeyDim dims, and a known max_dict_keys whose
-// key bytes come to at most 1 / kOneWaveKeyShare of the attention's.
+// head) units, and a known max_dict_keys whose key bytes come to at most 1 / kOneWaveKeyShare
+// of the attention's. Lookup keys of at most kOneRepMaxKeyDim dims then take one lookup rep.
 bool LookupOneWave(const DecodeConfig& config);
 
 }  // namespace decode

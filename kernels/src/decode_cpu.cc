@@ -254,8 +254,8 @@ bool decode::LookupOneWave(const DecodeConfig& c) {
   // hint may be any int64.
   const double key_bytes = double(c.max_dict_keys) * double(G) * 2.0;
   const double attn_bytes = double(c.batch) * double(c.max_seq_len) * 4.0;
-  return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits && G * c.head_dim <= kOneWaveMaxKeyDim &&
-         c.max_dict_keys > 0 && key_bytes * double(kOneWaveKeyShare) <= attn_bytes;
+  return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits && c.max_dict_keys > 0 &&
+         key_bytes * double(kOneWaveKeyShare) <= attn_bytes;
 }
 
 DecodePlan PlanDecode(const DecodeConfig& c) {
@@ -275,7 +275,8 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
     const int64_t per_head = (kDecodePlanSms + c.num_kv_heads - 1) / c.num_kv_heads;
     plan.lookup_splits =
         int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
-    plan.lookup_reps = one_wave ? 1 : kLookupReps;
+    const bool narrow = int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim <= kOneRepMaxKeyDim;
+    plan.lookup_reps = one_wave && narrow ? 1 : kLookupReps;
     plan.parent_width = int32_t(kDecodeMaxParents);  // any valid view fits: plans survive
                                                      // a dictionary replace
     // Slots: a hierarchical view's child pieces (at most C1 + U - 1, decode_kernels.cuh

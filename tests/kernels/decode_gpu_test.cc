@@ -428,11 +428,11 @@ TEST(DecodeGpu, ManyMembersAndManySegmentsPerLookupCta) {
   CheckAgainstReference(pb, few, "40 members, 3 lookup CTAs per KV head");
 }
 
-// Large steps with narrow lookup keys and small dictionaries (decode_common.h LookupOneWave):
-// one attention split per (request, KV head) of two stages beside one lookup rep, which
-// takes every dictionary of the step in turn (three here, hierarchical and linear, and
-// requests without one).
-TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
+// Large steps with small dictionaries (decode_common.h LookupOneWave): one attention split
+// per (request, KV head) of two stages, whose CTAs merge the entry themselves, beside one
+// lookup rep, which takes every dictionary of the step in turn (three here, hierarchical and
+// linear, and requests without one), or beside four reps for keys of more than 512 dims.
+TEST(DecodeGpu, OneWaveBesideTheLookup) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(211);
   SCOPED_TRACE(test::seed_trace(seed));
@@ -440,7 +440,7 @@ TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
     int32_t Hq, Hkv, d, B;
   };
   uint64_t n = 0;
-  for (const Shape sh : {Shape{32, 8, 128, 32}, Shape{64, 8, 64, 31}, Shape{8, 8, 128, 40}}) {
+  for (const Shape sh : {Shape{32, 8, 128, 32}, Shape{64, 8, 64, 31}, Shape{8, 8, 128, 40}, Shape{32, 4, 128, 64}}) {
     for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
       CaseSpec s;
       s.dtype = dt;
@@ -461,7 +461,7 @@ TEST(DecodeGpu, OneWaveBesideOneLookupRep) {
       BuildProblem(s, seed + n++, &pb);
       const DecodePlan plan = PlanDecode(pb.config);
       ASSERT_EQ(plan.kv_splits, 1);
-      ASSERT_EQ(plan.lookup_reps, 1);
+      ASSERT_EQ(plan.lookup_reps, (sh.Hq / sh.Hkv) * sh.d <= 512 ? 1 : 4);
       CheckAgainstReference(pb, pb.config, "one wave");
       DecodeConfig four = pb.config;  // the same step with four reps and short splits
       four.plan_ctas = 8 * kDecodePlanSms;

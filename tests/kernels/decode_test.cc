@@ -630,9 +630,9 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   cd.use_dictionaries = true;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 8);
   EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
-  // From 248 (request, KV head) units on (B = 31 here), with lookup keys of at most 512 dims
-  // (G * d = 4 * 128) and key bytes per KV head (K G d 2) at most a quarter of the attention's
-  // (B T d 4), the step keeps the one wave beside one lookup rep.
+  // From 248 (request, KV head) units on (B = 31 here), with key bytes per KV head (K G d 2)
+  // at most a quarter of the attention's (B T d 4), the step keeps the one wave; lookup keys
+  // of at most 512 dims (G * d = 4 * 128) take one lookup rep.
   cd.max_dict_keys = 3968;  // 2 K G = B T at B = 31, T = 1K
   cd.batch = 30;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
@@ -652,9 +652,13 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   cd.max_seq_len = 1024;
   cd.batch = 64;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
-  DecodeConfig wide = cd;  // G * d = 1024: the lookup ends last; four reps and short splits
+  DecodeConfig wide = cd;  // G * d = 1024: the one wave beside four lookup reps
   wide.num_kv_heads = 4;
   wide.batch = 64;
+  wide.max_dict_keys = 4096;  // 2 K G = B T at G = 8, B = 64
+  EXPECT_EQ(PlanDecode(wide).kv_splits, 1);
+  EXPECT_EQ(PlanDecode(wide).lookup_reps, 4);
+  wide.max_dict_keys = 4097;
   EXPECT_EQ(PlanDecode(wide).kv_splits, 4);
   EXPECT_EQ(PlanDecode(wide).lookup_reps, 4);
   cd.plan_ctas = 1056;  // the knob still rules, with four reps
