@@ -60,7 +60,9 @@
 // attention kernel (split-KV over the paged KV; started beside the lookup with
 // programmatic dependent launch), the combine (entry choice, prefix state, merge; without a
 // dictionary it runs only for plans of more than two KV splits, the attention CTAs finishing
-// the others themselves). Thread block clusters need compute capability 9.0.
+// the others themselves; with one, only for plans of more than one split or more than one
+// wave of attention CTAs, the attention CTAs of the others picking and merging the entry
+// once the lookup grid is done). Thread block clusters need compute capability 9.0.
 #pragma once
 
 #include <cstddef>
@@ -166,9 +168,8 @@ struct DecodeConfig {
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
                              // 8 * kDecodePlanSms with use_dictionaries, but for steps of
-                             // at least 248 (request, KV head) pairs, lookup keys (G * d)
-                             // of at most 512 dims and 2 * max_dict_keys * G at most
-                             // batch * max_seq_len, which keep the one wave).
+                             // at least 248 (request, KV head) pairs and 2 * max_dict_keys
+                             // * G at most batch * max_seq_len, which keep the one wave).
                              // A tuning knob; like every field it only changes the plan.
   int32_t lookup_ctas = 0;   // lookup CTAs per KV head (and dictionary rep); 0: the default
                              // (about one per SM over all KV heads). A tuning knob: it only
