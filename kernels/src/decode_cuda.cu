@@ -124,17 +124,17 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
 #endif
   // Beside a lookup, attention splits of at most kShortSplitTokens run kAttnLookupStages
   // (two CTAs fit beside a lookup CTA; a short split gains little from a third stage), and
-  // so does the one wave beside one lookup rep (LookupOneWave: decode_common.h); other
-  // longer splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with a plan
+  // so does the one wave beside the lookup (LookupOneWave: decode_common.h); other longer
+  // splits keep kAttnStages. H200, LLaMA-3.1-8B shapes, K = 4096, T = 1K, with a plan
   // of 264 CTAs and four lookup reps: B = 8 (256-token splits) 45.5 vs 50.3 us with three
   // stages; B = 32 (1K-token splits) 93.4 vs 83.3 us with two. With one rep
   // (session 33, B = 32, K = 4096 hierarchical): 59.0 with two, 62.2 with three.
   constexpr int32_t kShortSplitTokens = 512;
   const bool short_splits = SplitTokens(c.max_seq_len, plan.kv_splits) <= kShortSplitTokens;
-  a.attn_stages = forced_attn_stages != 0                ? forced_attn_stages
-                  : !a.lookup                            ? kAttnStages
+  a.attn_stages = forced_attn_stages != 0            ? forced_attn_stages
+                  : !a.lookup                        ? kAttnStages
                   : short_splits || LookupOneWave(c) ? kAttnLookupStages
-                                                         : kAttnStages;
+                                                     : kAttnStages;
   // The attention CTAs of kSplitOutDict wait for the lookup grid before they leave, so a grid
   // of more than one wave would start its second wave only after the lookup: H200, LLaMA-8B
   // B = 64 (512 CTAs), K = 4096 hierarchical, 104.3 us with the combine, 123.2 without.

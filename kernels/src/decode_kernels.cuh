@@ -2252,6 +2252,24 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
   return best.index >= 0 ? best : any;
 }
 
+// The entry of view v for (b, h) = bh once the lookup is done, by one warp (the attention
+// CTAs' pick and the combine's): HierarchicalChoice when `hier`, else the best of the units'
+// slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
+__device__ __forceinline__ Best EntryChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh, bool hier,
+                                            const FirstParents& fp, uint32_t* keys) {
+  if (hier) return HierarchicalChoice(a, v, bh, fp, keys);
+  Best best{-INFINITY, -1};
+  if (LookupViewOk(v, a)) {
+    const LookupPartial* pb = a.pbest + bh * a.lookup_width;
+    for (int q = int(threadIdx.x & 31); q < a.lookup_splits * kLookupUnits; q += 32) {
+      const LookupPartial x = LoadPartial(pb + q);
+      if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
+    }
+    WarpArgmax(best);
+  }
+  return best;
+}
+
 // The entry of request b's dictionary for KV head h, by one warp of an attention CTA that
 // holds the step's only split (kSplitOutDict): {entry, 0}; {-1, 0} without a dictionary;
 // {-1, 1} for an id outside [-1, num_dicts) or an unusable view (the combine's NaN). As the
@@ -2262,7 +2280,6 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 template <typename DType>
 __device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys) {
   const DecodeParams& p = a.p;
-  const int lane = threadIdx.x & 31;
   const int32_t id = p.dict_ids[b];
   if (id < -1 || id >= p.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
@@ -2271,18 +2288,7 @@ __device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, ui
   if (a.probe) hier = hier && !ProbeView<DType>(a, v);
   const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
   GridDependencyWait();
-  const int64_t bh = int64_t(b) * a.hkv + h;
-  Best best{-INFINITY, -1};
-  if (hier) {
-    best = HierarchicalChoice(a, v, bh, fp, keys);
-  } else if (LookupViewOk(v, a)) {
-    const LookupPartial* pb = a.pbest + bh * a.lookup_width;
-    for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
-      const LookupPartial x = LoadPartial(pb + q);
-      if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
-    }
-    WarpArgmax(best);
-  }
+  const Best best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, keys);
   if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
   return make_int2(best.index, 0);
 }
@@ -2362,17 +2368,7 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         if (!up) GridDependencyWait();
         DTL(if (tlr) tlr[1] = DtlNow());
         __threadfence();
-        const int64_t bh = int64_t(b) * a.hkv + h;
-        const LookupPartial* pb = a.pbest + bh * a.lookup_width;
-        if (hier) {
-          best = HierarchicalChoice(a, v, bh, fp, parent_keys[warp]);
-        } else if (LookupViewOk(v, a)) {
-          for (int q = lane; q < a.lookup_splits * kLookupUnits; q += 32) {
-            const LookupPartial x = LoadPartial(pb + q);
-            if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
-          }
-          WarpArgmax(best);
-        }
+        best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, parent_keys[warp]);
         if (one_choice && lane == 0) choice = best.index;
       }
       if (one_choice) {

@@ -349,6 +349,8 @@ size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
     }
     return 0;
   }
+  // max_dict_keys 0 (unknown): the plan of the most KV splits, whose workspace also holds
+  // the one-wave plan that known dictionary sizes may give (DecodeConfig::max_dict_keys).
   return PlanDecode(s.config(step, kPlanAllRows, true, 0u)).workspace_bytes;
 }
 

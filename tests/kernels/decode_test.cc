@@ -639,6 +639,12 @@ TEST(DecodeConfig, PlanIsDeterministicAndScales) {
   cd.batch = 31;
   EXPECT_EQ(PlanDecode(cd).kv_splits, 1);
   EXPECT_EQ(PlanDecode(cd).lookup_reps, 1);
+  {  // the plan of an unknown size (the runtime's workspace) holds the one wave's workspace
+    DecodeConfig unknown_keys = cd;
+    unknown_keys.max_dict_keys = 0;
+    EXPECT_GT(PlanDecode(unknown_keys).kv_splits, 1);
+    EXPECT_LE(PlanDecode(cd).workspace_bytes, PlanDecode(unknown_keys).workspace_bytes);
+  }
   cd.max_dict_keys = 3969;  // a larger dictionary: four reps
   EXPECT_EQ(PlanDecode(cd).kv_splits, 4);
   EXPECT_EQ(PlanDecode(cd).lookup_reps, 4);
