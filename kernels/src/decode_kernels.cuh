@@ -903,6 +903,23 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
   const int term_bytes = MB * KEY_DIM * 2;
   const char* ring = sm.ring + size_t(warp) * kRing * kPieces * 512;  // SegSmem::WarpRing
   int slot = 0;  // the ring slot of the next chunk to score (kr started kRing - 1 chunks)
+  // Where member b's parent scores and segment bests go. Out of line (LookupBlockOther: the
+  // instantiations with !ALL_NT, int8 keys among them) `a` is a generic pointer into the
+  // parameter space, and each asm statement that clobbers memory (cp.async, ldmatrix, mma)
+  // made the compiler load these fields again before the next store, one load in series
+  // each, beside the attention's streams (SASS of LookupBlockOther<bf16, 512>: 520 generic
+  // loads, 150 with them read once); so those read them once here. The common path (ALL_NT,
+  // inlined in the kernel) reads them from the constant bank as it goes: held in registers
+  // there they were spilled (12 more local loads in its body).
+  const int64_t hkv_once = a.hkv, pw_once = a.parent_width, lw_once = a.lookup_width;
+  float* const pscore_once = a.pscore;
+  LookupPartial* const pbest_once = a.pbest;
+  auto pscore_row = [&](int b) -> float* {
+    return ALL_NT ? a.pscore + (int64_t(b) * a.hkv + h) * a.parent_width : pscore_once + (b * hkv_once + h) * pw_once;
+  };
+  auto pbest_row = [&](int b) -> LookupPartial* {
+    return ALL_NT ? a.pbest + (int64_t(b) * a.hkv + h) * a.lookup_width : pbest_once + (b * hkv_once + h) * lw_once;
+  };
 
   SegList it = segs;
   Seg sg;
@@ -912,7 +929,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
     if (hi <= lo) {
       if (!parents) {
         for (int i = lane; i < n; i += 32) {
-          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + sg.slot] = {-INFINITY, -1};
+          pbest_row(sm.mem[i])[sg.slot] = {-INFINITY, -1};
         }
       }
       continue;
@@ -971,7 +988,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
           for (int e = 0; e < 2; ++e) {
             const int i = 8 * nt + 2 * t4 + e;
             if (i >= n) continue;
-            float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
+            float* ps = pscore_row(sm.mem[i]);
             if (ok_lo) ps[r_lo] = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
             if (ok_hi) ps[r_hi] = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
           }
@@ -1008,8 +1025,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
         }
         const int i = 8 * nt + 2 * t4 + e;
         if (g == 0 && i < n) {
-          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + sg.slot] = {
-              best[nt][e].score, best[nt][e].index};
+          pbest_row(sm.mem[i])[sg.slot] = {best[nt][e].score, best[nt][e].index};
         }
       }
     }
@@ -1023,11 +1039,13 @@ template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void CopyMemberRows(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, char* raw, int n,
                                                int h) {
   constexpr int kPieces = KEY_DIM / 8;  // 8-dim pieces of a member key
-  const DecodeParams& p = a.p;
+  // The fields read once, before the copies (each cp.async clobbers memory: WarpSegScanTc).
+  const DType* const q_pre = static_cast<const DType*>(a.p.q_pre);
+  const int64_t stride_b = a.p.q_pre_stride_b, stride_h = a.p.q_pre_stride_h;
+  const int head_dim = a.head_dim, head0 = h * a.group;
   for (int c = threadIdx.x; c < n * kPieces; c += kThreads) {
-    const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
-    const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
-                       int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
+    const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / head_dim, cc = e - gg * head_dim;
+    const DType* src = q_pre + sm.mem[i] * stride_b + (head0 + gg) * stride_h + cc;
     CpAsync16(raw + int64_t(c) * 16, src, true);
   }
   CpAsyncCommit();
