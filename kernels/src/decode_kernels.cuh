@@ -1290,9 +1290,13 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 // lost up to 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
 // line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>
-__device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
+__device__ __forceinline__ bool ProbeViewOf(const DictLayerView& v, int32_t batch, int32_t units) {
   return (KeysOfType<DType>(v) || v.keys_dtype == KernelDType::kI8) && v.whitening == nullptr &&
-         ProbePays(v.K, v.C1, v.top_m, a.batch, a.lookup_splits * kLookupUnits);
+         ProbePays(v.K, v.C1, v.top_m, batch, units);
+}
+template <typename DType>
+__device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
+  return ProbeViewOf<DType>(v, a.batch, a.lookup_splits * kLookupUnits);
 }
 
 // The probing lookup's tables, in the member-key region past its kProbeMembers rows.
@@ -1799,8 +1803,19 @@ __device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, 
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
+// The launch's fields DictEntryPick reads, passed by value.
+struct DictPickArgs {
+  const int32_t* dict_ids;
+  const DictLayerView* views;
+  const float* pscore;
+  const LookupPartial* pbest;
+  int32_t num_dicts, hkv, parent_width, lookup_width;
+  int32_t units;  // lookup units per KV head: lookup_splits * kLookupUnits
+  int32_t batch;
+  bool probe;
+};
 template <typename DType>
-__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys);
+__device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys);
 
 // Warms the L1 of an attention CTA of kSplitOutDict, by one warp before its tile loop, with
 // the static data DictEntryPick reads before it waits for the lookup: the request's
@@ -2057,7 +2072,10 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   if (a.split_out == kSplitOutDict) {
     int32_t* sm_pick = reinterpret_cast<int32_t*>(sm_res + GROUP * HEAD_DIM);
     if (warp == 0) {
-      const int2 r = DictEntryPick<DType>(a, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
+      const DictPickArgs pa{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
+                            p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
+                            a.lookup_splits * kLookupUnits, a.batch,         a.probe};
+      const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
       if (lane == 0) {
         sm_pick[0] = r.x;
         sm_pick[1] = r.y;
@@ -2186,15 +2204,13 @@ struct FirstParents {
 // pieces follow from the child offsets and PieceRows; `fp` holds those of the first 64
 // parents). The first 64 parents' score keys stay in registers; `keys`: the warp's shared
 // scratch of kDecodeMaxParents words for the others (read once from global memory).
-__device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh,
-                                                   const FirstParents& fp, uint32_t* keys) {
+// `ps` and `pb`: the (request, KV head)'s pscore and pbest rows; R: PieceRows of the step.
+__device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
+                                                   int R, const FirstParents& fp, uint32_t* keys) {
   const LookupPartial kNone{-INFINITY, -1};
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
   const int m = min(v.top_m, C1);
-  const int R = PieceRows(v.K, a.lookup_splits * kLookupUnits);
-  const float* ps = a.pscore + bh * a.parent_width;
-  const LookupPartial* pb = a.pbest + bh * a.lookup_width;
   const int32_t* off = v.child_offsets;
   const PieceChunk& pc0 = fp.pc0;
   const PieceChunk& pc1 = fp.pc1;
@@ -2273,13 +2289,13 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 // The entry of view v for (b, h) = bh once the lookup is done, by one warp (the attention
 // CTAs' pick and the combine's): HierarchicalChoice when `hier`, else the best of the units'
 // slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
-__device__ __forceinline__ Best EntryChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh, bool hier,
-                                            const FirstParents& fp, uint32_t* keys) {
-  if (hier) return HierarchicalChoice(a, v, bh, fp, keys);
+__device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
+                                            int units, bool ok, bool hier, const FirstParents& fp,
+                                            uint32_t* keys) {
+  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys);
   Best best{-INFINITY, -1};
-  if (LookupViewOk(v, a)) {
-    const LookupPartial* pb = a.pbest + bh * a.lookup_width;
-    for (int q = int(threadIdx.x & 31); q < a.lookup_splits * kLookupUnits; q += 32) {
+  if (ok) {
+    for (int q = int(threadIdx.x & 31); q < units; q += 32) {
       const LookupPartial x = LoadPartial(pb + q);
       if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
     }
@@ -2294,19 +2310,25 @@ __device__ __forceinline__ Best EntryChoice(const LaunchArgs& a, const DictLayer
 // combine's pick (below), with the wait for the lookup grid in place of its flag: this kernel
 // was launched after the lookup kernel (programmatic dependent launch, or in stream order),
 // all of whose CTAs run before this one can, so the wait ends. Out of line, beside the
-// attention's loop; `keys`: shared scratch of kDecodeMaxParents words.
+// attention's loop; `keys`: shared scratch of kDecodeMaxParents words. The launch's fields
+// come by value (DictPickArgs, from the caller's constant bank): through a reference to the
+// kernel parameter they were generic loads from the parameter space, issued in series with
+// the id and the view and again after the wait (SASS: 19 such loads in this function).
 template <typename DType>
-__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys) {
-  const DecodeParams& p = a.p;
-  const int32_t id = p.dict_ids[b];
-  if (id < -1 || id >= p.num_dicts) return make_int2(-1, 1);
+__device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys) {
+  const int32_t id = pa.dict_ids[b];
+  if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
-  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-  bool hier = LookupViewOk(v, a) && v.C1 > 0;
-  if (a.probe) hier = hier && !ProbeView<DType>(a, v);
-  const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
+  const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
+  const bool ok = ViewUsable(v) && v.C1 <= pa.parent_width;  // LookupViewOk
+  bool hier = ok && v.C1 > 0;
+  if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
+  const int R = PieceRows(v.K, pa.units);
+  const FirstParents fp(hier ? v : DictLayerView{}, R);
   GridDependencyWait();
-  const Best best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, keys);
+  const int64_t bh = int64_t(b) * pa.hkv + h;
+  const Best best = EntryChoice(v, pa.pscore + bh * pa.parent_width, pa.pbest + bh * pa.lookup_width,
+                                pa.units, ok, hier, fp, keys);
   if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
   return make_int2(best.index, 0);
 }
@@ -2386,7 +2408,9 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         if (!up) GridDependencyWait();
         DTL(if (tlr) tlr[1] = DtlNow());
         __threadfence();
-        best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, parent_keys[warp]);
+        const int64_t bh = int64_t(b) * a.hkv + h;
+        best = EntryChoice(v, a.pscore + bh * a.parent_width, a.pbest + bh * a.lookup_width,
+                           a.lookup_splits * kLookupUnits, LookupViewOk(v, a), hier, fp, parent_keys[warp]);
         if (one_choice && lane == 0) choice = best.index;
       }
       if (one_choice) {
