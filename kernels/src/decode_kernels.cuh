@@ -694,13 +694,16 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
   const int rows = all_rows ? MB : (n + 7) / 8 * 8;
   const int term_bytes = MB * KEY_DIM * 2;
   if (terms == 1) {  // q_pre itself: async copies
+    // The fields read once, before the copies (out of line each cp.async made the compiler
+    // load them again: WarpSegScanTc).
+    const DType* const q_pre = static_cast<const DType*>(p.q_pre);
+    const int64_t stride_b = p.q_pre_stride_b, stride_h = p.q_pre_stride_h;
+    const int head_dim = a.head_dim, head0 = h * a.group;
     for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
-      const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
-      const DType* src = static_cast<const DType*>(p.q_pre);
-      if (i < n) {
-        src += int64_t(sm.mem[i]) * p.q_pre_stride_b + int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
-      }
+      const int e = ch * 8, gg = e / head_dim, cc = e - gg * head_dim;
+      const DType* src = q_pre;
+      if (i < n) src += sm.mem[i] * stride_b + (head0 + gg) * stride_h + cc;
       CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
     }
     CpAsyncCommit();
@@ -1496,6 +1499,9 @@ __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int 
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const ProbeSmem<KEY_DIM> pm(sm);
   const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
+  // Where the members' bests go, read with the view (out of line: WarpSegScanTc).
+  LookupPartial* const pbest = a.pbest;
+  const int64_t hkv = a.hkv, lookup_width = a.lookup_width;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int C1 = int(v.C1), m = v.top_m;
   const float* pscale = nullptr;
@@ -1577,7 +1583,7 @@ __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int 
     }
     const int i = 2 * (lane & 3) + e;
     if ((lane >> 2) == 0 && i < n) {
-      a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + u] = {best[e].score, best[e].index};
+      pbest[(sm.mem[i] * hkv + h) * lookup_width + u] = {best[e].score, best[e].index};
     }
   }
 }
