@@ -694,13 +694,16 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
   const int rows = all_rows ? MB : (n + 7) / 8 * 8;
   const int term_bytes = MB * KEY_DIM * 2;
   if (terms == 1) {  // q_pre itself: async copies
+    // The fields read once, before the copies (out of line each cp.async made the compiler
+    // load them again: WarpSegScanTc).
+    const DType* const q_pre = static_cast<const DType*>(p.q_pre);
+    const int64_t stride_b = p.q_pre_stride_b, stride_h = p.q_pre_stride_h;
+    const int head_dim = a.head_dim, head0 = h * a.group;
     for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
-      const int e = ch * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
-      const DType* src = static_cast<const DType*>(p.q_pre);
-      if (i < n) {
-        src += int64_t(sm.mem[i]) * p.q_pre_stride_b + int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
-      }
+      const int e = ch * 8, gg = e / head_dim, cc = e - gg * head_dim;
+      const DType* src = q_pre;
+      if (i < n) src += sm.mem[i] * stride_b + (head0 + gg) * stride_h + cc;
       CpAsync16(sm.q + (i * kQRC + (ch ^ (i & 7))) * 16, src, i < n);
     }
     CpAsyncCommit();
@@ -903,6 +906,23 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
   const int term_bytes = MB * KEY_DIM * 2;
   const char* ring = sm.ring + size_t(warp) * kRing * kPieces * 512;  // SegSmem::WarpRing
   int slot = 0;  // the ring slot of the next chunk to score (kr started kRing - 1 chunks)
+  // Where member b's parent scores and segment bests go. Out of line (LookupBlockOther: the
+  // instantiations with !ALL_NT, int8 keys among them) `a` is a generic pointer into the
+  // parameter space, and each asm statement that clobbers memory (cp.async, ldmatrix, mma)
+  // made the compiler load these fields again before the next store, one load in series
+  // each, beside the attention's streams (SASS of LookupBlockOther<bf16, 512>: 520 generic
+  // loads, 150 with them read once); so those read them once here. The common path (ALL_NT,
+  // inlined in the kernel) reads them from the constant bank as it goes: held in registers
+  // there they were spilled (12 more local loads in its body).
+  const int64_t hkv_once = a.hkv, pw_once = a.parent_width, lw_once = a.lookup_width;
+  float* const pscore_once = a.pscore;
+  LookupPartial* const pbest_once = a.pbest;
+  auto pscore_row = [&](int b) -> float* {
+    return ALL_NT ? a.pscore + (int64_t(b) * a.hkv + h) * a.parent_width : pscore_once + (b * hkv_once + h) * pw_once;
+  };
+  auto pbest_row = [&](int b) -> LookupPartial* {
+    return ALL_NT ? a.pbest + (int64_t(b) * a.hkv + h) * a.lookup_width : pbest_once + (b * hkv_once + h) * lw_once;
+  };
 
   SegList it = segs;
   Seg sg;
@@ -912,7 +932,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
     if (hi <= lo) {
       if (!parents) {
         for (int i = lane; i < n; i += 32) {
-          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + sg.slot] = {-INFINITY, -1};
+          pbest_row(sm.mem[i])[sg.slot] = {-INFINITY, -1};
         }
       }
       continue;
@@ -971,7 +991,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
           for (int e = 0; e < 2; ++e) {
             const int i = 8 * nt + 2 * t4 + e;
             if (i >= n) continue;
-            float* ps = a.pscore + (int64_t(sm.mem[i]) * a.hkv + h) * a.parent_width;
+            float* ps = pscore_row(sm.mem[i]);
             if (ok_lo) ps[r_lo] = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
             if (ok_hi) ps[r_hi] = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
           }
@@ -1008,8 +1028,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
         }
         const int i = 8 * nt + 2 * t4 + e;
         if (g == 0 && i < n) {
-          a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + sg.slot] = {
-              best[nt][e].score, best[nt][e].index};
+          pbest_row(sm.mem[i])[sg.slot] = {best[nt][e].score, best[nt][e].index};
         }
       }
     }
@@ -1023,11 +1042,13 @@ template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void CopyMemberRows(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, char* raw, int n,
                                                int h) {
   constexpr int kPieces = KEY_DIM / 8;  // 8-dim pieces of a member key
-  const DecodeParams& p = a.p;
+  // The fields read once, before the copies (each cp.async clobbers memory: WarpSegScanTc).
+  const DType* const q_pre = static_cast<const DType*>(a.p.q_pre);
+  const int64_t stride_b = a.p.q_pre_stride_b, stride_h = a.p.q_pre_stride_h;
+  const int head_dim = a.head_dim, head0 = h * a.group;
   for (int c = threadIdx.x; c < n * kPieces; c += kThreads) {
-    const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / a.head_dim, cc = e - gg * a.head_dim;
-    const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(sm.mem[i]) * p.q_pre_stride_b +
-                       int64_t(h * a.group + gg) * p.q_pre_stride_h + cc;
+    const int i = c / kPieces, e = (c - i * kPieces) * 8, gg = e / head_dim, cc = e - gg * head_dim;
+    const DType* src = q_pre + sm.mem[i] * stride_b + (head0 + gg) * stride_h + cc;
     CpAsync16(raw + int64_t(c) * 16, src, true);
   }
   CpAsyncCommit();
@@ -1272,9 +1293,13 @@ __device__ __forceinline__ bool KeysOfType(const DictLayerView& v) {
 // lost up to 8% (H200, session 30: LLaMA-3.1-8B B = 32, K = 4096 hierarchical 64.7 -> 69.9 us out of
 // line, 64.4 -> 64.9 inline; B = 1 linear 32.0 -> 33.2 inline).
 template <typename DType>
-__device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
+__device__ __forceinline__ bool ProbeViewOf(const DictLayerView& v, int32_t batch, int32_t units) {
   return (KeysOfType<DType>(v) || v.keys_dtype == KernelDType::kI8) && v.whitening == nullptr &&
-         ProbePays(v.K, v.C1, v.top_m, a.batch, a.lookup_splits * kLookupUnits);
+         ProbePays(v.K, v.C1, v.top_m, batch, units);
+}
+template <typename DType>
+__device__ __forceinline__ bool ProbeView(const LaunchArgs& a, const DictLayerView& v) {
+  return ProbeViewOf<DType>(v, a.batch, a.lookup_splits * kLookupUnits);
 }
 
 // The probing lookup's tables, in the member-key region past its kProbeMembers rows.
@@ -1474,6 +1499,9 @@ __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int 
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
   const ProbeSmem<KEY_DIM> pm(sm);
   const DictLayerView v = a.p.dict_views[int64_t(id) * a.hkv + h];
+  // Where the members' bests go, read with the view (out of line: WarpSegScanTc).
+  LookupPartial* const pbest = a.pbest;
+  const int64_t hkv = a.hkv, lookup_width = a.lookup_width;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int C1 = int(v.C1), m = v.top_m;
   const float* pscale = nullptr;
@@ -1555,7 +1583,7 @@ __device__ __forceinline__ void ProbeBlock(const LaunchArgs& a, int32_t id, int 
     }
     const int i = 2 * (lane & 3) + e;
     if ((lane >> 2) == 0 && i < n) {
-      a.pbest[(int64_t(sm.mem[i]) * a.hkv + h) * a.lookup_width + u] = {best[e].score, best[e].index};
+      pbest[(sm.mem[i] * hkv + h) * lookup_width + u] = {best[e].score, best[e].index};
     }
   }
 }
@@ -1781,8 +1809,19 @@ __device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, 
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
+// The launch's fields DictEntryPick reads, passed by value.
+struct DictPickArgs {
+  const int32_t* dict_ids;
+  const DictLayerView* views;
+  const float* pscore;
+  const LookupPartial* pbest;
+  int32_t num_dicts, hkv, parent_width, lookup_width;
+  int32_t units;  // lookup units per KV head: lookup_splits * kLookupUnits
+  int32_t batch;
+  bool probe;
+};
 template <typename DType>
-__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys);
+__device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys);
 
 // Warms the L1 of an attention CTA of kSplitOutDict, by one warp before its tile loop, with
 // the static data DictEntryPick reads before it waits for the lookup: the request's
@@ -2039,7 +2078,10 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   if (a.split_out == kSplitOutDict) {
     int32_t* sm_pick = reinterpret_cast<int32_t*>(sm_res + GROUP * HEAD_DIM);
     if (warp == 0) {
-      const int2 r = DictEntryPick<DType>(a, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
+      const DictPickArgs pa{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
+                            p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
+                            a.lookup_splits * kLookupUnits, a.batch,         a.probe};
+      const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
       if (lane == 0) {
         sm_pick[0] = r.x;
         sm_pick[1] = r.y;
@@ -2168,15 +2210,13 @@ struct FirstParents {
 // pieces follow from the child offsets and PieceRows; `fp` holds those of the first 64
 // parents). The first 64 parents' score keys stay in registers; `keys`: the warp's shared
 // scratch of kDecodeMaxParents words for the others (read once from global memory).
-__device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh,
-                                                   const FirstParents& fp, uint32_t* keys) {
+// `ps` and `pb`: the (request, KV head)'s pscore and pbest rows; R: PieceRows of the step.
+__device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
+                                                   int R, const FirstParents& fp, uint32_t* keys) {
   const LookupPartial kNone{-INFINITY, -1};
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
   const int m = min(v.top_m, C1);
-  const int R = PieceRows(v.K, a.lookup_splits * kLookupUnits);
-  const float* ps = a.pscore + bh * a.parent_width;
-  const LookupPartial* pb = a.pbest + bh * a.lookup_width;
   const int32_t* off = v.child_offsets;
   const PieceChunk& pc0 = fp.pc0;
   const PieceChunk& pc1 = fp.pc1;
@@ -2255,13 +2295,13 @@ __device__ __forceinline__ Best HierarchicalChoice(const LaunchArgs& a, const Di
 // The entry of view v for (b, h) = bh once the lookup is done, by one warp (the attention
 // CTAs' pick and the combine's): HierarchicalChoice when `hier`, else the best of the units'
 // slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
-__device__ __forceinline__ Best EntryChoice(const LaunchArgs& a, const DictLayerView& v, int64_t bh, bool hier,
-                                            const FirstParents& fp, uint32_t* keys) {
-  if (hier) return HierarchicalChoice(a, v, bh, fp, keys);
+__device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
+                                            int units, bool ok, bool hier, const FirstParents& fp,
+                                            uint32_t* keys) {
+  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys);
   Best best{-INFINITY, -1};
-  if (LookupViewOk(v, a)) {
-    const LookupPartial* pb = a.pbest + bh * a.lookup_width;
-    for (int q = int(threadIdx.x & 31); q < a.lookup_splits * kLookupUnits; q += 32) {
+  if (ok) {
+    for (int q = int(threadIdx.x & 31); q < units; q += 32) {
       const LookupPartial x = LoadPartial(pb + q);
       if (Beats(x.score, x.index, best.score, best.index)) best = {x.score, x.index};
     }
@@ -2276,19 +2316,25 @@ __device__ __forceinline__ Best EntryChoice(const LaunchArgs& a, const DictLayer
 // combine's pick (below), with the wait for the lookup grid in place of its flag: this kernel
 // was launched after the lookup kernel (programmatic dependent launch, or in stream order),
 // all of whose CTAs run before this one can, so the wait ends. Out of line, beside the
-// attention's loop; `keys`: shared scratch of kDecodeMaxParents words.
+// attention's loop; `keys`: shared scratch of kDecodeMaxParents words. The launch's fields
+// come by value (DictPickArgs, from the caller's constant bank): through a reference to the
+// kernel parameter they were generic loads from the parameter space, issued in series with
+// the id and the view and again after the wait (SASS: 19 such loads in this function).
 template <typename DType>
-__device__ __noinline__ int2 DictEntryPick(const LaunchArgs& a, int b, int h, uint32_t* keys) {
-  const DecodeParams& p = a.p;
-  const int32_t id = p.dict_ids[b];
-  if (id < -1 || id >= p.num_dicts) return make_int2(-1, 1);
+__device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys) {
+  const int32_t id = pa.dict_ids[b];
+  if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
-  const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-  bool hier = LookupViewOk(v, a) && v.C1 > 0;
-  if (a.probe) hier = hier && !ProbeView<DType>(a, v);
-  const FirstParents fp(hier ? v : DictLayerView{}, PieceRows(v.K, a.lookup_splits * kLookupUnits));
+  const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
+  const bool ok = ViewUsable(v) && v.C1 <= pa.parent_width;  // LookupViewOk
+  bool hier = ok && v.C1 > 0;
+  if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
+  const int R = PieceRows(v.K, pa.units);
+  const FirstParents fp(hier ? v : DictLayerView{}, R);
   GridDependencyWait();
-  const Best best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, keys);
+  const int64_t bh = int64_t(b) * pa.hkv + h;
+  const Best best = EntryChoice(v, pa.pscore + bh * pa.parent_width, pa.pbest + bh * pa.lookup_width,
+                                pa.units, ok, hier, fp, keys);
   if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
   return make_int2(best.index, 0);
 }
@@ -2368,7 +2414,9 @@ __global__ void __launch_bounds__(kThreads) DecodeCombineKernel(const LaunchArgs
         if (!up) GridDependencyWait();
         DTL(if (tlr) tlr[1] = DtlNow());
         __threadfence();
-        best = EntryChoice(a, v, int64_t(b) * a.hkv + h, hier, fp, parent_keys[warp]);
+        const int64_t bh = int64_t(b) * a.hkv + h;
+        best = EntryChoice(v, a.pscore + bh * a.parent_width, a.pbest + bh * a.lookup_width,
+                           a.lookup_splits * kLookupUnits, LookupViewOk(v, a), hier, fp, parent_keys[warp]);
         if (one_choice && lane == 0) choice = best.index;
       }
       if (one_choice) {
