@@ -566,8 +566,11 @@ struct SegSmem {
 };
 
 // A view the lookup serves: usable, and its parents fit the workspace's parent tables.
+__device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, int64_t parent_width) {
+  return ViewUsable(v) && v.C1 <= parent_width;
+}
 __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const LaunchArgs& a) {
-  return ViewUsable(v) && v.C1 <= a.parent_width;
+  return LookupViewOk(v, a.parent_width);
 }
 
 // One segment of a lookup unit: rows [lo, hi) of the parent keys (parents) or of the keys;
@@ -2326,7 +2329,7 @@ __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, 
   if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
   const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
-  const bool ok = ViewUsable(v) && v.C1 <= pa.parent_width;  // LookupViewOk
+  const bool ok = LookupViewOk(v, pa.parent_width);
   bool hier = ok && v.C1 > 0;
   if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
   const int R = PieceRows(v.K, pa.units);
