@@ -178,16 +178,21 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
-    if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
     if (a.lookup) {
       // The lookup's done count and flag (the combine picks the entries once it is done; the
       // attention CTAs of kSplitOutDict wait for the lookup grid's end instead).
       if (a.split_out != kSplitOutDict) {
         ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
       }
-      // One lookup grid per key width, in stream order (the attention kernel waits for the
-      // last, which starts once the one before has ended).
-      ForEachKeyDim(a.key_dims, [&](auto r) { LaunchDecodeLookup<DType, decltype(r)::value>(a, stream); });
+      // The whitening, then one lookup grid per key width: the first starts beside the
+      // whitening (programmatic dependent launch), the others in stream order (the attention
+      // kernel waits for the last, which starts once the one before has ended).
+      if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
+      bool first = true;
+      ForEachKeyDim(a.key_dims, [&](auto r) {
+        LaunchDecodeLookup<DType, decltype(r)::value>(a, first && a.whitened != nullptr && !no_pdl, stream);
+        first = false;
+      });
     }
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::Bytes(a.attn_stages),
                                              a.lookup && !no_pdl, stream);

@@ -12,5 +12,5 @@
   template void LoadDecodeKernels<DT, HD, G>();
 // The lookup of one key width KD (each supported width in one file).
 #define ASMEM_DECODE_LOOKUP_IMPL(DT, KD)                                      \
-  template void LaunchDecodeLookup<DT, KD>(const LaunchArgs&, cudaStream_t); \
+  template void LaunchDecodeLookup<DT, KD>(const LaunchArgs&, bool, cudaStream_t); \
   template void LoadDecodeLookupKernels<DT, KD>();

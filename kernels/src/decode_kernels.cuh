@@ -1677,6 +1677,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     if (!LookupViewOk(v, a)) continue;                        // the combine flags it
     if (ViewKeyDim(v, a.group * a.head_dim) != KEY_DIM) continue;  // another grid's width
+    // Whitened keys come from the whitening grid, this one's primary (programmatic dependent
+    // launch): wait for it before they are read.
+    if (v.whitening != nullptr && a.whitened != nullptr) GridDependencyWait();
     bool probe = false;
     if constexpr (PROBE) probe = ProbeView<DType>(a, v);
     if (!probe) {
@@ -2184,6 +2187,7 @@ __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const __grid_con
 
 template <typename DType>
 __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs a) {
+  GridLaunchDependents();  // the lookup starts at once and waits before it reads the keys
   __shared__ __align__(16) float xm[kMaxKeyDim];
   const int bh = int(blockIdx.y);
   const int b = bh / a.hkv, h = bh % a.hkv;
@@ -2200,10 +2204,31 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
   if (row0 >= R) return;
   LoadLookupKey<DType>(a, b, h, mean, xm);
   __syncthreads();
+  // Warp w: rows row0 + w + 4 k, k < 8, their loads in flight together (WhitenDot's sums, in
+  // its order, one row per accumulator).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int r = row0 + warp; r < min(row0 + 32, R); r += kWarps) {
-    const float y = WhitenDot(W + int64_t(r) * D, xm, D);
-    if (lane == 0) a.whitened[int64_t(bh) * D + r] = y;
+  constexpr int kRows = 32 / kWarps;
+  float acc[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) acc[k] = 0.f;
+  for (int j = lane * 4; j < D; j += 128) {
+    const float4 x = *reinterpret_cast<const float4*>(xm + j);
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int r = row0 + warp + k * kWarps;
+      if (r < R) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(W + int64_t(r) * D + j));
+        acc[k] = fmaf(w.x, x.x, fmaf(w.y, x.y, fmaf(w.z, x.z, fmaf(w.w, x.w, acc[k]))));
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    float y = acc[k];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
+    const int r = row0 + warp + k * kWarps;
+    if (lane == 0 && r < R) a.whitened[int64_t(bh) * D + r] = y;
   }
 }
 
@@ -2649,12 +2674,12 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, unsigned block, size_t smem, b
 }
 
 template <typename DType, int kKeyDim>
-void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream) {
+void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream) {
   if (a.n_lookup_ctas == 0) return;
   auto kernel = a.probe ? DecodeLookupKernel<DType, kKeyDim, true> : DecodeLookupKernel<DType, kKeyDim, false>;
   const size_t smem = SegTile<kKeyDim>::kBytes;
   AllowDynamicSmem(kernel, smem, true);
-  LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, false, a, stream);
+  LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, after_whiten, a, stream);
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>

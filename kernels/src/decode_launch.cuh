@@ -159,8 +159,10 @@ struct SegTile {
 // each request's view of that key width, writes per-segment bests and parent scores.
 // Launched before the attention kernel, which the last lookup grid lets start at once.
 // Instantiated per supported width (DecodeKeyDimSupported) in decode_attn_*.cu.
+// `after_whiten`: launched with programmatic dependent launch right after the whitening
+// kernel (its CTAs wait for that grid before they read whitened keys).
 template <typename DType, int KEY_DIM>
-void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream);
+void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream);
 template <typename DType, int KEY_DIM>
 void LoadDecodeLookupKernels();
 // Attention kernel: split-KV attention CTAs. `after_lookup`: launched with programmatic

@@ -690,6 +690,7 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
     s.Hkv = 8;
     s.d = 128;
     const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
+    s.T.clear();
     for (int32_t b = 0; b < 32; ++b) {
       s.T.push_back(T[b % 8]);
       s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
