@@ -16,7 +16,7 @@
 // dictionary row the lookups touch once); roofline = bytes / time / --hbm-tbps.
 //
 //   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
-//                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--no-torch]
+//                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--key-rank R] [--no-torch]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -72,6 +72,7 @@ struct Options {
   double hbm_tbps = 4.3;
   double child_skew = 0.0;  // hierarchical views: children per parent ~ exp(skew N(0, 1))
   std::string key_dtype = "bf16";  // lookup keys: bf16, or i8 (QuantizeKeysI8)
+  int key_rank = 0;  // lookup keys of this many dims through an [R, G d] projection; 0: G d
   std::vector<std::string> modes = {"linear", "hier"};
   std::vector<std::string> torch_backends = {"cudnn", "flash", "efficient"};
   std::vector<int> batches = {1, 8, 32, 64};
@@ -179,10 +180,11 @@ struct DeviceDict {
 // Bytes of one key row: bf16, or int8 with its f32 scale.
 double KeyRowBytes(int64_t D, bool i8) { return i8 ? double(D) + 4.0 : 2.0 * D; }
 
-DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, bool i8, int copies,
-                    Rng& rng) {
+DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, bool i8, int key_rank,
+                    int copies, Rng& rng) {
   DeviceDict dd;
-  const int64_t G = s.hq / s.hkv, D = G * kHeadDim;
+  const int64_t G = s.hq / s.hkv, GD = G * kHeadDim;
+  const int64_t D = key_rank > 0 ? key_rank : GD;  // the key rows' dims
   dd.K = K;
   dd.D = D;
   dd.C1 = std::max<int64_t>(1, int64_t(std::lround(std::sqrt(double(K)))));
@@ -214,6 +216,20 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, boo
   };
   std::vector<float> lse(size_t(K * G));
   for (auto& x : lse) x = 4.f + rng.normal();
+  // With a key rank: a projection [R, G d] of unit rows (f32) and a zero mean.
+  std::vector<float> proj, mean;
+  if (key_rank > 0) {
+    proj.resize(size_t(D * GD));
+    for (int64_t i = 0; i < D; ++i) {
+      double ss = 0;
+      for (int64_t j = 0; j < GD; ++j) {
+        proj[i * GD + j] = rng.normal();
+        ss += double(proj[i * GD + j]) * proj[i * GD + j];
+      }
+      for (int64_t j = 0; j < GD; ++j) proj[i * GD + j] *= float(1.0 / std::sqrt(ss));
+    }
+    mean.assign(size_t(GD), 0.f);
+  }
   for (int c = 0; c < copies; ++c) {
     for (int h = 0; h < s.hkv; ++h) {
       dd.mem.push_back(Upload(unit_rows(K)));
@@ -237,6 +253,13 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, boo
       v.values_o = values;
       v.values_lse = vlse;
       v.K = K;
+      if (key_rank > 0) {
+        dd.mem.push_back(Upload(proj));
+        v.whitening = dd.mem.back().as<float>();
+        dd.mem.push_back(Upload(mean));
+        v.whitening_mean = dd.mem.back().as<float>();
+        v.key_dim = int32_t(key_rank);
+      }
       v.keys_dtype = i8 ? KernelDType::kI8 : KernelDType::kBF16;
       v.values_dtype = KernelDType::kBF16;
       ValidateDictLayerView(v, int32_t(G), kHeadDim, false, "bench dictionary");
@@ -251,7 +274,8 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, boo
   }
   dd.linear_dev = Upload(dd.linear_views);
   dd.hier_dev = Upload(dd.hier_views);
-  dd.bytes_per_copy = int64_t(s.hkv * (K * KeyRowBytes(D, i8) + K * G * kHeadDim * 2 + K * G * 4));
+  dd.bytes_per_copy = int64_t(s.hkv * (K * KeyRowBytes(D, i8) + K * G * kHeadDim * 2 + K * G * 4 +
+                                        int64_t(proj.size() + mean.size()) * 4));
   return dd;
 }
 
@@ -525,11 +549,15 @@ int Run(const Options& opt) {
     const bool i8 = opt.key_dtype == "i8";
     const int64_t op_ppr = (int64_t(T) + kPageSize - 1) / kPageSize;
     std::map<int, DeviceDict> dicts;
+    const int64_t D = opt.key_rank > 0 ? opt.key_rank : int64_t(G) * kHeadDim;  // key row dims
+    if (D > int64_t(G) * kHeadDim) {
+      throw InvalidArgument("--key-rank " + std::to_string(D) + " exceeds " + s.name + "'s G d = " +
+                            std::to_string(int64_t(G) * kHeadDim));
+    }
     for (int K : opt.ks) {
-      const int64_t D = int64_t(G) * kHeadDim;
       const double dict_bytes = double(s.hkv) * (double(K) * KeyRowBytes(D, i8) + double(K) * G * kHeadDim * 2);
       const double kv_bytes = double(Bmin) * s.hkv * T * kHeadDim * 2 * 2;
-      dicts[K] = MakeDict(s, K, opt.top_m, opt.child_skew, i8,
+      dicts[K] = MakeDict(s, K, opt.top_m, opt.child_skew, i8, opt.key_rank,
                           rotations_for(kv_bytes + dict_bytes, int64_t(Bmin) * op_ppr), rng);
     }
 
@@ -660,7 +688,6 @@ int Run(const Options& opt) {
 
       // (a) the op: dictionary lookup + attention over T.
       for (int K : opt.ks) {
-        const int64_t D = int64_t(G) * kHeadDim;
         const double dict_bytes = double(s.hkv) * (double(K) * KeyRowBytes(D, i8) + double(K) * G * kHeadDim * 2);
         const double kv_bytes = double(B) * s.hkv * T * kHeadDim * 2 * 2;
         const int R = std::min(rotations_for(kv_bytes + dict_bytes, int64_t(B) * op_ppr), dicts[K].copies);
@@ -685,6 +712,10 @@ int Run(const Options& opt) {
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
           c.max_lookup_rows = rows;
           c.max_dict_keys = K;
+          if (opt.key_rank > 0) {
+            c.whitening = true;
+            c.key_dims = DecodeKeyDimBit(opt.key_rank);
+          }
           std::vector<DecodeParams> rot;
           const DictLayerView* views = hier ? dd.hier_dev.as<DictLayerView>() : dd.linear_dev.as<DictLayerView>();
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));
@@ -701,7 +732,7 @@ int Run(const Options& opt) {
           const double roof = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
           const DecodePlan plan = PlanDecode(c);
           json j = {{"shape", s.name}, {"Hq", s.hq}, {"Hkv", s.hkv}, {"B", B}, {"T", T}, {"K", K},
-                    {"mode", mode}, {"key_dtype", opt.key_dtype}, {"C1", hier ? dd.C1 : 0},
+                    {"mode", mode}, {"key_dtype", opt.key_dtype}, {"key_dim", D}, {"C1", hier ? dd.C1 : 0},
                     {"top_m", hier ? opt.top_m : 0},
                     {"bytes", bytes}, {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits},
                     {"lookup_splits", plan.lookup_splits}};
@@ -760,6 +791,9 @@ int main(int argc, char** argv) {
   app.add_option("--top-m", opt.top_m, "parents probed by the hierarchical lookup");
   app.add_option("--key-dtype", opt.key_dtype, "lookup keys: bf16, or i8 (int8 rows with f32 scales)")
       ->check(CLI::IsMember({"bf16", "i8"}));
+  app.add_option("--key-rank", opt.key_rank,
+                 "lookup keys of R dims through a random [R, G d] projection (whitening); 0: G d dims")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--child-skew", opt.child_skew,
                  "unequal children per parent, ~ exp(SKEW N(0, 1)) (0: equal; 0.6 is about as "
                  "unequal as a compiled dictionary)")
@@ -790,6 +824,10 @@ int main(int argc, char** argv) {
       if (app.count("--ks") == 0) opt.ks = {4096};
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
+    if (opt.key_rank > 0 && (opt.key_dtype == "i8" || !asmem::DecodeKeyDimSupported(opt.key_rank))) {
+      throw asmem::InvalidArgument("--key-rank " + std::to_string(opt.key_rank) +
+                                   ": needs bf16 keys and a multiple of 64 up to 512 or of 128 up to 1024");
+    }
     if (!opt.timeline.empty()) {
       std::FILE* f = std::fopen(opt.timeline.c_str(), "w");
       if (f == nullptr) throw asmem::IoError("cannot write " + opt.timeline);

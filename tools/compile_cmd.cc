@@ -35,6 +35,10 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--kmeans-backend", o->kmeans_backend,
                   "auto | cpu (FAISS) | cuda | reference (the CUDA path's CPU reference)")->capture_default_str();
   cmd->add_flag("--whitening", o->whitening, "Whiten lookup keys with the training keys' Sigma^-1/2");
+  cmd->add_option("--key-rank", o->key_rank,
+                  "Reduce lookup keys to r dims (their top principal directions; a multiple of 64 below G*d; "
+                  "0: all G*d dims)")
+      ->capture_default_str();
   cmd->add_option("--key-mode", o->key_mode, "Lookup keys: pre_rope | rope_unified")->capture_default_str();
   cmd->add_option("--rope-position", o->rope_position,
                   "Position of RoPE-unified keys (-1: the prefix length P)")->capture_default_str();

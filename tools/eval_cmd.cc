@@ -120,6 +120,7 @@ void run_eval(const EvalArgs& a) {
                       {"value_dtype", m.compile.value_dtype},
                       {"key_mode", m.compile.key_mode},
                       {"whitening", m.compile.whitening},
+                      {"key_rank", m.compile.key_rank},
                       {"int8_keys", st.int8_keys},
                       {"int8_sections", r.int8_sections},
                       {"keys", keys},

@@ -109,6 +109,7 @@ json to_json(const DictionaryFile& f) {
                   {"seed", c.seed},
                   {"kmeans_iters", c.kmeans_iters},
                   {"whitening", c.whitening},
+                  {"key_rank", c.key_rank},
                   {"key_mode", c.key_mode},
                   {"rope_unified_position", c.rope_unified_position},
                   {"n_traces", c.n_traces},
@@ -172,11 +173,12 @@ void print_text(const DictionaryFile& f) {
   std::string keys = c.key_mode;
   if (c.key_mode == "rope_unified")
     keys += " at position " + std::to_string(c.rope_unified_position);
+  if (c.key_rank > 0) keys += ", reduced to " + std::to_string(c.key_rank) + " dims";
   std::printf(
       "compile:      K=%lld C1=%lld top_m=%lld values %s, keys %s, k-means %d iters, seed %" PRIu64
       ", whitening %s\n",
       (long long)c.entries, (long long)c.parents, (long long)c.top_m, c.value_dtype.c_str(),
-      keys.c_str(), c.kmeans_iters, c.seed, c.whitening ? "yes" : "no");
+      keys.c_str(), c.kmeans_iters, c.seed, c.key_rank > 0 ? "projection" : c.whitening ? "yes" : "no");
   std::printf(
       "traces:       %lld, train tokens %lld, holdout tokens %lld, max response tokens %lld\n",
       (long long)c.n_traces, (long long)c.n_train_tokens, (long long)c.n_holdout_tokens,

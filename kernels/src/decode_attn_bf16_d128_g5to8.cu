@@ -9,5 +9,10 @@ ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 6)
 ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 7)
 ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 128, 8)
 
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 640)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 768)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 896)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 1024)
+
 }  // namespace decode
 }  // namespace asmem

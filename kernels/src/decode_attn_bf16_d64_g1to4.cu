@@ -10,5 +10,10 @@ ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 64, 3)
 ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 64, 4)
 template void LaunchDecodeCombine<__nv_bfloat16, 64>(const LaunchArgs&, cudaStream_t);
 
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 64)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 128)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 192)
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 256)
+
 }  // namespace decode
 }  // namespace asmem

@@ -10,5 +10,7 @@ ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 64, 7)
 ASMEM_DECODE_GROUP_IMPL(__nv_bfloat16, 64, 8)
 template void LaunchDecodeWhiten<__nv_bfloat16>(const LaunchArgs&, cudaStream_t);
 
+ASMEM_DECODE_LOOKUP_IMPL(__nv_bfloat16, 320)
+
 }  // namespace decode
 }  // namespace asmem

@@ -10,5 +10,9 @@ ASMEM_DECODE_GROUP_IMPL(__half, 128, 3)
 ASMEM_DECODE_GROUP_IMPL(__half, 128, 4)
 template void LaunchDecodeCombine<__half, 128>(const LaunchArgs&, cudaStream_t);
 
+ASMEM_DECODE_LOOKUP_IMPL(__half, 384)
+ASMEM_DECODE_LOOKUP_IMPL(__half, 448)
+ASMEM_DECODE_LOOKUP_IMPL(__half, 512)
+
 }  // namespace decode
 }  // namespace asmem

@@ -10,5 +10,10 @@ ASMEM_DECODE_GROUP_IMPL(__half, 64, 3)
 ASMEM_DECODE_GROUP_IMPL(__half, 64, 4)
 template void LaunchDecodeCombine<__half, 64>(const LaunchArgs&, cudaStream_t);
 
+ASMEM_DECODE_LOOKUP_IMPL(__half, 64)
+ASMEM_DECODE_LOOKUP_IMPL(__half, 128)
+ASMEM_DECODE_LOOKUP_IMPL(__half, 192)
+ASMEM_DECODE_LOOKUP_IMPL(__half, 256)
+
 }  // namespace decode
 }  // namespace asmem

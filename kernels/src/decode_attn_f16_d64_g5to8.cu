@@ -10,5 +10,7 @@ ASMEM_DECODE_GROUP_IMPL(__half, 64, 7)
 ASMEM_DECODE_GROUP_IMPL(__half, 64, 8)
 template void LaunchDecodeWhiten<__half>(const LaunchArgs&, cudaStream_t);
 
+ASMEM_DECODE_LOOKUP_IMPL(__half, 320)
+
 }  // namespace decode
 }  // namespace asmem

@@ -134,6 +134,8 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& pl
 // head) units, and a known max_dict_keys whose key bytes come to at most 1 / kOneWaveKeyShare
 // of the attention's. Lookup keys of at most kOneRepMaxKeyDim dims then take one lookup rep.
 bool LookupOneWave(const DecodeConfig& config);
+// The widest lookup key the config's steps serve: G*d, or the largest width in key_dims.
+int32_t MaxKeyDim(const DecodeConfig& config);
 
 }  // namespace decode
 }  // namespace asmem

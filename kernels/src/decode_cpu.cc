@@ -139,6 +139,7 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
     return "probe_max_batch must be in [-1, 8], got " + std::to_string(c.probe_max_batch);
   }
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
+  if ((c.key_dims >> 12) != 0) return "key_dims has bits past DecodeKeyDimBit(1024)";
   *invalid = false;
   const int32_t G = c.num_q_heads / c.num_kv_heads;
   if (G > kDecodeMaxGroup) {
@@ -247,13 +248,21 @@ bool DecodeSupported(const DecodeConfig& config) {
   return decode::WhyUnsupported(config, &invalid).empty();
 }
 
+int32_t decode::MaxKeyDim(const DecodeConfig& c) {
+  if (c.key_dims == 0) return c.num_q_heads / c.num_kv_heads * c.head_dim;
+  int32_t widest = 0;
+  for (int32_t R = 64; R <= kMaxKeyDim; R += 64) {
+    if (DecodeKeyDimSupported(R) && (c.key_dims & DecodeKeyDimBit(R)) != 0) widest = R;
+  }
+  return widest;
+}
+
 bool decode::LookupOneWave(const DecodeConfig& c) {
   const int64_t units = int64_t(c.batch) * c.num_kv_heads;
-  const int64_t G = c.num_q_heads / c.num_kv_heads;
-  // Key bytes per KV head (K G d 2) against the attention's (batch T d 4), in doubles: the
-  // hint may be any int64.
-  const double key_bytes = double(c.max_dict_keys) * double(G) * 2.0;
-  const double attn_bytes = double(c.batch) * double(c.max_seq_len) * 4.0;
+  // Key bytes per KV head (K R 2, R the widest lookup key) against the attention's (batch T
+  // d 4), in doubles: the hint may be any int64.
+  const double key_bytes = double(c.max_dict_keys) * double(MaxKeyDim(c)) * 2.0;
+  const double attn_bytes = double(c.batch) * double(c.max_seq_len) * double(c.head_dim) * 4.0;
   return c.use_dictionaries && c.plan_ctas == 0 && units >= kOneWaveUnits && c.max_dict_keys > 0 &&
          key_bytes * double(kOneWaveKeyShare) <= attn_bytes;
 }
@@ -275,7 +284,7 @@ DecodePlan PlanDecode(const DecodeConfig& c) {
     const int64_t per_head = (kDecodePlanSms + c.num_kv_heads - 1) / c.num_kv_heads;
     plan.lookup_splits =
         int32_t(std::min<int64_t>(c.lookup_ctas > 0 ? c.lookup_ctas : per_head, kMaxLookupCtas));
-    const bool narrow = int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim <= kOneRepMaxKeyDim;
+    const bool narrow = MaxKeyDim(c) <= kOneRepMaxKeyDim;
     plan.lookup_reps = one_wave && narrow ? 1 : kLookupReps;
     plan.parent_width = int32_t(kDecodeMaxParents);  // any valid view fits: plans survive
                                                      // a dictionary replace
@@ -346,6 +355,15 @@ void ValidateDictLayerView(const DictLayerView& v, int32_t G, int32_t d, bool ho
   if ((v.whitening == nullptr) != (v.whitening_mean == nullptr)) {
     fail("whitening and whitening_mean must be given together");
   }
+  {
+    const int64_t D = int64_t(G) * d;
+    if (v.whitening == nullptr && v.key_dim != 0 && v.key_dim != D) {
+      fail("key_dim " + std::to_string(v.key_dim) + " without whitening must be 0 or D = " + std::to_string(D));
+    }
+    if (v.key_dim < 0 || v.key_dim > D) {
+      fail("key_dim " + std::to_string(v.key_dim) + " is outside [0, D = " + std::to_string(D) + "]");
+    }
+  }
   if (i8 && host_memory) {
     const int64_t D = int64_t(G) * d;
     auto scales_ok = [&](const void* buf, int64_t rows, const char* name) {
@@ -414,22 +432,24 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
                                                        view->keys, view->K, D, q8.data(), view->top_m)
                              : LookupLinearI8Cpu(view->keys, view->K, D, q8.data());
         } else {
+          const int64_t R = DictKeyDim(*view, D);  // validated: R == D without whitening
+          std::vector<float> y(R);
           if (view->whitening) {
-            std::vector<float> y(D);
-            WhitenLookupKeyCpu(view->whitening, view->whitening_mean, D, key.data(), y.data());
-            key = y;
+            WhitenLookupKeyCpu(view->whitening, view->whitening_mean, R, D, key.data(), y.data());
+          } else {
+            y.assign(key.begin(), key.end());
           }
-          keys.resize(view->K * D);
-          for (int64_t i = 0; i < view->K * D; ++i) keys[i] = LoadAsFloat(view->keys, view->keys_dtype, i);
+          keys.resize(view->K * R);
+          for (int64_t i = 0; i < view->K * R; ++i) keys[i] = LoadAsFloat(view->keys, view->keys_dtype, i);
           if (view->C1 > 0) {
-            parents.resize(view->C1 * D);
-            for (int64_t i = 0; i < view->C1 * D; ++i) {
+            parents.resize(view->C1 * R);
+            for (int64_t i = 0; i < view->C1 * R; ++i) {
               parents[i] = LoadAsFloat(view->parent_keys, view->keys_dtype, i);
             }
             idx = LookupHierarchicalCpu(parents.data(), view->C1, view->child_offsets, keys.data(),
-                                        view->K, D, key.data(), view->top_m);
+                                        view->K, R, y.data(), view->top_m);
           } else {
-            idx = LookupLinearCpu(keys.data(), view->K, D, key.data());
+            idx = LookupLinearCpu(keys.data(), view->K, R, y.data());
           }
         }
       }
@@ -488,7 +508,7 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
 void DecodeAttention(const DecodeConfig&, const DecodeParams&, void*, size_t, cudaStream_t) {
   throw UnsupportedError("DecodeAttention: asmem was built without CUDA");
 }
-void LoadDecodeKernels(KernelDType, int32_t, int32_t) {
+void LoadDecodeKernels(KernelDType, int32_t, int32_t, uint32_t) {
   throw UnsupportedError("LoadDecodeKernels: asmem was built without CUDA");
 }
 #endif

@@ -37,6 +37,32 @@ unsigned long long* TimelineBuffer() {
 }
 #endif
 
+// The step's lookup key widths: the config's, or G d's alone.
+uint32_t ServedKeyDims(const DecodeConfig& c) {
+  return c.key_dims != 0 ? c.key_dims : DecodeKeyDimBit(int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim);
+}
+
+// Calls f(std::integral_constant<int, R>) for each supported width R whose bit is in `dims`,
+// narrowest first.
+template <typename F>
+void ForEachKeyDim(uint32_t dims, F&& f) {
+  auto one = [&](auto r) {
+    if ((dims & DecodeKeyDimBit(decltype(r)::value)) != 0u) f(r);
+  };
+  one(std::integral_constant<int, 64>{});
+  one(std::integral_constant<int, 128>{});
+  one(std::integral_constant<int, 192>{});
+  one(std::integral_constant<int, 256>{});
+  one(std::integral_constant<int, 320>{});
+  one(std::integral_constant<int, 384>{});
+  one(std::integral_constant<int, 448>{});
+  one(std::integral_constant<int, 512>{});
+  one(std::integral_constant<int, 640>{});
+  one(std::integral_constant<int, 768>{});
+  one(std::integral_constant<int, 896>{});
+  one(std::integral_constant<int, 1024>{});
+}
+
 }  // namespace
 }  // namespace decode
 
@@ -112,6 +138,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
     a.lookup_sync = reinterpret_cast<uint32_t*>(ws + L.lookup_sync);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
+    a.key_dims = ServedKeyDims(c);
+    a.lookup_grids = __builtin_popcount(a.key_dims);
     a.lookup_reps = std::min(p.batch, lookup_reps > 0 ? lookup_reps : plan.lookup_reps);
     const int32_t probe_max = c.probe_max_batch == 0 ? kDecodeProbeMaxBatch : c.probe_max_batch;
     a.probe = p.batch <= probe_max;  // never with -1
@@ -150,14 +178,21 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
-    if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
     if (a.lookup) {
       // The lookup's done count and flag (the combine picks the entries once it is done; the
       // attention CTAs of kSplitOutDict wait for the lookup grid's end instead).
       if (a.split_out != kSplitOutDict) {
         ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
       }
-      LaunchDecodeLookup<DType, HEAD_DIM, GROUP>(a, stream);
+      // The whitening, then one lookup grid per key width: the first starts beside the
+      // whitening (programmatic dependent launch), the others in stream order (the attention
+      // kernel waits for the last, which starts once the one before has ended).
+      if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
+      bool first = true;
+      ForEachKeyDim(a.key_dims, [&](auto r) {
+        LaunchDecodeLookup<DType, decltype(r)::value>(a, first && a.whitened != nullptr && !no_pdl, stream);
+        first = false;
+      });
     }
     LaunchDecodeMain<DType, HEAD_DIM, GROUP>(a, AttnTile<HEAD_DIM>::Bytes(a.attn_stages),
                                              a.lookup && !no_pdl, stream);
@@ -224,10 +259,14 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
 }
 #endif
 
-void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size) {
-  kernel_dispatch::Dispatch("decode attention", dtype, head_dim, group_size, [](auto dt, auto hd, auto gs) {
+void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size, uint32_t key_dims) {
+  if ((key_dims >> 12) != 0) throw InvalidArgument("LoadDecodeKernels: key_dims has bits past DecodeKeyDimBit(1024)");
+  kernel_dispatch::Dispatch("decode attention", dtype, head_dim, group_size, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
-    decode::LoadDecodeKernels<DType, decltype(hd)::value, decltype(gs)::value>();
+    constexpr int HEAD_DIM = decltype(hd)::value, GROUP = decltype(gs)::value;
+    decode::LoadDecodeKernels<DType, HEAD_DIM, GROUP>();
+    const uint32_t dims = key_dims | DecodeKeyDimBit(HEAD_DIM * GROUP);
+    decode::ForEachKeyDim(dims, [](auto r) { decode::LoadDecodeLookupKernels<DType, decltype(r)::value>(); });
   });
 }
 

@@ -277,24 +277,36 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
   return v.K >= 1 && v.keys && v.values_o && v.values_lse && (dtype_ok(v.keys_dtype) || i8) &&
          dtype_ok(v.values_dtype) && v.C1 >= 0 && v.C1 <= kDecodeMaxParents &&
          (v.C1 == 0 || (v.parent_keys && v.child_offsets && v.top_m >= 1)) &&
-         ((v.whitening == nullptr) == (v.whitening_mean == nullptr));
+         ((v.whitening == nullptr) == (v.whitening_mean == nullptr)) && v.key_dim >= 0;
+}
+
+// View v's lookup key width (R; D = G d when its key_dim is 0).
+__device__ __forceinline__ int ViewKeyDim(const DictLayerView& v, int D) { return v.key_dim > 0 ? v.key_dim : D; }
+// Whether the step serves lookup keys of view v's width: a supported width (asmem/decode.h
+// DecodeKeyDimSupported) of at most D, named in `key_dims`, and D itself without whitening.
+__device__ __forceinline__ bool KeyDimServed(const DictLayerView& v, uint32_t key_dims, int D) {
+  const int R = ViewKeyDim(v, D);
+  const bool supported = R >= 64 && ((R <= 512 && R % 64 == 0) || (R <= 1024 && R % 128 == 0));
+  const uint32_t bit = R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
+  return supported && R <= D && (v.whitening != nullptr || R == D) && (key_dims & bit) != 0u;
 }
 
 // The lookup key of (b, h) into q (shared): whitened W (x - mean) when the view has
-// whitening (from the whitening launch when there was one). xm: [KEY_DIM] scratch.
+// whitening (from the whitening launch when there was one). xm: [G d] scratch.
 // Ends with a barrier.
 template <typename DType, int KEY_DIM>
 __device__ void PrepareKey(const LaunchArgs& a, const DictLayerView& v, int b, int h, float* q,
                            float* xm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int D = a.group * a.head_dim;  // W: [KEY_DIM, D]
   if (v.whitening && a.whitened) {
-    const float* w = a.whitened + (int64_t(b) * a.hkv + h) * KEY_DIM;
+    const float* w = a.whitened + (int64_t(b) * a.hkv + h) * D;
     for (int i = tid; i < KEY_DIM; i += kThreads) q[i] = w[i];
   } else if (v.whitening) {  // no whitening launch: each lookup CTA whitens alone
     LoadLookupKey<DType>(a, b, h, v.whitening_mean, xm);
     __syncthreads();
     for (int r = warp; r < KEY_DIM; r += kWarps) {
-      const float y = WhitenDot(v.whitening + int64_t(r) * KEY_DIM, xm, KEY_DIM);
+      const float y = WhitenDot(v.whitening + int64_t(r) * D, xm, D);
       if (lane == 0) q[r] = y;
     }
   } else {
@@ -566,11 +578,14 @@ struct SegSmem {
 };
 
 // A view the lookup serves: usable, and its parents fit the workspace's parent tables.
-__device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, int64_t parent_width) {
-  return ViewUsable(v) && v.C1 <= parent_width;
+// A view the lookup serves: usable, its parents fit the workspace's parent tables, and its
+// key width is one of the step's (D = G d).
+__device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, int64_t parent_width, uint32_t key_dims,
+                                             int D) {
+  return ViewUsable(v) && v.C1 <= parent_width && KeyDimServed(v, key_dims, D);
 }
 __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, const LaunchArgs& a) {
-  return LookupViewOk(v, a.parent_width);
+  return LookupViewOk(v, a.parent_width, a.key_dims, a.group * a.head_dim);
 }
 
 // One segment of a lookup unit: rows [lo, hi) of the parent keys (parents) or of the keys;
@@ -716,7 +731,7 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
       float x[8];
       if (i < n && v.whitening != nullptr) {
         const float4* src = reinterpret_cast<const float4*>(
-            a.whitened + (int64_t(sm.mem[i]) * a.hkv + h) * KEY_DIM + ch * 8);
+            a.whitened + (int64_t(sm.mem[i]) * a.hkv + h) * (a.group * a.head_dim) + ch * 8);
         const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);
         x[0] = x0.x; x[1] = x0.y; x[2] = x0.z; x[3] = x0.w;
         x[4] = x1.x; x[5] = x1.y; x[6] = x1.z; x[7] = x1.w;
@@ -1660,7 +1675,11 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       if (__syncthreads_or(dup)) continue;
     }
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
-    if (!LookupViewOk(v, a)) continue;  // the combine flags it
+    if (!LookupViewOk(v, a)) continue;                        // the combine flags it
+    if (ViewKeyDim(v, a.group * a.head_dim) != KEY_DIM) continue;  // another grid's width
+    // Whitened keys come from the whitening grid, this one's primary (programmatic dependent
+    // launch): wait for it before they are read.
+    if (v.whitening != nullptr && a.whitened != nullptr) GridDependencyWait();
     bool probe = false;
     if constexpr (PROBE) probe = ProbeView<DType>(a, v);
     if (!probe) {
@@ -1727,8 +1746,8 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
   }
-  // Done: the last CTA to count itself raises the flag the combine waits for (both words
-  // were zeroed before this launch, in stream order). The attention CTAs of kSplitOutDict
+  // Done: the last CTA of the step's lookup grids to count itself raises the flag the combine
+  // waits for (both words were zeroed before the first, in stream order). The attention CTAs of kSplitOutDict
   // wait for this grid's end instead (griddepcontrol.wait), and then neither the count nor
   // the memset before the launch is made.
   DTL(if (tlr) { tlr[2] = DtlNow(); tlr[5] = tl_blocks; });
@@ -1738,7 +1757,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
   }
   __threadfence();
   __syncthreads();
-  if (tid == 0 && atomicAdd(a.lookup_sync, 1u) + 1u == uint32_t(a.n_lookup_ctas)) {
+  if (tid == 0 && atomicAdd(a.lookup_sync, 1u) + 1u == uint32_t(a.n_lookup_ctas) * uint32_t(a.lookup_grids)) {
     __threadfence();
     atomicExch(a.lookup_sync + 1, 1u);
     DTL(if (tlr) tlr[6] = 1);
@@ -1821,6 +1840,8 @@ struct DictPickArgs {
   int32_t num_dicts, hkv, parent_width, lookup_width;
   int32_t units;  // lookup units per KV head: lookup_splits * kLookupUnits
   int32_t batch;
+  uint32_t key_dims;  // LaunchArgs::key_dims
+  int32_t D;          // G d
   bool probe;
 };
 template <typename DType>
@@ -2083,7 +2104,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     if (warp == 0) {
       const DictPickArgs pa{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
                             p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
-                            a.lookup_splits * kLookupUnits, a.batch,         a.probe};
+                            a.lookup_splits * kLookupUnits, a.batch,         a.key_dims,
+                            GROUP * HEAD_DIM, a.probe};
       const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
       if (lane == 0) {
         sm_pick[0] = r.x;
@@ -2159,11 +2181,13 @@ __global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const __grid_con
 }
 
 // ---------------------------------------------------------------------------------------
-// Whitening (one launch per step when config.whitening): 32 rows of W (x - mean) per CTA.
+// Whitening (one launch per step when config.whitening): 32 rows of W (x - mean) per CTA
+// (W: [R, D], R the view's key width).
 // ---------------------------------------------------------------------------------------
 
 template <typename DType>
 __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs a) {
+  GridLaunchDependents();  // the lookup starts at once and waits before it reads the keys
   __shared__ __align__(16) float xm[kMaxKeyDim];
   const int bh = int(blockIdx.y);
   const int b = bh / a.hkv, h = bh % a.hkv;
@@ -2175,14 +2199,36 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
   const float* mean = v.whitening_mean;
   if (!W || !mean) return;
   const int D = a.group * a.head_dim;
+  const int R = min(ViewKeyDim(v, D), D);  // W: [R, D]
   const int row0 = int(blockIdx.x) * 32;
-  if (row0 >= D) return;
+  if (row0 >= R) return;
   LoadLookupKey<DType>(a, b, h, mean, xm);
   __syncthreads();
+  // Warp w: rows row0 + w + 4 k, k < 8, their loads in flight together (WhitenDot's sums, in
+  // its order, one row per accumulator).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int r = row0 + warp; r < min(row0 + 32, D); r += kWarps) {
-    const float y = WhitenDot(W + int64_t(r) * D, xm, D);
-    if (lane == 0) a.whitened[int64_t(bh) * D + r] = y;
+  constexpr int kRows = 32 / kWarps;
+  float acc[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) acc[k] = 0.f;
+  for (int j = lane * 4; j < D; j += 128) {
+    const float4 x = *reinterpret_cast<const float4*>(xm + j);
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int r = row0 + warp + k * kWarps;
+      if (r < R) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(W + int64_t(r) * D + j));
+        acc[k] = fmaf(w.x, x.x, fmaf(w.y, x.y, fmaf(w.z, x.z, fmaf(w.w, x.w, acc[k]))));
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    float y = acc[k];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
+    const int r = row0 + warp + k * kWarps;
+    if (lane == 0 && r < R) a.whitened[int64_t(bh) * D + r] = y;
   }
 }
 
@@ -2329,7 +2375,7 @@ __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, 
   if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
   const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
-  const bool ok = LookupViewOk(v, pa.parent_width);
+  const bool ok = LookupViewOk(v, pa.parent_width, pa.key_dims, pa.D);
   bool hier = ok && v.C1 > 0;
   if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
   const int R = PieceRows(v.K, pa.units);
@@ -2627,14 +2673,13 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, unsigned block, size_t smem, b
   ASMEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
 }
 
-template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream) {
-  constexpr int kKeyDim = HEAD_DIM * GROUP;
+template <typename DType, int kKeyDim>
+void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream) {
   if (a.n_lookup_ctas == 0) return;
   auto kernel = a.probe ? DecodeLookupKernel<DType, kKeyDim, true> : DecodeLookupKernel<DType, kKeyDim, false>;
   const size_t smem = SegTile<kKeyDim>::kBytes;
   AllowDynamicSmem(kernel, smem, true);
-  LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, false, a, stream);
+  LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, after_whiten, a, stream);
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>
@@ -2679,10 +2724,14 @@ inline void LoadKernel(const void* kernel) {
   }
 }
 
+template <typename DType, int KEY_DIM>
+void LoadDecodeLookupKernels() {
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, false>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, true>));
+}
+
 template <typename DType, int HEAD_DIM, int GROUP>
 void LoadDecodeKernels() {
-  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, HEAD_DIM * GROUP, false>));
-  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, HEAD_DIM * GROUP, true>));
   LoadKernel(reinterpret_cast<const void*>(DecodeMainKernel<DType, HEAD_DIM, GROUP>));
   LoadKernel(reinterpret_cast<const void*>(DecodeCombineKernel<DType, HEAD_DIM, false>));
   LoadKernel(reinterpret_cast<const void*>(DecodeCombineKernel<DType, HEAD_DIM, true>));

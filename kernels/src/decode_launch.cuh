@@ -66,7 +66,10 @@ struct LaunchArgs {
   float* pscore = nullptr;    // workspace: [B, Hkv, parent_width] parent scores
   uint32_t* lookup_sync = nullptr;  // workspace: [0] lookup CTAs finished, [1] lookup done
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
-                              // launch), or null
+                              // launch; a view's R values first in its row), or null
+  uint32_t key_dims = 0;      // the lookup key widths served (DecodeKeyDimBit; G*d's bit when
+                              // the config names none): one lookup grid each
+  int32_t lookup_grids = 0;   // lookup grids of the step (set bits of key_dims)
   bool lookup = false;        // dict_ids given: the lookup kernel runs
   bool probe = false;         // a small step: the lookup probes hierarchical views
                               // (DecodeConfig::probe_max_batch; decode_kernels.cuh ProbeView)
@@ -152,11 +155,16 @@ struct SegTile {
                 "lookup CTA beside two attention CTAs");
 };
 
-// Lookup kernel (reps x Hkv x S CTAs): scores every row of each request's view, writes
-// per-segment bests and parent scores. Launched before the attention kernel, which it lets
-// start at once.
-template <typename DType, int HEAD_DIM, int GROUP>
-void LaunchDecodeLookup(const LaunchArgs& a, cudaStream_t stream);
+// Lookup kernel for lookup keys of KEY_DIM dims (reps x Hkv x S CTAs): scores every row of
+// each request's view of that key width, writes per-segment bests and parent scores.
+// Launched before the attention kernel, which the last lookup grid lets start at once.
+// Instantiated per supported width (DecodeKeyDimSupported) in decode_attn_*.cu.
+// `after_whiten`: launched with programmatic dependent launch right after the whitening
+// kernel (its CTAs wait for that grid before they read whitened keys).
+template <typename DType, int KEY_DIM>
+void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream);
+template <typename DType, int KEY_DIM>
+void LoadDecodeLookupKernels();
 // Attention kernel: split-KV attention CTAs. `after_lookup`: launched with programmatic
 // dependent launch right after the lookup kernel (runs beside it; CTA 0 waits for it at
 // the end, so the kernel never completes before the lookup).
@@ -170,8 +178,8 @@ void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream);
 // Whitened lookup keys of every (request, KV head) whose view has whitening.
 template <typename DType>
 void LaunchDecodeWhiten(const LaunchArgs& a, cudaStream_t stream);
-// Loads every kernel the four launchers above use for (DType, HEAD_DIM, GROUP) into the
-// current context (see LoadDecodeKernels in asmem/decode.h).
+// Loads every kernel the launchers above but the lookup's use for (DType, HEAD_DIM, GROUP)
+// into the current context (see LoadDecodeKernels in asmem/decode.h).
 template <typename DType, int HEAD_DIM, int GROUP>
 void LoadDecodeKernels();
 

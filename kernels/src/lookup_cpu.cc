@@ -211,8 +211,8 @@ int32_t LookupHierarchicalCpu(const float* parent_keys, int64_t C1, const int32_
 
 double LookupScoreCpu(const float* key, const float* query, int64_t D) { return dot(key, query, D); }
 
-void WhitenLookupKeyCpu(const float* W, const float* mean, int64_t D, const float* x, float* y) {
-  for (int64_t i = 0; i < D; ++i) {
+void WhitenLookupKeyCpu(const float* W, const float* mean, int64_t R, int64_t D, const float* x, float* y) {
+  for (int64_t i = 0; i < R; ++i) {
     double t = 0;
     for (int64_t j = 0; j < D; ++j) t += double(W[i * D + j]) * (double(x[j]) - mean[j]);
     y[i] = float(t);

@@ -285,11 +285,12 @@ void check_section(const DictSection& s, const DictionaryManifest& m) {
   if (s.n_members < 0) bad(label + ": n_members " + std::to_string(s.n_members) + " is negative");
 
   const std::vector<DType> values = {DType::kBF16, DType::kF16, DType::kF32};
-  check_tensor(s, 0, values, {K, G * d});
+  const int64_t R = m.compile.key_rank > 0 ? m.compile.key_rank : G * d;  // key dims (check_manifest)
+  check_tensor(s, 0, values, {K, R});
   check_tensor(s, 1, {parse_value_dtype(m.compile.value_dtype)}, {K, G, d});
   check_tensor(s, 2, {DType::kF32}, {K, G});
   if (C1 > 0) {
-    check_tensor(s, 3, {s.keys.dtype}, {C1, G * d});
+    check_tensor(s, 3, {s.keys.dtype}, {C1, R});
     check_tensor(s, 4, {DType::kI32}, {C1 + 1});
     const int32_t* off = static_cast<const int32_t*>(s.child_offsets.data);
     if (off[0] != 0) {
@@ -311,7 +312,7 @@ void check_section(const DictSection& s, const DictionaryManifest& m) {
     check_absent(s, 4, "n_parents is 0");
   }
   if (m.compile.whitening) {
-    check_tensor(s, 5, {DType::kF32}, {G * d, G * d});
+    check_tensor(s, 5, {DType::kF32}, {R, G * d});
     check_tensor(s, 6, {DType::kF32}, {G * d});
   } else {
     check_absent(s, 5, "compile.whitening is false");
@@ -359,6 +360,13 @@ void check_manifest(const DictionaryManifest& m) {
   }
   if (c.key_mode != "pre_rope" && c.key_mode != "rope_unified") {
     bad("compile.key_mode '" + c.key_mode + "' is not one of: pre_rope, rope_unified");
+  }
+  {
+    const int64_t GD = (f.n_heads / f.n_kv_heads) * f.head_dim;
+    if (c.key_rank < 0 || c.key_rank >= GD) {
+      bad("compile.key_rank " + std::to_string(c.key_rank) + " is outside [0, G*d = " + std::to_string(GD) + ")");
+    }
+    if (c.key_rank > 0 && !c.whitening) bad("compile.key_rank " + std::to_string(c.key_rank) + " needs compile.whitening");
   }
 
   const int64_t L = f.n_layers, Hkv = f.n_kv_heads;
@@ -441,6 +449,7 @@ void to_pb(const CompileInfo& c, pb::CompileInfo* o) {
   o->set_seed(c.seed);
   o->set_kmeans_iters(c.kmeans_iters);
   o->set_whitening(c.whitening);
+  o->set_key_rank(c.key_rank);
   o->set_key_mode(c.key_mode);
   o->set_rope_unified_position(c.rope_unified_position);
   o->set_n_traces(c.n_traces);
@@ -459,6 +468,7 @@ CompileInfo from_pb(const pb::CompileInfo& c) {
   o.seed = c.seed();
   o.kmeans_iters = c.kmeans_iters();
   o.whitening = c.whitening();
+  o.key_rank = c.key_rank();
   o.key_mode = c.key_mode();
   o.rope_unified_position = c.rope_unified_position();
   o.n_traces = c.n_traces();
@@ -979,6 +989,10 @@ DictLayerView host_layer_view(const DictSection& s, int32_t top_m) {
   if (s.whitening.present()) {
     v.whitening = static_cast<const float*>(s.whitening.data);
     v.whitening_mean = static_cast<const float*>(s.whitening_mean.data);
+    // [R, G d]: R < G d when the keys were reduced (CompileInfo::key_rank)
+    if (s.whitening.shape.size() == 2 && s.whitening.shape[0] < s.whitening.shape[1]) {
+      v.key_dim = int32_t(s.whitening.shape[0]);
+    }
   }
   return v;
 }

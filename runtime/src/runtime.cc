@@ -27,6 +27,7 @@ struct ResidentDictionary {
   std::vector<DictLayerView> views;      // [L][Hkv]: host (CPU) or device (CUDA) pointers
   std::shared_ptr<DeviceBlob> blob;      // CUDA: the uploaded tensors
   uint32_t can_probe = 0;                // bit 0 / 1: some view can probe in bf16 / f16 steps
+  uint32_t key_dims = 0;                 // its views' lookup key widths (DecodeKeyDimBit)
 };
 
 }  // namespace detail
@@ -48,6 +49,7 @@ struct Snapshot {
   int64_t max_keys = 0;                                          // largest K of a view, too
   bool whitening = false;                                        // some resident dictionary whitens
   uint32_t can_probe = 0;                                        // ResidentDictionary's, or-ed
+  uint32_t key_dims = 0;                                         // ResidentDictionary's, or-ed
 };
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -72,10 +74,10 @@ int64_t LookupRows(const DictLayerView& v) {
 // present, with a reference to the view's pointer field.
 template <class F>
 void ForEachTensor(DictLayerView* v, int64_t G, int64_t d, F&& f) {
-  const int64_t D = G * d;
+  const int64_t D = G * d, R = DictKeyDim(*v, D);
   auto key_bytes = [&](int64_t rows) {
     return v->keys_dtype == KernelDType::kI8 ? KeysI8Bytes(rows, D)
-                                             : rows * D * KernelDTypeSize(v->keys_dtype);
+                                             : rows * R * KernelDTypeSize(v->keys_dtype);
   };
   auto call = [&](auto& p, int64_t bytes) {
     if (p != nullptr) f(p, bytes);
@@ -85,7 +87,7 @@ void ForEachTensor(DictLayerView* v, int64_t G, int64_t d, F&& f) {
   call(v->values_lse, v->K * G * int64_t(sizeof(float)));
   call(v->parent_keys, key_bytes(v->C1));
   call(v->child_offsets, (v->C1 + 1) * int64_t(sizeof(int32_t)));
-  call(v->whitening, D * D * int64_t(sizeof(float)));
+  call(v->whitening, R * D * int64_t(sizeof(float)));
   call(v->whitening_mean, D * int64_t(sizeof(float)));
 }
 
@@ -178,6 +180,7 @@ struct DecodeRuntime::Impl {
   std::atomic<int64_t> plan_rows{0};
   std::atomic<int64_t> plan_keys{0};
   std::atomic<bool> plan_whitening{false};
+  std::atomic<uint32_t> plan_key_dims{0};  // Snapshot::key_dims
   std::atomic<uint32_t> plan_probe{0};  // Snapshot::can_probe
 
   std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snap); }
@@ -185,7 +188,7 @@ struct DecodeRuntime::Impl {
   // `probe`: bit 0 / 1, a resident view can probe in bf16 / f16 steps
   // (DecodeConfig::probe_max_batch: the default where one can, else never).
   DecodeConfig config(const StepConfig& step, int64_t rows, bool whitening, uint32_t probe,
-                      int64_t keys = 0) const {
+                      int64_t keys = 0, uint32_t key_dims = 0) const {
     DecodeConfig c;
     c.batch = step.max_batch;
     c.num_q_heads = Hq;
@@ -198,6 +201,7 @@ struct DecodeRuntime::Impl {
     c.max_lookup_rows = rows;
     c.max_dict_keys = keys;
     c.whitening = whitening;
+    c.key_dims = key_dims;
     const uint32_t bit = step.dtype == KernelDType::kBF16 ? 1u : step.dtype == KernelDType::kF16 ? 2u : 0u;
     c.probe_max_batch = (probe & bit) != 0u ? 0 : -1;
     return c;
@@ -232,17 +236,20 @@ struct DecodeRuntime::Impl {
     next->max_keys = 0;
     next->whitening = false;
     next->can_probe = 0;
+    next->key_dims = 0;
     for (const auto& s : next->slots) {
       if (!s) continue;
       next->max_lookup_rows = std::max(next->max_lookup_rows, s->info.max_lookup_rows);
       for (const DictLayerView& v : s->views) next->max_keys = std::max(next->max_keys, v.K);
       next->whitening = next->whitening || s->info.whitening;
       next->can_probe |= s->can_probe;
+      next->key_dims |= s->key_dims;
     }
     plan_rows.store(next->max_lookup_rows);
     plan_keys.store(next->max_keys);
     plan_whitening.store(next->whitening);
     plan_probe.store(next->can_probe);
+    plan_key_dims.store(next->key_dims);
     std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
     return old;
   }
@@ -426,6 +433,12 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
       info.total_entries += v.K;
       info.max_lookup_rows = std::max(info.max_lookup_rows, LookupRows(v));
       info.whitening = info.whitening || v.whitening != nullptr;
+      const int64_t R = DictKeyDim(v, int64_t(s.G) * s.d);
+      if (s.cuda && !DecodeKeyDimSupported(R)) {
+        throw UnsupportedError(where(i) + ": lookup keys of " + str(R) +
+                               " dims are not served on the GPU (multiples of 64 up to 512, of 128 up to 1024)");
+      }
+      if (DecodeKeyDimSupported(R)) r->key_dims |= DecodeKeyDimBit(R);
       for (uint32_t bit : {1u, 2u}) {  // CUDA steps only (the CPU reference does not probe)
         StepConfig step;
         step.dtype = bit == 1u ? KernelDType::kBF16 : KernelDType::kF16;
@@ -434,6 +447,18 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
       }
     }
     if (s.cuda) {
+      // The lookups of the dictionary's key widths, loaded now rather than at a step's first
+      // launch (as the constructor loads the others).
+      {
+        detail::ScopedDevice guard(s.cs->device());
+        for (KernelDType t : {KernelDType::kBF16, KernelDType::kF16}) {
+          try {
+            LoadDecodeKernels(t, s.d, s.G, r->key_dims);
+          } catch (const UnsupportedError&) {
+            // decode() reports the unsupported combination when it is asked to run it.
+          }
+        }
+      }
       // Every tensor the views read (the file's, or the int8 keys in place of the file's
       // keys, which then stay on the host) goes to its own 64-byte aligned place in one
       // device allocation (cudaMalloc is 256-aligned), as the file aligns its tensors.
@@ -657,7 +682,8 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   }
 
   const DecodeConfig c =
-      s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load(), s.plan_keys.load());
+      s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load(), s.plan_keys.load(),
+               s.plan_key_dims.load());
   SetKvStrides(c, a, n_kv == 0, &p);
   if (a.dict_ids) {
     p.dict_ids = a.dict_ids;

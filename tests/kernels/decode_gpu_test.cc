@@ -651,6 +651,76 @@ TEST(DecodeGpu, WhiteningPassAndInCtaFallbackAgree) {
   }
 }
 
+// Lookup keys projected onto fewer dims (DictLayerView::key_dim): dictionaries of different
+// key widths in one step (one lookup grid each), linear and hierarchical, with the whitening
+// pass and with each lookup CTA projecting alone; the one-wave plan at B = 32; a view whose
+// width the config does not name gives NaN.
+TEST(DecodeGpu, ProjectedLookupKeys) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(214);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  for (int d : {64, 128}) {
+    for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+      CaseSpec s;
+      s.dtype = dt;
+      s.Hq = 16;
+      s.Hkv = 4;  // D = 4 d
+      s.d = d;
+      s.T = {9, 0, 31, 613, 1, 77};
+      s.dicts = {DictSpec{300, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{200, 12, 2}, DictSpec{77, 0, 0}};
+      for (DictSpec& ds : s.dicts) ds.keys_dtype = dt;
+      s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[2].whitening = true;
+      s.dicts[0].key_dim = 64;
+      s.dicts[1].key_dim = 128;
+      // dictionary 2: whitened, all D dims; 3: plain keys
+      s.dict_ids = {0, 1, 2, 3, -1, 1};
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(64) | DecodeKeyDimBit(128) | DecodeKeyDimBit(4 * d));
+      CheckAgainstReference(pb, pb.config, "projected keys");
+      DecodeConfig no_pass = pb.config;
+      no_pass.whitening = false;
+      CheckAgainstReference(pb, no_pass, "projected keys, in-CTA projection");
+    }
+  }
+  {  // the one-wave plan (LLaMA-8B heads, B = 32), keys of 128 of 512 dims
+    CaseSpec s;
+    s.Hq = 32;
+    s.Hkv = 8;
+    s.d = 128;
+    const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
+    s.T.clear();
+    for (int32_t b = 0; b < 32; ++b) {
+      s.T.push_back(T[b % 8]);
+      s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
+    }
+    s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+    for (DictSpec& ds : s.dicts) {
+      ds.whitening = true;
+      ds.key_dim = 128;
+    }
+    Problem pb;
+    BuildProblem(s, seed + n++, &pb);
+    ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(128));
+    ASSERT_EQ(PlanDecode(pb.config).kv_splits, 1);
+    ASSERT_EQ(PlanDecode(pb.config).lookup_reps, 1);
+    CheckAgainstReference(pb, pb.config, "projected keys, one wave");
+    // A width the config does not serve: NaN for the requests of that dictionary.
+    DecodeConfig other = pb.config;
+    other.key_dims = DecodeKeyDimBit(64);
+    DeviceProblem dev;
+    dev.Upload(pb, other);
+    dev.Poison(nullptr);
+    dev.Run(other, nullptr);
+    const DeviceProblem::Out out = dev.Download(pb);
+    for (int64_t b = 0; b < pb.B(); ++b) {
+      EXPECT_EQ(std::isnan(out.o.get(b * s.Hq * s.d)), pb.dict_ids[b] >= 0) << "b=" << b;
+      EXPECT_EQ(std::isnan(out.lse[size_t(b) * s.Hq]), pb.dict_ids[b] >= 0) << "b=" << b;
+    }
+  }
+}
+
 TEST(DecodeGpu, SmallKAndInfiniteLse) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(206);

@@ -345,6 +345,26 @@ TEST(DecodeCpu, WhitenedLookupUsesWTimesKeyMinusMean) {
   ExpectMatchesDense(pb);  // DirectLinearLookup whitens on its own, in double
 }
 
+TEST(DecodeCpu, ProjectedLookupKeysOfFewerDims) {
+  const uint64_t seed = test::test_seed(113);
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (int32_t R : {64, 32, 7}) {  // of D = 128 (the reference takes any R)
+    CaseSpec s;
+    s.Hq = 4;
+    s.Hkv = 2;
+    s.d = 64;
+    s.T = {9, 0, 31, 4};
+    s.dicts = {DictSpec{50, 0, 0}, DictSpec{40, 0, 0}};
+    s.dicts[0].whitening = s.dicts[1].whitening = true;
+    s.dicts[0].key_dim = R;  // dictionary 1 keeps all 128 dims
+    s.dict_ids = {0, 1, 0, -1};
+    Problem pb;
+    BuildProblem(s, seed + uint64_t(R), &pb);
+    ASSERT_EQ(pb.views[0].key_dim, R);
+    ExpectMatchesDense(pb);  // DirectLinearLookup projects on its own, onto R dims in double
+  }
+}
+
 TEST(DecodeCpu, InfiniteLse) {
   const uint64_t seed = test::test_seed(109);
   SCOPED_TRACE(test::seed_trace(seed));
@@ -876,6 +896,17 @@ TEST(DecodeI8, ViewChecksNameTheProblem) {
   wv.whitening = w.data();
   wv.whitening_mean = mean.data();
   EXPECT_NE(message([&] { ValidateDictLayerView(wv, 2, 64, true, "v"); }).find("whitening"), std::string::npos);
+  // Key widths: at most D with whitening, 0 or D without it.
+  {
+    DictLayerView kv = v;
+    kv.key_dim = 64;  // of D = 128, no whitening
+    EXPECT_NE(message([&] { ValidateDictLayerView(kv, 2, 64, true, "v"); }).find("key_dim 64 without whitening"),
+              std::string::npos);
+    kv.key_dim = 128;
+    EXPECT_NO_THROW(ValidateDictLayerView(kv, 2, 64, true, "v"));
+    kv.key_dim = -1;
+    EXPECT_NE(message([&] { ValidateDictLayerView(kv, 2, 64, true, "v"); }).find("key_dim -1"), std::string::npos);
+  }
   float neg = -1.f;
   std::memcpy(static_cast<uint8_t*>(kb) + 4 * 128 + 8, &neg, 4);
   EXPECT_NE(message([&] { ValidateDictLayerView(v, 2, 64, true, "v"); }).find("keys scale of row 2"),

@@ -53,6 +53,7 @@ struct DictSpec {
   KernelDType keys_dtype = KernelDType::kBF16;
   KernelDType values_dtype = KernelDType::kBF16;
   bool whitening = false;
+  int32_t key_dim = 0;  // R < G d: keys of R dims through a whitening of [R, G d] (whitening)
   bool empty_parents = true;  // some parents get no children
 };
 
@@ -133,6 +134,7 @@ inline void BindViews(Problem& pb) {
         v.whitening = hd.whitening[h].data();
         v.whitening_mean = hd.mean[h].data();
       }
+      v.key_dim = hd.spec.key_dim;
     }
   }
   pb.params.dict_views = pb.views.empty() ? nullptr : pb.views.data();
@@ -150,7 +152,8 @@ inline void BindViews(Problem& pb) {
 }
 
 inline void FillDict(Problem& pb, HostDict& hd, std::mt19937_64& rng) {
-  const int64_t Hkv = pb.spec.Hkv, G = pb.G(), d = pb.spec.d, D = G * d, K = hd.spec.K;
+  const int64_t Hkv = pb.spec.Hkv, G = pb.G(), d = pb.spec.d, GD = G * d, K = hd.spec.K;
+  const int64_t D = hd.spec.key_dim > 0 ? hd.spec.key_dim : GD;  // key row dims
   std::normal_distribution<float> nd;
   std::uniform_real_distribution<float> ul(-2.f, 6.f);
   hd.keys.resize(Hkv);
@@ -192,11 +195,11 @@ inline void FillDict(Problem& pb, HostDict& hd, std::mt19937_64& rng) {
       hd.offsets[h].assign(C1 + 1, 0);
       for (int64_t p = 0; p < C1; ++p) hd.offsets[h][p + 1] = hd.offsets[h][p] + int32_t(count[p]);
     }
-    if (hd.spec.whitening) {
-      hd.whitening[h].resize(D * D);
-      for (auto& x : hd.whitening[h]) x = nd(rng) / std::sqrt(float(D));
-      for (int64_t i = 0; i < D; ++i) hd.whitening[h][i * D + i] += 1.f;
-      hd.mean[h].resize(D);
+    if (hd.spec.whitening) {  // [D, GD]
+      hd.whitening[h].resize(D * GD);
+      for (auto& x : hd.whitening[h]) x = nd(rng) / std::sqrt(float(GD));
+      for (int64_t i = 0; i < D; ++i) hd.whitening[h][i * GD + i] += 1.f;
+      hd.mean[h].resize(GD);
       for (auto& x : hd.mean[h]) x = 0.1f * nd(rng);
     }
   }
@@ -224,6 +227,16 @@ inline void BuildProblem(const CaseSpec& spec, uint64_t seed, Problem* out) {
     c.max_lookup_rows = std::max<int64_t>(c.max_lookup_rows, ds.K);
     c.max_dict_keys = std::max<int64_t>(c.max_dict_keys, ds.K);
     c.whitening = c.whitening || ds.whitening;
+  }
+  // Lookup key widths: named in key_dims when some dictionary's keys are narrower than G d.
+  for (const DictSpec& ds : spec.dicts) {
+    if (ds.key_dim > 0 && ds.key_dim != spec.Hq / spec.Hkv * spec.d) {
+      for (const DictSpec& e : spec.dicts) {  // (the CPU reference takes any width)
+        const int64_t R = e.key_dim > 0 ? e.key_dim : spec.Hq / spec.Hkv * spec.d;
+        if (DecodeKeyDimSupported(R)) c.key_dims |= DecodeKeyDimBit(R);
+      }
+      break;
+    }
   }
 
   pb.q.resize(spec.dtype, B * Hq * d);
@@ -337,8 +350,9 @@ inline std::vector<double> LookupKey(const Problem& pb, int64_t b, int64_t h, co
   std::vector<double> x(D);
   for (int64_t j = 0; j < D; ++j) x[j] = pb.q_pre.get(b * Hq * d + (h * G + j / d) * d + j % d);
   if (!hd.spec.whitening) return x;
-  std::vector<double> y(D, 0.0);
-  for (int64_t i = 0; i < D; ++i) {
+  const int64_t R = hd.spec.key_dim > 0 ? hd.spec.key_dim : D;
+  std::vector<double> y(R, 0.0);
+  for (int64_t i = 0; i < R; ++i) {
     for (int64_t j = 0; j < D; ++j) y[i] += double(hd.whitening[h][i * D + j]) * (x[j] - hd.mean[h][j]);
   }
   return y;
@@ -489,7 +503,8 @@ inline std::string Describe(const CaseSpec& s) {
   for (const DictSpec& ds : s.dicts) {
     os << " [K=" << ds.K << " C1=" << ds.C1 << " top_m=" << ds.top_m << " keys="
        << KernelDTypeName(ds.keys_dtype) << " values=" << KernelDTypeName(ds.values_dtype)
-       << (ds.whitening ? " whitened" : "") << "]";
+       << (ds.whitening ? " whitened" : "") << (ds.key_dim > 0 ? " key_dim=" + std::to_string(ds.key_dim) : "")
+       << "]";
   }
   return os.str();
 }

@@ -247,12 +247,18 @@ TEST(LookupScoresCpu, Int8ScoresChooseAsTheInt8Reference) {
 TEST(WhitenLookupKeyCpu, IdentityAndMean) {
   const float w[4] = {1, 0, 0, 1}, w2[4] = {2, 1, 0, -1}, mean[2] = {0.5f, -1}, x[2] = {3, 4};
   float y[2];
-  WhitenLookupKeyCpu(w, mean, 2, x, y);
+  WhitenLookupKeyCpu(w, mean, 2, 2, x, y);
   EXPECT_EQ(y[0], 2.5f);
   EXPECT_EQ(y[1], 5.f);
-  WhitenLookupKeyCpu(w2, mean, 2, x, y);  // (2.5, 5) through [[2, 1], [0, -1]]
+  WhitenLookupKeyCpu(w2, mean, 2, 2, x, y);  // (2.5, 5) through [[2, 1], [0, -1]]
   EXPECT_EQ(y[0], 10.f);
   EXPECT_EQ(y[1], -5.f);
+  // A projection onto fewer dims: W of 1 x 2 writes one value.
+  const float w3[2] = {1, -2};
+  y[1] = 7.f;
+  WhitenLookupKeyCpu(w3, mean, 1, 2, x, y);  // 2.5 - 2 * 5
+  EXPECT_EQ(y[0], -7.5f);
+  EXPECT_EQ(y[1], 7.f);
 }
 
 }  // namespace

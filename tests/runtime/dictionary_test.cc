@@ -32,6 +32,7 @@
 #include "asmem/model/config.h"
 #include "asmem/model/weights.h"
 #include "dictionary.pb.h"  // generated from proto/asmem/dictionary.proto
+#include "runtime_test_util.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -738,6 +739,39 @@ TEST_F(DictionaryReadErrors, ManifestFields) {
   expect_format_error(
       with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_key_mode("post_rope"); }),
       {"compile.key_mode 'post_rope' is not one of: pre_rope, rope_unified"});
+  expect_format_error(with_manifest([](pb::Manifest& m) {
+                        m.mutable_compile()->set_whitening(false);
+                        m.mutable_compile()->set_key_rank(8);
+                      }),
+                      {"compile.key_rank 8 needs compile.whitening"});
+  expect_format_error(with_manifest([](pb::Manifest& m) {
+                        m.mutable_compile()->set_whitening(true);
+                        m.mutable_compile()->set_key_rank(-2);
+                      }),
+                      {"compile.key_rank -2 is outside [0, G*d = "});
+  // A key rank the stored keys do not have (they keep all G d dims).
+  expect_format_error(with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_key_rank(8); }),
+                      {"keys has shape", ", expected [", ", 8]"});
+}
+
+// Keys reduced to R dims (compile.key_rank): keys and parents of R dims, whitening [R, G d];
+// the views say R.
+TEST_F(DictionaryTest, KeyRankShapesAndViews) {
+  test::SynthSpec s;
+  s.parents = 4;
+  s.key_rank = 5;  // of G d = 3 * 8
+  const std::string p = file("kr.asmd");
+  test::WriteSynthDictionary(p, s);
+  auto f = DictionaryFile::open(p);
+  EXPECT_EQ(f->manifest().compile.key_rank, 5);
+  EXPECT_TRUE(f->manifest().compile.whitening);
+  const DictSection& sec = f->section(1, 1);
+  EXPECT_EQ(sec.keys.shape, (std::vector<int64_t>{sec.entries, 5}));
+  EXPECT_EQ(sec.parent_keys.shape, (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(sec.whitening.shape, (std::vector<int64_t>{5, 24}));
+  const DictLayerView v = host_layer_view(sec, 2);
+  EXPECT_EQ(v.key_dim, 5);
+  EXPECT_NO_THROW(ValidateDictLayerView(v, 3, 8, true, "kr"));
 }
 
 // Random damage to the manifest (checksum fixed up so the parser sees it) or to the file's

@@ -203,7 +203,7 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   SCOPED_TRACE(test::seed_trace(seed_));
   const SynthSpec base = test::ShapeSpec(c, 3);
   // Three different dictionaries: linear bf16, hierarchical f16 with childless parents,
-  // f32 keys with whitening and a hierarchy.
+  // f32 keys with whitening and a hierarchy, reduced to fewer dims (a key rank).
   SynthSpec s0 = base, s1 = base, s2 = base;
   s0.K = 13;
   s1.K = 5;
@@ -217,6 +217,7 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   s2.keys = DType::kF32;
   s2.values = DType::kF32;
   s2.whitening = true;
+  s2.key_rank = std::max<int64_t>(1, int64_t(base.Hq / base.Hkv) * base.d / 2);
   s2.seed = 3;
   const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1), p2 = write("d2.asmd", s2);
   DecodeRuntime rt(CpuOptions(base, 5));

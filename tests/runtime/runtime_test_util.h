@@ -31,6 +31,7 @@ struct SynthSpec {
   int64_t parents = 0;  // C1 per section (0: linear lookup); may exceed K (childless parents)
   int64_t top_m = 2;    // compile.top_m recorded in the file
   bool whitening = false;
+  int64_t key_rank = 0;  // > 0: keys of this many dims through a whitening of [key_rank, G d]
   uint64_t seed = 1;                              // the data
   uint64_t weights_hash = 0x0123456789abcdefull;  // model fingerprint field
 };
@@ -128,9 +129,11 @@ inline void WriteSynthDictionary(const std::string& path, const SynthSpec& s) {
   m.compile.value_dtype = dtype_name(s.values);
   m.compile.seed = s.seed;
   m.compile.kmeans_iters = 1;
-  m.compile.whitening = s.whitening;
+  m.compile.whitening = s.whitening || s.key_rank > 0;
+  m.compile.key_rank = s.key_rank;
   m.compile.tool_version = "runtime test";
   const int64_t G = s.Hq / s.Hkv, d = s.d, D = G * d;
+  const int64_t R = s.key_rank > 0 ? s.key_rank : D;  // key dims
   for (int32_t l = 0; l < s.L; ++l) {
     for (int32_t h = 0; h < s.Hkv; ++h) {
       DictSection sec;
@@ -141,7 +144,7 @@ inline void WriteSynthDictionary(const std::string& path, const SynthSpec& s) {
       const int64_t K = s.K + 3 * int64_t(m.sections.size());
       sec.entries = K;
       sec.n_members = 4 * K;
-      sec.keys = owned.Make(s.keys, {K, D}, UnitRows(K, D, rng));
+      sec.keys = owned.Make(s.keys, {K, R}, UnitRows(K, R, rng));
       std::vector<float> vo(static_cast<size_t>(K * G * d)), vl(static_cast<size_t>(K * G));
       for (float& x : vo) x = nd(rng);
       for (float& x : vl) x = 2.f * nd(rng) + 1.f;
@@ -150,19 +153,19 @@ inline void WriteSynthDictionary(const std::string& path, const SynthSpec& s) {
       if (s.parents > 0) {
         const int64_t C1 = s.parents;
         sec.n_parents = C1;
-        sec.parent_keys = owned.Make(s.keys, {C1, D}, UnitRows(C1, D, rng));
+        sec.parent_keys = owned.Make(s.keys, {C1, R}, UnitRows(C1, R, rng));
         std::vector<float> off(static_cast<size_t>(C1 + 1));
         for (int64_t p = 0; p <= C1; ++p) off[size_t(p)] = float(p * K / C1);
         sec.child_offsets = owned.Make(DType::kI32, {C1 + 1}, off);
       }
-      if (s.whitening) {
-        std::vector<float> w(static_cast<size_t>(D * D)), mean(static_cast<size_t>(D));
-        for (int64_t i = 0; i < D; ++i) {
+      if (s.whitening || s.key_rank > 0) {
+        std::vector<float> w(static_cast<size_t>(R * D)), mean(static_cast<size_t>(D));
+        for (int64_t i = 0; i < R; ++i) {
           for (int64_t j = 0; j < D; ++j)
             w[size_t(i * D + j)] = (i == j ? 1.f : 0.f) + 0.1f * nd(rng);
         }
         for (float& x : mean) x = 0.1f * nd(rng);
-        sec.whitening = owned.Make(DType::kF32, {D, D}, w);
+        sec.whitening = owned.Make(DType::kF32, {R, D}, w);
         sec.whitening_mean = owned.Make(DType::kF32, {D}, mean);
       }
       m.sections.push_back(std::move(sec));

@@ -668,6 +668,54 @@ Whitening estimate_whitening(const float* x, int64_t n, int64_t dim, double eps)
   return w;
 }
 
+std::vector<float> estimate_key_projection(const float* x, int64_t n, int64_t dim, int64_t rank) {
+  const std::string fn = "estimate_key_projection";
+  if (n <= 0 || dim <= 0) Fail(fn, "bad shape n=" + std::to_string(n) + " dim=" + std::to_string(dim));
+  if (rank < 1 || rank > dim) {
+    Fail(fn, "rank " + std::to_string(rank) + " is outside [1, " + std::to_string(dim) + "]");
+  }
+  if (!x) Fail(fn, "x is null");
+  CheckFinite(x, n, dim, fn, "x [" + std::to_string(n) + ", " + std::to_string(dim) + "]");
+  // M = sum_i y_i y_i^T over the normalized rows, a block of rows at a time: the block
+  // transposed ([dim][rows], each dim's values contiguous), then one dot product per pair.
+  constexpr int64_t kBlock = 256;
+  std::vector<double> m(static_cast<size_t>(dim * dim), 0.0), yt(static_cast<size_t>(dim * kBlock));
+  for (int64_t r0 = 0; r0 < n; r0 += kBlock) {
+    const int64_t nr = std::min(kBlock, n - r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* xr = x + (r0 + r) * dim;
+      double nn = 0.0;
+      for (int64_t t = 0; t < dim; ++t) nn += double(xr[t]) * xr[t];
+      const double inv = nn > 0.0 ? 1.0 / std::sqrt(nn) : 0.0;
+      for (int64_t t = 0; t < dim; ++t) yt[t * kBlock + r] = xr[t] * inv;
+    }
+    ASMEM_OMP_PARALLEL_FOR_DYNAMIC
+    for (int64_t a = 0; a < dim; ++a) {
+      const double* ya = yt.data() + a * kBlock;
+      for (int64_t b = a; b < dim; ++b) {
+        const double* yb = yt.data() + b * kBlock;
+        double acc = 0.0;
+        for (int64_t r = 0; r < nr; ++r) acc += ya[r] * yb[r];
+        m[a * dim + b] += acc;
+      }
+    }
+  }
+  for (int64_t a = 0; a < dim; ++a) {
+    for (int64_t b = a + 1; b < dim; ++b) m[b * dim + a] = m[a * dim + b];
+  }
+  std::vector<double> evals, evecs;
+  SymmetricEigen(&m, dim, &evals, &evecs);
+  std::vector<int64_t> idx(static_cast<size_t>(dim));
+  std::iota(idx.begin(), idx.end(), int64_t(0));
+  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return evals[a] > evals[b]; });
+  std::vector<float> p(static_cast<size_t>(rank * dim));
+  for (int64_t r = 0; r < rank; ++r) {
+    const double* v = evecs.data() + idx[r] * dim;
+    for (int64_t t = 0; t < dim; ++t) p[r * dim + t] = static_cast<float>(v[t]);
+  }
+  return p;
+}
+
 void apply_whitening(const Whitening& w, float* x, int64_t n) {
   const std::string fn = "apply_whitening";
   const int64_t dim = w.dim;

@@ -254,33 +254,51 @@ struct GroupDict {
   at::Tensor parent_keys; // [C1, D] fp32
   at::Tensor offsets;     // [C1 + 1] int32
   bool whitened = false;
-  at::Tensor white_mat, white_mean;  // [D, D], [D]
+  at::Tensor white_mat, white_mean;  // [R, D] (R = D, or the key rank), [D]
 };
 
 at::Tensor from_vec(const std::vector<float>& v, std::vector<int64_t> shape) {
   return at::tensor(v, at::TensorOptions().dtype(at::kFloat)).reshape(shape);
 }
 
-// Prepares lookup keys in place: whiten (when given) and normalize.
+// Prepares lookup keys [N, D]: whiten (when given) and normalize. A whitening of fewer rows
+// than D (a key rank) projects the keys onto them ([N, R], in double as the runtime's
+// reference does).
 void prepare_keys(at::Tensor& keys, const Whitening* w) {
   keys = keys.contiguous();
-  if (w) apply_whitening(*w, keys.data_ptr<float>(), keys.size(0));
+  if (w && int64_t(w->matrix.size()) < w->dim * w->dim) {
+    const int64_t R = int64_t(w->matrix.size()) / w->dim;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    const at::Tensor W = at::tensor(std::vector<double>(w->matrix.begin(), w->matrix.end()), f64).reshape({R, w->dim});
+    const at::Tensor mean = at::tensor(std::vector<double>(w->mean.begin(), w->mean.end()), f64);
+    keys = at::mm(keys.to(at::kDouble) - mean, W.t()).to(at::kFloat).contiguous();
+  } else if (w) {
+    apply_whitening(*w, keys.data_ptr<float>(), keys.size(0));
+  }
   normalize_rows(keys.data_ptr<float>(), keys.size(0), keys.size(1));
 }
 
 GroupDict build_group(const at::Tensor& raw_keys, const at::Tensor& o, const at::Tensor& lse,
-                      int64_t K, int64_t C1_req, bool whiten, const KMeansParams& base) {
+                      int64_t K, int64_t C1_req, bool whiten, int64_t key_rank, const KMeansParams& base) {
   GroupDict g;
-  const int64_t N = raw_keys.size(0), D = raw_keys.size(1);
+  const int64_t N = raw_keys.size(0), GD = raw_keys.size(1);
   at::Tensor keys = raw_keys.contiguous().clone();
   Whitening wh;
+  if (key_rank > 0) {  // the projection onto the top key_rank directions, mean 0
+    wh.dim = GD;
+    wh.matrix = estimate_key_projection(keys.data_ptr<float>(), N, GD, key_rank);
+    wh.mean.assign(size_t(GD), 0.f);
+    whiten = true;
+  } else if (whiten) {
+    wh = estimate_whitening(keys.data_ptr<float>(), N, GD);
+  }
   if (whiten) {
-    wh = estimate_whitening(keys.data_ptr<float>(), N, D);
     g.whitened = true;
-    g.white_mat = from_vec(wh.matrix, {D, D});
-    g.white_mean = from_vec(wh.mean, {D});
+    g.white_mat = from_vec(wh.matrix, {int64_t(wh.matrix.size()) / GD, GD});
+    g.white_mean = from_vec(wh.mean, {GD});
   }
   prepare_keys(keys, whiten ? &wh : nullptr);
+  const int64_t D = keys.size(1);  // the lookup key dims
   KMeansParams p = base;
   p.k = K;
   KMeansResult km = kmeans(keys.data_ptr<float>(), N, D, p);
@@ -461,6 +479,11 @@ void compile_dictionary(const CompileOptions& opt) {
   if (opt.kmeans_backend == "cuda" && !kmeans_backend_available("cuda")) {
     throw UnsupportedError("--kmeans-backend cuda: this build has no CUDA k-means or no CUDA device is visible");
   }
+  if (opt.key_rank < 0 || (opt.key_rank > 0 && !DecodeKeyDimSupported(opt.key_rank))) {
+    throw InvalidArgument("--key-rank must be 0 or a multiple of 64 up to 512 (of 128 up to 1024), got " +
+                          std::to_string(opt.key_rank));
+  }
+  if (opt.key_rank > 0 && opt.whitening) throw InvalidArgument("--key-rank and --whitening exclude each other");
   if (opt.rope_position < -1) {
     throw InvalidArgument("--rope-position must be >= 0 (or -1: the prefix length P), got " +
                           std::to_string(opt.rope_position));
@@ -480,6 +503,10 @@ void compile_dictionary(const CompileOptions& opt) {
   const ModelConfig& cfg = model.config();
   const int64_t L = cfg.n_layers, Hq = cfg.n_heads, Hkv = cfg.n_kv_heads, G = cfg.group_size(),
                 d = cfg.head_dim, D = G * d;
+  if (opt.key_rank >= D) {
+    throw InvalidArgument("--key-rank " + std::to_string(opt.key_rank) + " must be below the model's G*d = " +
+                          std::to_string(D));
+  }
   if (opt.max_response_tokens > cfg.max_context) {
     throw InvalidArgument("--max-response-tokens " + std::to_string(opt.max_response_tokens) +
                           " exceeds the model's context of " + std::to_string(cfg.max_context) + " tokens");
@@ -790,7 +817,7 @@ void compile_dictionary(const CompileOptions& opt) {
       for (int64_t g = 0; g < Hkv; ++g) {
         at::Tensor keys = q.narrow(1, g * G, G).reshape({-1, D}).contiguous();
         GroupDict gd = build_group(keys, o.narrow(1, g * G, G), lse.narrow(1, g * G, G), k,
-                                   opt.parents, opt.whitening, kp);
+                                   opt.parents, opt.whitening, opt.key_rank, kp);
         // Round to the stored dtype so the report sees what the runtime will.
         gd.keys = gd.keys.to(vst).to(at::kFloat);
         gd.o = gd.o.to(vst).to(at::kFloat);
@@ -843,7 +870,8 @@ void compile_dictionary(const CompileOptions& opt) {
   man.compile.value_dtype = dtype_name(vdtype);
   man.compile.seed = opt.seed;
   man.compile.kmeans_iters = opt.kmeans_iters;
-  man.compile.whitening = opt.whitening;
+  man.compile.whitening = opt.whitening || opt.key_rank > 0;
+  man.compile.key_rank = opt.key_rank;
   man.compile.key_mode = opt.key_mode;
   man.compile.rope_unified_position = unified ? rope_pos : 0;
   man.compile.n_traces = int64_t(tt.size());

@@ -41,7 +41,7 @@ constexpr int32_t kPageSize = 16;
 // The op's config for `batch` lookups (one per token) over the dictionary's views: no
 // non-prefix tokens, so no KV splits.
 DecodeConfig LookupConfig(int64_t batch, int64_t Hq, int64_t Hkv, int64_t d, KernelDType dtype, int64_t rows,
-                          bool whitening) {
+                          bool whitening, uint32_t key_dims) {
   DecodeConfig c;
   c.batch = int32_t(batch);
   c.num_q_heads = int32_t(Hq);
@@ -53,6 +53,7 @@ DecodeConfig LookupConfig(int64_t batch, int64_t Hq, int64_t Hkv, int64_t d, Ker
   c.use_dictionaries = true;
   c.max_lookup_rows = rows;
   c.whitening = whitening;
+  c.key_dims = key_dims;
   return c;
 }
 
@@ -208,6 +209,13 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
       ValidateDictLayerView(v, int32_t(G), int32_t(d_), /*host_memory=*/true, where);
       max_lookup_rows_ = std::max(max_lookup_rows_, rows);
       whitening_ = whitening_ || v.whitening != nullptr;
+      const int64_t R = DictKeyDim(v, G * d_);
+      if (DecodeKeyDimSupported(R)) {
+        key_dims_ |= DecodeKeyDimBit(R);
+      } else if (model.device().is_cuda()) {
+        throw InvalidArgument(where + ": lookup keys of " + std::to_string(R) +
+                              " dims are not served on the GPU (multiples of 64 up to 512, of 128 up to 1024)");
+      }
       host_views_.push_back(v);
     }
   }
@@ -237,13 +245,14 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
         c.keys = I8Rows(v.keys, v.K, D);
         if (v.C1 > 0) c.parents = I8Rows(v.parent_keys, v.C1, D);
       } else {
-        c.keys = FloatRows(v.keys, v.keys_dtype, v.K, D);
-        c.key_norm = MaxRowNorm(c.keys.data_ptr<float>(), v.K, D);
+        const int64_t R = DictKeyDim(v, D);  // the key rows' dims
+        c.keys = FloatRows(v.keys, v.keys_dtype, v.K, R);
+        c.key_norm = MaxRowNorm(c.keys.data_ptr<float>(), v.K, R);
         if (v.C1 > 0) {
-          c.parents = FloatRows(v.parent_keys, v.keys_dtype, v.C1, D);
-          c.parent_norm = MaxRowNorm(c.parents.data_ptr<float>(), v.C1, D);
+          c.parents = FloatRows(v.parent_keys, v.keys_dtype, v.C1, R);
+          c.parent_norm = MaxRowNorm(c.parents.data_ptr<float>(), v.C1, R);
         }
-        c.batched = D <= kMaxBoundedDims && std::isfinite(c.key_norm) && std::isfinite(c.parent_norm);
+        c.batched = R <= kMaxBoundedDims && std::isfinite(c.key_norm) && std::isfinite(c.parent_norm);
       }
     }
   }
@@ -267,7 +276,7 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
     auto key_bytes = [&](const DictLayerView& v, int64_t rows) {
       const int64_t D = G * d_;
       return uint64_t(v.keys_dtype == KernelDType::kI8 ? KeysI8Bytes(rows, D)
-                                                       : rows * D * KernelDTypeSize(v.keys_dtype));
+                                                       : rows * DictKeyDim(v, D) * KernelDTypeSize(v.keys_dtype));
     };
     std::vector<DictLayerView> dv = host_views_;
     for (int64_t l = 0; l < L_; ++l) {
@@ -291,7 +300,7 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
                                 at::TensorOptions().dtype(at::kByte))
                       .to(device);
     dev_->kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(dev_->scalar).device(device));
-    const DecodeConfig one = LookupConfig(1, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_);
+    const DecodeConfig one = LookupConfig(1, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_, key_dims_);
     for (const DictLayerView& v : host_views_) dev_->can_probe = dev_->can_probe || DecodeViewCanProbe(one, v);
 #else
     throw UnsupportedError(
@@ -347,17 +356,19 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
     const DictLayerView& v = host_views_[layer * Hkv_ + h];
     const CpuSection& c = cpu_[layer * Hkv_ + h];
     const bool i8 = v.keys_dtype == KernelDType::kI8;
-    // q: [N, D] the keys the reference scores (whitened; for int8, the quantized codes).
+    // q: [N, R] the keys the reference scores (whitened, R = D unless the whitening projects
+    // onto fewer dims; for int8, the quantized codes).
+    const int64_t R = DictKeyDim(v, D);
     at::Tensor q = all.select(1, h).contiguous();
     std::vector<int8_t> codes(i8 ? size_t(N * D) : 0);
     if (v.whitening || i8) {
-      at::Tensor y = at::empty({N, D}, f32);
+      at::Tensor y = at::empty({N, R}, f32);
       const float* x = q.data_ptr<float>();
       float* yp = y.data_ptr<float>();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) {
           if (v.whitening) {
-            WhitenLookupKeyCpu(v.whitening, v.whitening_mean, D, x + n * D, yp + n * D);
+            WhitenLookupKeyCpu(v.whitening, v.whitening_mean, R, D, x + n * D, yp + n * R);
           } else {
             int8_t* cn = codes.data() + n * D;
             QuantizeLookupKeyI8(x + n * D, D, cn);
@@ -387,7 +398,7 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
       at::parallel_for(0, n, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t row = c0 + t;
-          const float* qr = qp + row * D;
+          const float* qr = qp + row * R;
           int32_t idx = -1;
           if (i8) {
             const int8_t* q8 = codes.data() + row * D;
@@ -409,20 +420,20 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
             }
           } else {
             double qq = 0.0;
-            for (int64_t i = 0; i < D; ++i) qq += double(qr[i]) * double(qr[i]);
+            for (int64_t i = 0; i < R; ++i) qq += double(qr[i]) * double(qr[i]);
             const double qn = std::sqrt(qq);
             const bool bounded = c.batched && std::isfinite(qn) &&
                                  qn * std::max(c.key_norm, c.parent_norm) < kMaxNormProduct;
             if (!bounded) {
               ++by_reference;
-              idx = v.C1 > 0 ? LookupHierarchicalCpu(pp, v.C1, v.child_offsets, kp, v.K, D, qr, v.top_m)
-                             : LookupLinearCpu(kp, v.K, D, qr);
+              idx = v.C1 > 0 ? LookupHierarchicalCpu(pp, v.C1, v.child_offsets, kp, v.K, R, qr, v.top_m)
+                             : LookupLinearCpu(kp, v.K, R, qr);
             } else if (v.C1 > 0) {
-              idx = LookupHierarchicalRescoreCpu(pp, v.C1, v.child_offsets, kp, v.K, D, qr, v.top_m,
-                                                 psp + t * v.C1, GemmScoreBound(D, c.parent_norm, qn),
-                                                 sp + t * v.K, GemmScoreBound(D, c.key_norm, qn));
+              idx = LookupHierarchicalRescoreCpu(pp, v.C1, v.child_offsets, kp, v.K, R, qr, v.top_m,
+                                                 psp + t * v.C1, GemmScoreBound(R, c.parent_norm, qn),
+                                                 sp + t * v.K, GemmScoreBound(R, c.key_norm, qn));
             } else {
-              idx = LookupLinearRescoreCpu(kp, v.K, D, qr, sp + t * v.K, GemmScoreBound(D, c.key_norm, qn));
+              idx = LookupLinearRescoreCpu(kp, v.K, R, qr, sp + t * v.K, GemmScoreBound(R, c.key_norm, qn));
             }
           }
           if (ip) ip[row * Hkv_ + h] = idx;
@@ -448,7 +459,7 @@ AttnState DictionaryPrefix::lookup_cpu_reference(int64_t layer, const at::Tensor
   cpu_reference_lookups_ += N * Hkv_;
   if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
   // The CPU reference reads fp32 queries.
-  const DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, KernelDType::kF32, max_lookup_rows_, whitening_);
+  const DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, KernelDType::kF32, max_lookup_rows_, whitening_, key_dims_);
   auto i32 = at::TensorOptions().dtype(at::kInt);
   at::Tensor zeros = at::zeros({N}, i32);  // seq_lens, dict_ids (dictionary 0) and block table
   at::Tensor kv = at::zeros({1, Hkv_, kPageSize, d_}, at::TensorOptions().dtype(at::kFloat));
@@ -497,7 +508,7 @@ AttnState DictionaryPrefix::lookup_cuda(int64_t layer, const at::Tensor& keys) {
   const int64_t N = keys.size(0);
   if (N > std::numeric_limits<int32_t>::max()) throw InvalidArgument("DictionaryPrefix: too many tokens");
   const at::Device device = keys.device();
-  DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_);
+  DecodeConfig c = LookupConfig(N, Hq_, Hkv_, d_, dev_->dtype, max_lookup_rows_, whitening_, key_dims_);
   c.probe_max_batch = dev_->can_probe ? 0 : -1;  // no view probes: the kernels of larger steps
   const DecodePlan plan = PlanDecode(c);  // throws UnsupportedError for shapes the op lacks
   at::Tensor q = keys.to(dev_->scalar).contiguous();

@@ -10,7 +10,8 @@
 //                 in the paged KV (empty when T == 0), s_t = sm_scale * q.k_t;
 //   output        (o, lse)     = merge((o_p, lse_p), (o_r, lse_r))   (asmem/state.cuh).
 // Lookup key of (b, h): x = concat_g q_pre[b, h*G + g, :] (G*d values, pre-RoPE), whitened
-// to W (x - mean) when the dictionary section has whitening. The nearest entry is the largest
+// to W (x - mean) when the dictionary section has whitening (W of R x G*d: the key projected
+// onto R <= G*d dims, R the view's key_dim, the stored keys having R dims). The nearest entry is the largest
 // dot product with the stored (L2-normalized) keys, ties to the smaller index; the key need
 // not be normalized. Linear lookup scans all K keys; a view with C1 > 0 parents probes the
 // top_m parents (ties to the smaller parent index) and scans only their children (when all
@@ -115,15 +116,20 @@ void QuantizeLookupKeyI8(const float* x, int64_t D, int8_t* q);
 // One dictionary section (one layer, one KV head) as the kernels read it. Lives in device
 // memory for DecodeAttention and host memory for DecodeAttentionCpu. D = G*d.
 struct DictLayerView {
-  const void* keys = nullptr;             // [K, D] keys_dtype, rows L2-normalized (kI8:
+  const void* keys = nullptr;             // [K, R] keys_dtype, rows L2-normalized (kI8:
                                           // padded rows, then [K] f32 scales, KernelDType)
   const void* values_o = nullptr;         // [K, G, d] values_dtype
   const float* values_lse = nullptr;      // [K, G] f32, natural log
-  const void* parent_keys = nullptr;      // [C1, D] keys_dtype (kI8: + [C1] scales); null
+  const void* parent_keys = nullptr;      // [C1, R] keys_dtype (kI8: + [C1] scales); null
                                           // iff C1 == 0
   const int32_t* child_offsets = nullptr; // [C1 + 1], 0 .. K non-decreasing; null iff C1 == 0
-  const float* whitening = nullptr;       // [D, D] f32 row-major, or null (no whitening)
+  const float* whitening = nullptr;       // [R, D] f32 row-major, or null (no whitening)
   const float* whitening_mean = nullptr;  // [D] f32; non-null iff whitening is
+  int32_t key_dim = 0;                    // R, the lookup key width: 0 means D; with
+                                          // whitening 1 <= R <= D (R < D: keys reduced to R
+                                          // dims), without it 0 or D. The CUDA op serves R
+                                          // with DecodeKeyDimSupported(R) that its config's
+                                          // key_dims names (DecodeKeyDimBit)
   int64_t K = 0;                          // entries, >= 1
   int64_t C1 = 0;                         // parents; 0: linear lookup over all K keys
   int32_t top_m = 0;                      // parents probed when C1 > 0 (>= 1; >= C1: all)
@@ -131,6 +137,18 @@ struct DictLayerView {
                                                   // or i8
   KernelDType values_dtype = KernelDType::kBF16;  // values_o: f32, f16 or bf16
 };
+
+// The lookup key width R of view v for a group of D = G*d dims.
+inline int64_t DictKeyDim(const DictLayerView& v, int64_t D) { return v.key_dim > 0 ? v.key_dim : D; }
+// Lookup key widths the CUDA op serves: multiples of 64 up to 512 and of 128 up to 1024
+// (the G*d of every supported shape among them).
+constexpr bool DecodeKeyDimSupported(int64_t R) {
+  return R >= 64 && ((R <= 512 && R % 64 == 0) || (R <= 1024 && R % 128 == 0));
+}
+// DecodeConfig::key_dims bit of a supported width R (bits 0 .. 11); 0 for another R.
+constexpr uint32_t DecodeKeyDimBit(int64_t R) {
+  return !DecodeKeyDimSupported(R) ? 0u : R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
+}
 
 // Most parents a hierarchical view may have (shared-memory bound; ~sqrt(K) for K up to 4M).
 constexpr int64_t kDecodeMaxParents = 2048;
@@ -162,6 +180,10 @@ struct DecodeConfig {
                                   // current plan does not use it)
   int64_t max_dict_keys = 0;      // most key rows (K) of one view over the dictionaries the
                                   // steps may use; a hint for the plan, >= 0; 0: unknown
+  uint32_t key_dims = 0;     // the lookup key widths of the views the steps may use, as
+                             // DecodeKeyDimBit bits (each served width launches its own
+                             // lookup grid); 0: G*d only. A view of a width not named here
+                             // gives NaN outputs, as an invalid view does
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
                              // a separate launch (without it every lookup CTA whitens the
                              // keys it needs on CUDA cores: correct, much slower)
@@ -245,7 +267,8 @@ size_t DecodeWorkspaceBytes(const DecodeConfig& config);
 
 // Host-side check of one view for a group of G heads of dim d: pointers present and 16-byte
 // aligned, dtypes, K >= 1, 0 <= C1 <= kDecodeMaxParents, top_m >= 1 when C1 > 0, whitening
-// and its mean together, i8 keys only without whitening. Child
+// and its mean together, i8 keys only without whitening, key_dim 0 or D without whitening
+// and in [1, D] with it. Child
 // offsets and i8 key scales (finite, >= 0) are checked too when `host_memory` (they are host
 // readable). Throws InvalidArgument naming `where` and the field.
 void ValidateDictLayerView(const DictLayerView& view, int32_t group_size, int32_t head_dim,
@@ -263,7 +286,8 @@ void DecodeAttention(const DecodeConfig& config, const DecodeParams& params, voi
 // synchronize the context: wait on the host for every stream of the device, e.g. a serving
 // stream held behind earlier work. Idempotent and cheap once loaded. Throws
 // UnsupportedError for a combination the op lacks, asmem::Error in builds without CUDA.
-void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size);
+// `key_dims`: lookup key widths (DecodeConfig::key_dims) whose lookups load too, beside G*d's.
+void LoadDecodeKernels(KernelDType dtype, int32_t head_dim, int32_t group_size, uint32_t key_dims = 0);
 
 // The CPU reference: naive loops, double accumulation, host memory (dict_views too), the
 // same arguments and results. Accepts any head dim and group size (not only the CUDA set).

@@ -28,8 +28,10 @@ double LookupScoreCpu(const float* key, const float* query, int64_t D);
 
 // The whitened lookup key as DecodeAttentionCpu computes it for a section with whitening:
 // y[i] = float(sum_j double(W[i][j]) * (double(x[j]) - double(mean[j]))), j in order.
-// W: [D, D] f32 row-major; mean, x, y: [D]; y must not alias x.
-void WhitenLookupKeyCpu(const float* whitening, const float* mean, int64_t D, const float* x, float* y);
+// W: [R, D] f32 row-major (R <= D: a projection onto R dims); mean, x: [D]; y: [R], not
+// aliasing x.
+void WhitenLookupKeyCpu(const float* whitening, const float* mean, int64_t R, int64_t D, const float* x,
+                        float* y);
 
 // The same two lookups over int8 keys (KernelDType::kI8 buffers: [rows, KeysI8RowBytes(D)]
 // int8, then [rows] f32 scales; QuantizeKeysI8) for a lookup key quantized by QuantizeLookupKeyI8. The

@@ -1,12 +1,13 @@
 // Dictionary files (.asmd): what the compiler writes and the runtime maps.
 //
 // A dictionary holds, for one model and one prefix, per (layer, KV group) section:
-//   keys        [K, G*d]  lookup keys (normalized; whitened first when `whitening` is set)
+//   keys        [K, R]    lookup keys (normalized; whitened first when `whitening` is set);
+//                         R = G*d, or compile.key_rank when the keys were reduced
 //   values_o    [K, G, d] prefix attention output per query head of the group
 //   values_lse  [K, G]    fp32 natural-log lse per query head
-//   parent_keys [C1, G*d] hierarchy level 1 (normalized)
+//   parent_keys [C1, R]   hierarchy level 1 (normalized)
 //   child_offsets [C1+1]  int32; leaves of parent p are rows child_offsets[p]..[p+1] of keys
-//   whitening   [G*d, G*d] fp32 and whitening_mean [G*d] fp32, when used
+//   whitening   [R, G*d] fp32 and whitening_mean [G*d] fp32, when used
 // Byte layout: proto/asmem/dictionary.proto documents it byte by byte.
 //
 // This header shows no protobuf, torch or CUDA type.
@@ -68,6 +69,8 @@ struct CompileInfo {
   uint64_t seed = 0;
   int32_t kmeans_iters = 0;
   bool whitening = false;
+  int64_t key_rank = 0;         // R < G*d: keys reduced to R dims through the whitening (which
+                                // is then present, [R, G*d]); 0: keys of G*d dims
   std::string key_mode = "pre_rope";  // "pre_rope" | "rope_unified"
   int64_t rope_unified_position = 0;  // position used when key_mode == "rope_unified"
   int64_t n_traces = 0, n_train_tokens = 0, n_holdout_tokens = 0;

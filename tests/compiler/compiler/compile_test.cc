@@ -148,6 +148,52 @@ TEST_F(CompileSmall, RopeUnifiedKeysAndWhitening) {
   EXPECT_THROW(compile_dictionary(o), InvalidArgument);
 }
 
+TEST_F(CompileSmall, KeyRankReducesTheLookupKeys) {
+  ASMEM_REQUIRE_MODEL();
+  CompileOptions o = options(dir_ + "/kr.asmd");
+  o.key_rank = 64;  // of G d = 192
+  o.value_dtype = "fp32";
+  compile_dictionary(o);
+  auto f = DictionaryFile::open(o.out_path);
+  const DictionaryManifest& m = f->manifest();
+  EXPECT_EQ(m.compile.key_rank, 64);
+  EXPECT_TRUE(m.compile.whitening);
+  for (const DictSection& s : m.sections) {
+    ASSERT_EQ(s.keys.shape, (std::vector<int64_t>{s.entries, 64}));
+    ASSERT_EQ(s.whitening.shape, (std::vector<int64_t>{64, 192}));
+    if (s.n_parents > 0) ASSERT_EQ(s.parent_keys.shape, (std::vector<int64_t>{s.n_parents, 64}));
+  }
+  // The projection's rows are orthonormal directions; the stored keys are unit rows.
+  const DictSection& s = m.sections[5];
+  const float* w = static_cast<const float*>(s.whitening.data);
+  for (int64_t a = 0; a < 64; ++a) {
+    for (int64_t b = a; b < 64; b += 7) {
+      double dot = 0;
+      for (int64_t i = 0; i < 192; ++i) dot += double(w[a * 192 + i]) * w[b * 192 + i];
+      EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << a << " " << b;
+    }
+  }
+  const float* k = static_cast<const float*>(s.keys.data);
+  for (int64_t r = 0; r < s.entries; ++r) {
+    double n2 = 0;
+    for (int64_t i = 0; i < 64; ++i) n2 += double(k[r * 64 + i]) * k[r * 64 + i];
+    EXPECT_NEAR(n2, 1.0, 1e-4) << "row " << r;
+  }
+  nlohmann::json rep = nlohmann::json::parse(slurp(o.out_path + ".report.json"));
+  EXPECT_LT(rep["summary"]["k8"]["mean_linear"].get<double>(), rep["summary"]["no_prefix_mean"].get<double>());
+  // Widths the kernels do not serve, the model's own width, and with --whitening: errors.
+  for (int64_t bad : {int64_t(100), int64_t(192), int64_t(-64)}) {
+    CompileOptions b = options(dir_ + "/bad.asmd");
+    b.key_rank = bad;
+    EXPECT_THROW(compile_dictionary(b), InvalidArgument) << bad;
+  }
+  CompileOptions both = options(dir_ + "/bad.asmd");
+  both.key_rank = 64;
+  both.whitening = true;
+  EXPECT_THROW(compile_dictionary(both), InvalidArgument);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/bad.asmd"));
+}
+
 TEST_F(CompileSmall, ChunkedCalibrationRecordsChunksAndMeasuresAgainstExact) {
   ASMEM_REQUIRE_MODEL();
   CompileOptions o = options(dir_ + "/ch.asmd");

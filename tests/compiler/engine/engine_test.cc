@@ -292,6 +292,27 @@ TEST_F(Engine, BatchedCpuLookupEqualsTheReferenceOnTheServedForward) {
   }
 }
 
+// Keys reduced to 64 of 192 dims (compile.key_rank): the batched CPU lookup serves them as
+// the reference does.
+TEST_F(Engine, KeyRankDictionaryServesAsTheReference) {
+  ASMEM_REQUIRE_MODEL();
+  CompileOptions o = options(dir() + "/kr.asmd", 512);
+  o.key_rank = 64;
+  compile_dictionary(o);
+  auto dict = DictionaryFile::open(o.out_path);
+  ASSERT_EQ(dict->manifest().compile.key_rank, 64);
+  const std::vector<int32_t> seq = trace_tokens(0);
+  const int64_t T = int64_t(seq.size());
+  DictionaryPrefix hook(*dict, *model_);
+  const at::Tensor served = run_served(*dict, seq, &hook).narrow(0, 0, T - 1);
+  DictPrefixOptions ro;
+  ro.cpu_reference = true;
+  DictionaryPrefix ref(*dict, *model_, ro);
+  EXPECT_TRUE(at::equal(run_served(*dict, seq, &ref).narrow(0, 0, T - 1), served)) << "batched CPU lookup vs reference";
+  EXPECT_EQ(hook.cpu_reference_lookups(), 0);
+  EXPECT_TRUE(at::isfinite(served).all().item<bool>());
+}
+
 TEST_F(Engine, RopeUnifiedWhitenedKeysAlsoReproduceTheFullPrefix) {
   ASMEM_REQUIRE_MODEL();
   CompileOptions o = options(dir() + "/ru.asmd", 512);

@@ -88,6 +88,12 @@ struct Whitening {
   std::vector<float> matrix;  // [dim, dim] row-major
 };
 Whitening estimate_whitening(const float* x, int64_t n, int64_t dim, double eps = 1e-6);
+// Lookup keys reduced to `rank` dims: the top `rank` eigenvectors (by eigenvalue, desc) of the
+// uncentered second moment of the L2-normalized rows of x [n, dim], as the rows of
+// [rank, dim] (row-major). Projecting keys and centroids onto them keeps the directions in
+// which normalized keys differ most; a key's projection then scores what the full key scores
+// up to the dropped directions' part. Throws InvalidArgument for rank outside [1, dim].
+std::vector<float> estimate_key_projection(const float* x, int64_t n, int64_t dim, int64_t rank);
 // Applies W (x - mean) to every row in place ([n, dim]).
 void apply_whitening(const Whitening& w, float* x, int64_t n);
 // L2-normalizes every row in place; zero rows stay zero.

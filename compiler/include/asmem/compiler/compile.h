@@ -34,6 +34,11 @@ struct CompileOptions {
   int32_t kmeans_iters = 10;        // Lloyd iterations
   std::string kmeans_backend = "auto";  // auto (cuda on a CUDA device, else cpu) | cpu | cuda | reference
   bool whitening = false;            // whiten keys with Sigma^-1/2 of the training keys
+  int64_t key_rank = 0;              // > 0: lookup keys reduced to this many dims (a
+                                     // DecodeKeyDimSupported width below G*d): projected onto
+                                     // the top principal directions of the normalized
+                                     // training keys (stored as the whitening; excludes
+                                     // `whitening`); fewer key bytes per lookup
   // Lookup keys: "pre_rope" (the pre-RoPE group queries) or "rope_unified" (the queries
   // rotated by RoPE as if every token sat at position `rope_position`; -1: P). Serving
   // must build its lookup keys the same way; the manifest records both fields.

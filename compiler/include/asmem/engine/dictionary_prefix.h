@@ -105,6 +105,7 @@ class DictionaryPrefix : public AttentionHook {
   int64_t top_m_ = 0;
   int64_t max_lookup_rows_ = 0;  // per view, for the op's plan
   bool whitening_ = false;
+  uint32_t key_dims_ = 0;  // DecodeConfig::key_dims: the views' lookup key widths
   std::vector<DictLayerView> host_views_;  // [L * Hkv]
   std::vector<KeysI8Block> keys_i8_;       // int8 keys the host views point into
   int64_t int8_sections_ = 0;
