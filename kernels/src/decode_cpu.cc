@@ -233,8 +233,8 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.lookup_width) * sizeof(LookupPartial));
   w.pscore = off;
   if (dicts) off = AlignUp(off + B * Hkv * size_t(plan.parent_width) * sizeof(float));
-  w.whitened = off;
-  if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * sizeof(float));
+  w.whitened = off;  // f32 rows, then the op's 16-bit rows (projected keys)
+  if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * (sizeof(float) + 2));
   w.lookup_sync = off;
   if (dicts) off = AlignUp(off + 2 * sizeof(uint32_t));
   w.total = off;
@@ -434,7 +434,10 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
         } else {
           const int64_t R = DictKeyDim(*view, D);  // validated: R == D without whitening
           std::vector<float> y(R);
-          if (view->whitening) {
+          if (view->whitening && R < D) {  // projected: as the CUDA op, in the op's type
+            ProjectLookupKeyCpu(view->whitening, view->whitening_mean, R, D, key.data(), y.data());
+            for (float& v : y) v = RoundToKernelDType(v, dt);
+          } else if (view->whitening) {
             WhitenLookupKeyCpu(view->whitening, view->whitening_mean, R, D, key.data(), y.data());
           } else {
             y.assign(key.begin(), key.end());

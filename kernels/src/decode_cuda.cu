@@ -138,6 +138,9 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.pscore = reinterpret_cast<float*>(ws + L.pscore);
     a.lookup_sync = reinterpret_cast<uint32_t*>(ws + L.lookup_sync);
     a.whitened = c.whitening ? reinterpret_cast<float*>(ws + L.whitened) : nullptr;
+    a.whitened16 = c.whitening ? static_cast<void*>(ws + L.whitened + size_t(c.batch) * c.num_kv_heads *
+                                                                         size_t(a.group) * c.head_dim * sizeof(float))
+                               : nullptr;
     a.key_dims = ServedKeyDims(c);
     a.lookup_grids = __builtin_popcount(a.key_dims);
     a.lookup_reps = std::min(p.batch, lookup_reps > 0 ? lookup_reps : plan.lookup_reps);

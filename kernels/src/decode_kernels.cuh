@@ -103,6 +103,14 @@ struct Pack<__half> {
   }
 };
 
+// x rounded to DType (to nearest even) and back.
+template <typename T>
+__device__ __forceinline__ float RoundTo(float x);
+template <>
+__device__ __forceinline__ float RoundTo<__nv_bfloat16>(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+template <>
+__device__ __forceinline__ float RoundTo<__half>(float x) { return __half2float(__float2half_rn(x)); }
+
 __device__ __forceinline__ float LoadElem(const void* p, KernelDType t, int64_t i) {
   switch (t) {
     case KernelDType::kF32: return static_cast<const float*>(p)[i];
@@ -306,7 +314,8 @@ __device__ void PrepareKey(const LaunchArgs& a, const DictLayerView& v, int b, i
     LoadLookupKey<DType>(a, b, h, v.whitening_mean, xm);
     __syncthreads();
     for (int r = warp; r < KEY_DIM; r += kWarps) {
-      const float y = WhitenDot(v.whitening + int64_t(r) * D, xm, D);
+      float y = WhitenDot(v.whitening + int64_t(r) * D, xm, D);
+      if (KEY_DIM < D) y = RoundTo<DType>(y);  // a projected key is in the op's type
       if (lane == 0) q[r] = y;
     }
   } else {
@@ -714,9 +723,17 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
   if (terms == 1) {  // q_pre itself: async copies
     // The fields read once, before the copies (out of line each cp.async made the compiler
     // load them again: WarpSegScanTc).
-    const DType* const q_pre = static_cast<const DType*>(p.q_pre);
-    const int64_t stride_b = p.q_pre_stride_b, stride_h = p.q_pre_stride_h;
-    const int head_dim = a.head_dim, head0 = h * a.group;
+    const DType* q_pre = static_cast<const DType*>(p.q_pre);
+    int64_t stride_b = p.q_pre_stride_b, stride_h = p.q_pre_stride_h;
+    int head_dim = a.head_dim, head0 = h * a.group;
+    if (v.whitening != nullptr) {  // projected keys (the only whitened ones of one term)
+      const int D = a.group * a.head_dim;
+      q_pre = static_cast<const DType*>(a.whitened16) + int64_t(h) * D;
+      stride_b = int64_t(a.hkv) * D;
+      stride_h = 0;
+      head_dim = KEY_DIM;
+      head0 = 0;
+    }
     for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       const int e = ch * 8, gg = e / head_dim, cc = e - gg * head_dim;
@@ -1691,7 +1708,10 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     // the whitening launch); CUDA cores otherwise.
     const bool kt16 = v.keys_dtype == KernelDType::kBF16 || v.keys_dtype == KernelDType::kF16;
     const bool same = (v.keys_dtype == KernelDType::kBF16) == std::is_same<DType, __nv_bfloat16>::value;
-    const int terms = (same && v.whitening == nullptr) ? 1 : 3;
+    // One term: q_pre itself, or projected keys (key width below G d) from the whitening
+    // launch, rounded to the op's type there.
+    const bool projected = v.whitening != nullptr && a.whitened != nullptr && KEY_DIM < a.group * a.head_dim;
+    const int terms = (same && (v.whitening == nullptr || projected)) ? 1 : 3;
     int MB = 8 * min(L::kMaxMembers / 8, L::kQueryBytes / (8 * KEY_DIM * terms * 2));
     const bool tc = kt16 && MB > 0 && (v.whitening == nullptr || a.whitened != nullptr);
     if (!tc) MB = L::kMaxMembers;
@@ -2228,7 +2248,14 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
     const int r = row0 + warp + k * kWarps;
-    if (lane == 0 && r < R) a.whitened[int64_t(bh) * D + r] = y;
+    if (lane == 0 && r < R) {
+      if (R < D) {  // projected: rounded to the op's type, also stored in it for the scan
+        y = RoundTo<DType>(y);
+        const DType t = DType(y);
+        static_cast<DType*>(a.whitened16)[int64_t(bh) * D + r] = t;
+      }
+      a.whitened[int64_t(bh) * D + r] = y;
+    }
   }
 }
 

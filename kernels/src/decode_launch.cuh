@@ -67,6 +67,8 @@ struct LaunchArgs {
   uint32_t* lookup_sync = nullptr;  // workspace: [0] lookup CTAs finished, [1] lookup done
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
                               // launch; a view's R values first in its row), or null
+  void* whitened16 = nullptr;  // workspace: [B, Hkv, G*d] of DType, the projected keys (key
+                               // width R < G d) rounded to it: the member keys of the scan
   uint32_t key_dims = 0;      // the lookup key widths served (DecodeKeyDimBit; G*d's bit when
                               // the config names none): one lookup grid each
   int32_t lookup_grids = 0;   // lookup grids of the step (set bits of key_dims)

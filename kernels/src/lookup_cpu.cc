@@ -219,6 +219,31 @@ void WhitenLookupKeyCpu(const float* W, const float* mean, int64_t R, int64_t D,
   }
 }
 
+void ProjectLookupKeyCpu(const float* W, const float* mean, int64_t R, int64_t D, const float* x, float* y) {
+  std::vector<float> xm(size_t(D + 3), 0.f);  // zeros past D (a last chunk of fewer than 4)
+  for (int64_t j = 0; j < D; ++j) xm[size_t(j)] = x[j] - mean[j];
+  for (int64_t i = 0; i < R; ++i) {
+    const float* w = W + i * D;
+    auto wj = [&](int64_t j) { return j < D ? w[j] : 0.f; };
+    float v[32];
+    for (int l = 0; l < 32; ++l) {
+      float acc = 0.f;
+      for (int64_t j = 4 * l; j < D; j += 128) {
+        acc = std::fma(wj(j), xm[size_t(j)],
+                       std::fma(wj(j + 1), xm[size_t(j + 1)],
+                                std::fma(wj(j + 2), xm[size_t(j + 2)], std::fma(wj(j + 3), xm[size_t(j + 3)], acc))));
+      }
+      v[l] = acc;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      float nv[32];
+      for (int l = 0; l < 32; ++l) nv[l] = v[l] + v[l ^ off];
+      std::copy(nv, nv + 32, v);
+    }
+    y[i] = v[0];
+  }
+}
+
 int32_t LookupLinearI8Cpu(const void* keys, int64_t K, int64_t D, const int8_t* query) {
   check(K, D, "LookupLinearI8Cpu");
   return LinearBest(K, I8Scorer(keys, K, D, query));

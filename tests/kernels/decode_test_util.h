@@ -354,6 +354,8 @@ inline std::vector<double> LookupKey(const Problem& pb, int64_t b, int64_t h, co
   std::vector<double> y(R, 0.0);
   for (int64_t i = 0; i < R; ++i) {
     for (int64_t j = 0; j < D; ++j) y[i] += double(hd.whitening[h][i * D + j]) * (x[j] - hd.mean[h][j]);
+    // A projected key (R < D) is in the op's type, as q_pre is.
+    if (R < D) y[i] = RoundToKernelDType(float(y[i]), pb.spec.dtype);
   }
   return y;
 }

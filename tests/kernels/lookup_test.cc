@@ -261,5 +261,33 @@ TEST(WhitenLookupKeyCpu, IdentityAndMean) {
   EXPECT_EQ(y[1], 7.f);
 }
 
+// The projection in fp32 (the CUDA op's order) is within fp32 rounding of the double
+// whitening, and exact where every partial sum is.
+TEST(ProjectLookupKeyCpu, AgreesWithTheDoubleProjection) {
+  std::mt19937_64 rng(test::test_seed(31));
+  std::normal_distribution<float> nd;
+  for (int64_t D : {int64_t(6), int64_t(192), int64_t(512)}) {
+    const int64_t R = D / 3;
+    std::vector<float> W(static_cast<size_t>(R * D)), mean(static_cast<size_t>(D)), x(static_cast<size_t>(D)),
+        y(static_cast<size_t>(R)), yd(static_cast<size_t>(R));
+    for (auto& v : W) v = nd(rng);
+    for (auto& v : mean) v = 0.1f * nd(rng);
+    for (auto& v : x) v = nd(rng);
+    ProjectLookupKeyCpu(W.data(), mean.data(), R, D, x.data(), y.data());
+    WhitenLookupKeyCpu(W.data(), mean.data(), R, D, x.data(), yd.data());
+    for (int64_t i = 0; i < R; ++i) {
+      double mag = 0;
+      for (int64_t j = 0; j < D; ++j) mag += std::abs(double(W[i * D + j]) * (double(x[j]) - mean[j]));
+      EXPECT_NEAR(y[i], yd[i], 4e-7 * mag + 1e-30) << "D=" << D << " i=" << i;
+    }
+  }
+  // Small integers: every sum exact, both give the same value.
+  const float W2[8] = {1, 2, 3, 4, 5, 6, 7, 8}, m2[4] = {0, 0, 0, 0}, x2[4] = {1, -1, 2, -2};
+  float y2[2];
+  ProjectLookupKeyCpu(W2, m2, 2, 4, x2, y2);
+  EXPECT_EQ(y2[0], 1.f - 2.f + 6.f - 8.f);
+  EXPECT_EQ(y2[1], 5.f - 6.f + 14.f - 16.f);
+}
+
 }  // namespace
 }  // namespace asmem

@@ -367,7 +367,9 @@ AttnState DictionaryPrefix::lookup_cpu(int64_t layer, const at::Tensor& keys) {
       float* yp = y.data_ptr<float>();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) {
-          if (v.whitening) {
+          if (v.whitening && R < D) {  // projected keys: as DecodeAttentionCpu (fp32, here unrounded)
+            ProjectLookupKeyCpu(v.whitening, v.whitening_mean, R, D, x + n * D, yp + n * R);
+          } else if (v.whitening) {
             WhitenLookupKeyCpu(v.whitening, v.whitening_mean, R, D, x + n * D, yp + n * R);
           } else {
             int8_t* cn = codes.data() + n * D;

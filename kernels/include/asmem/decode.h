@@ -11,7 +11,9 @@
 //   output        (o, lse)     = merge((o_p, lse_p), (o_r, lse_r))   (asmem/state.cuh).
 // Lookup key of (b, h): x = concat_g q_pre[b, h*G + g, :] (G*d values, pre-RoPE), whitened
 // to W (x - mean) when the dictionary section has whitening (W of R x G*d: the key projected
-// onto R <= G*d dims, R the view's key_dim, the stored keys having R dims). The nearest entry is the largest
+// onto R <= G*d dims, R the view's key_dim, the stored keys having R dims; with R < G*d the
+// projected key is computed in fp32 (ProjectLookupKeyCpu in asmem/lookup.h) and rounded to
+// the op's dtype, as q_pre is in it). The nearest entry is the largest
 // dot product with the stored (L2-normalized) keys, ties to the smaller index; the key need
 // not be normalized. Linear lookup scans all K keys; a view with C1 > 0 parents probes the
 // top_m parents (ties to the smaller parent index) and scans only their children (when all
@@ -344,6 +346,14 @@ inline void StoreFromFloat(void* p, KernelDType t, int64_t i, float v) {
     case KernelDType::kI8:  // the raw code (no scale), rounded and saturated
       static_cast<int8_t*>(p)[i] = int8_t(v != v ? 0.f : v > 127.f ? 127.f : v < -127.f ? -127.f : __builtin_rintf(v));
       break;
+  }
+}
+// v rounded to type t (to nearest even) and back: f16 / bf16; f32 (and i8) leave it as it is.
+inline float RoundToKernelDType(float v, KernelDType t) {
+  switch (t) {
+    case KernelDType::kF16: return HalfBitsToFloat(FloatToHalfBits(v));
+    case KernelDType::kBF16: return BF16BitsToFloat(FloatToBF16Bits(v));
+    default: return v;
   }
 }
 

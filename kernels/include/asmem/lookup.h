@@ -33,6 +33,15 @@ double LookupScoreCpu(const float* key, const float* query, int64_t D);
 void WhitenLookupKeyCpu(const float* whitening, const float* mean, int64_t R, int64_t D, const float* x,
                         float* y);
 
+// The projected lookup key of a view whose keys have R < D dims (DictLayerView::key_dim), as
+// the CUDA op computes it, bit for bit: xm[j] = x[j] - mean[j] in fp32; row i's sum in fp32 by
+// 32 lanes, lane l taking j = 4 l + 128 t (t ascending) as fma(W[j], xm[j], fma(W[j+1], xm[j+1],
+// fma(W[j+2], xm[j+2], fma(W[j+3], xm[j+3], acc)))) (terms past D are zero), then the lane sums
+// added by a butterfly (offsets 16, 8, 4, 2, 1: lane l adds lane l ^ offset), lane 0's sum.
+// DecodeAttentionCpu rounds it to the op's 16-bit type (ProjectedKeyCpu).
+void ProjectLookupKeyCpu(const float* whitening, const float* mean, int64_t R, int64_t D, const float* x,
+                         float* y);
+
 // The same two lookups over int8 keys (KernelDType::kI8 buffers: [rows, KeysI8RowBytes(D)]
 // int8, then [rows] f32 scales; QuantizeKeysI8) for a lookup key quantized by QuantizeLookupKeyI8. The
 // score of row r is float(integer dot) * scale[r] in fp32, as the CUDA lookup computes it.
