@@ -586,7 +586,6 @@ struct SegSmem {
   }
 };
 
-// A view the lookup serves: usable, and its parents fit the workspace's parent tables.
 // A view the lookup serves: usable, its parents fit the workspace's parent tables, and its
 // key width is one of the step's (D = G d).
 __device__ __forceinline__ bool LookupViewOk(const DictLayerView& v, int64_t parent_width, uint32_t key_dims,
@@ -1766,10 +1765,10 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block
     }
   }
-  // Done: the last CTA of the step's lookup grids to count itself raises the flag the combine
-  // waits for (both words were zeroed before the first, in stream order). The attention CTAs of kSplitOutDict
-  // wait for this grid's end instead (griddepcontrol.wait), and then neither the count nor
-  // the memset before the launch is made.
+  // Done: the last CTA of the step's lookup grids to count itself raises the flag the
+  // combine waits for (both words were zeroed before the first, in stream order). The
+  // attention CTAs of kSplitOutDict wait for this grid's end instead (griddepcontrol.wait),
+  // and then neither the count nor the memset before the launch is made.
   DTL(if (tlr) { tlr[2] = DtlNow(); tlr[5] = tl_blocks; });
   if (a.split_out == kSplitOutDict) {
     DTL(if (tlr) tlr[3] = DtlNow());
