@@ -71,9 +71,12 @@
 //   the host; replays may change every device value the step reads (q, KV, block table,
 //   seq_lens, dict_ids...) but not the host-side DecodeArgs / StepConfig it was captured
 //   with. A replace() between replays is seen by the next replay (same stream). The split
-//   plan of a capture (whitening launch) is that of the dictionaries resident at capture
-//   time; after a replace it is still correct (every valid dictionary fits any plan), only
-//   possibly slower.
+//   plan of a capture (whitening launch, lookup key widths) is that of the dictionaries
+//   resident at capture time; after a replace it is still correct (every valid dictionary
+//   fits any plan), only possibly slower, with one exception: a dictionary whose lookup keys
+//   have a width no dictionary resident at capture had (`asmem compile --key-rank`) has no
+//   lookup grid in the captured step, and its requests' outputs are NaN there: capture again
+//   after loading one.
 // - Destruction: destroy a runtime only after the steps that use it have finished (e.g.
 //   after synchronizing their streams); it frees all its device memory.
 //
