@@ -154,6 +154,19 @@ class Engine : public ::testing::Test {
     CacheFactory f = [&](int64_t b, int64_t cap) { return model_->share_as_prefix(parts, b, cap); };
     return forward_left_padded(*model_, f, {&seq})[0];
   }
+  // The logits of seq's first T - 1 tokens served from d by the batched CPU lookup, checked
+  // equal to those of the op's CPU reference (and that no lookup fell back to it).
+  static at::Tensor served_as_reference(const DictionaryFile& d, const std::vector<int32_t>& seq) {
+    const int64_t T = int64_t(seq.size());
+    DictionaryPrefix hook(d, *model_);
+    const at::Tensor served = run_served(d, seq, &hook).narrow(0, 0, T - 1);
+    DictPrefixOptions ro;
+    ro.cpu_reference = true;
+    DictionaryPrefix ref(d, *model_, ro);
+    EXPECT_TRUE(at::equal(run_served(d, seq, &ref).narrow(0, 0, T - 1), served)) << "batched CPU lookup vs reference";
+    EXPECT_EQ(hook.cpu_reference_lookups(), 0);
+    return served;
+  }
   static at::Tensor run_served(const DictionaryFile& d, const std::vector<int32_t>& seq, AttentionHook* hook) {
     const int64_t base = served_base_position(d.manifest());
     CacheFactory f = [&](int64_t b, int64_t cap) { return model_->new_cache(b, cap, base); };
@@ -301,15 +314,7 @@ TEST_F(Engine, KeyRankDictionaryServesAsTheReference) {
   compile_dictionary(o);
   auto dict = DictionaryFile::open(o.out_path);
   ASSERT_EQ(dict->manifest().compile.key_rank, 64);
-  const std::vector<int32_t> seq = trace_tokens(0);
-  const int64_t T = int64_t(seq.size());
-  DictionaryPrefix hook(*dict, *model_);
-  const at::Tensor served = run_served(*dict, seq, &hook).narrow(0, 0, T - 1);
-  DictPrefixOptions ro;
-  ro.cpu_reference = true;
-  DictionaryPrefix ref(*dict, *model_, ro);
-  EXPECT_TRUE(at::equal(run_served(*dict, seq, &ref).narrow(0, 0, T - 1), served)) << "batched CPU lookup vs reference";
-  EXPECT_EQ(hook.cpu_reference_lookups(), 0);
+  const at::Tensor served = served_as_reference(*dict, trace_tokens(0));
   EXPECT_TRUE(at::isfinite(served).all().item<bool>());
 }
 
@@ -326,13 +331,7 @@ TEST_F(Engine, RopeUnifiedWhitenedKeysAlsoReproduceTheFullPrefix) {
   const std::vector<int32_t> seq = trace_tokens(0);
   const int64_t T = int64_t(seq.size());
   const at::Tensor full = run_full(full_prefix(*dict), seq).narrow(0, 0, T - 1);
-  DictionaryPrefix hook(*dict, *model_);
-  const at::Tensor served = run_served(*dict, seq, &hook).narrow(0, 0, T - 1);
-  DictPrefixOptions ro;
-  ro.cpu_reference = true;
-  DictionaryPrefix ref(*dict, *model_, ro);
-  EXPECT_TRUE(at::equal(run_served(*dict, seq, &ref).narrow(0, 0, T - 1), served)) << "batched CPU lookup vs reference";
-  EXPECT_EQ(hook.cpu_reference_lookups(), 0);
+  const at::Tensor served = served_as_reference(*dict, seq);
   const FidelityStats fs = compare_next_token(full, served);
   EXPECT_LT((served - full).abs().max().item<double>(), 2e-2);
   EXPECT_LT(fs.mean_kl(), 1e-5);
