@@ -252,7 +252,7 @@ int32_t decode::MaxKeyDim(const DecodeConfig& c) {
   if (c.key_dims == 0) return c.num_q_heads / c.num_kv_heads * c.head_dim;
   int32_t widest = 0;
   for (int32_t R = 64; R <= kMaxKeyDim; R += 64) {
-    if (DecodeKeyDimSupported(R) && (c.key_dims & DecodeKeyDimBit(R)) != 0) widest = R;
+    if ((c.key_dims & DecodeKeyDimBit(R)) != 0) widest = R;
   }
   return widest;
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "asmem/cuda_check.cuh"
@@ -42,25 +43,20 @@ uint32_t ServedKeyDims(const DecodeConfig& c) {
   return c.key_dims != 0 ? c.key_dims : DecodeKeyDimBit(int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim);
 }
 
-// Calls f(std::integral_constant<int, R>) for each supported width R whose bit is in `dims`,
-// narrowest first.
-template <typename F>
-void ForEachKeyDim(uint32_t dims, F&& f) {
+// Calls f(std::integral_constant<int, R>) for each supported width R (DecodeKeyDimSupported)
+// whose bit is in `dims`, narrowest first.
+using KeyDims = std::integer_sequence<int, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024>;
+template <typename F, int... Rs>
+void ForEachKeyDimIn(uint32_t dims, F&& f, std::integer_sequence<int, Rs...>) {
+  static_assert((DecodeKeyDimSupported(Rs) && ...), "every listed width is supported");
   auto one = [&](auto r) {
     if ((dims & DecodeKeyDimBit(decltype(r)::value)) != 0u) f(r);
   };
-  one(std::integral_constant<int, 64>{});
-  one(std::integral_constant<int, 128>{});
-  one(std::integral_constant<int, 192>{});
-  one(std::integral_constant<int, 256>{});
-  one(std::integral_constant<int, 320>{});
-  one(std::integral_constant<int, 384>{});
-  one(std::integral_constant<int, 448>{});
-  one(std::integral_constant<int, 512>{});
-  one(std::integral_constant<int, 640>{});
-  one(std::integral_constant<int, 768>{});
-  one(std::integral_constant<int, 896>{});
-  one(std::integral_constant<int, 1024>{});
+  (one(std::integral_constant<int, Rs>{}), ...);
+}
+template <typename F>
+void ForEachKeyDim(uint32_t dims, F&& f) {
+  ForEachKeyDimIn(dims, std::forward<F>(f), KeyDims{});
 }
 
 }  // namespace

@@ -290,13 +290,11 @@ __device__ __forceinline__ bool ViewUsable(const DictLayerView& v) {
 
 // View v's lookup key width (R; D = G d when its key_dim is 0).
 __device__ __forceinline__ int ViewKeyDim(const DictLayerView& v, int D) { return v.key_dim > 0 ? v.key_dim : D; }
-// Whether the step serves lookup keys of view v's width: a supported width (asmem/decode.h
-// DecodeKeyDimSupported) of at most D, named in `key_dims`, and D itself without whitening.
+// Whether the step serves lookup keys of view v's width: a supported width of at most D
+// named in `key_dims` (DecodeKeyDimBit is 0 for another), and D itself without whitening.
 __device__ __forceinline__ bool KeyDimServed(const DictLayerView& v, uint32_t key_dims, int D) {
   const int R = ViewKeyDim(v, D);
-  const bool supported = R >= 64 && ((R <= 512 && R % 64 == 0) || (R <= 1024 && R % 128 == 0));
-  const uint32_t bit = R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
-  return supported && R <= D && (v.whitening != nullptr || R == D) && (key_dims & bit) != 0u;
+  return R <= D && (v.whitening != nullptr || R == D) && (key_dims & DecodeKeyDimBit(R)) != 0u;
 }
 
 // The lookup key of (b, h) into q (shared): whitened W (x - mean) when the view has

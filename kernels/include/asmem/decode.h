@@ -77,6 +77,7 @@
 #endif
 
 #include "asmem/cuda_fwd.h"
+#include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
 
 namespace asmem {
 
@@ -143,12 +144,12 @@ struct DictLayerView {
 // The lookup key width R of view v for a group of D = G*d dims.
 inline int64_t DictKeyDim(const DictLayerView& v, int64_t D) { return v.key_dim > 0 ? v.key_dim : D; }
 // Lookup key widths the CUDA op serves: multiples of 64 up to 512 and of 128 up to 1024
-// (the G*d of every supported shape among them).
-constexpr bool DecodeKeyDimSupported(int64_t R) {
+// (the G*d of every supported shape among them). Host and device (the kernels' view check).
+ASMEM_HOST_DEVICE constexpr bool DecodeKeyDimSupported(int64_t R) {
   return R >= 64 && ((R <= 512 && R % 64 == 0) || (R <= 1024 && R % 128 == 0));
 }
 // DecodeConfig::key_dims bit of a supported width R (bits 0 .. 11); 0 for another R.
-constexpr uint32_t DecodeKeyDimBit(int64_t R) {
+ASMEM_HOST_DEVICE constexpr uint32_t DecodeKeyDimBit(int64_t R) {
   return !DecodeKeyDimSupported(R) ? 0u : R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
 }
 
