@@ -77,7 +77,14 @@
 #endif
 
 #include "asmem/cuda_fwd.h"
-#include "asmem/state.cuh"  // ASMEM_HOST_DEVICE
+
+// The key-width rule below is also called by the kernels: host and device under nvcc, plain
+// constexpr for a C++ compiler (this header stays free of CUDA headers).
+#if defined(__CUDACC__)
+#define ASMEM_DECODE_HD __host__ __device__
+#else
+#define ASMEM_DECODE_HD
+#endif
 
 namespace asmem {
 
@@ -145,11 +152,11 @@ struct DictLayerView {
 inline int64_t DictKeyDim(const DictLayerView& v, int64_t D) { return v.key_dim > 0 ? v.key_dim : D; }
 // Lookup key widths the CUDA op serves: multiples of 64 up to 512 and of 128 up to 1024
 // (the G*d of every supported shape among them). Host and device (the kernels' view check).
-ASMEM_HOST_DEVICE constexpr bool DecodeKeyDimSupported(int64_t R) {
+ASMEM_DECODE_HD constexpr bool DecodeKeyDimSupported(int64_t R) {
   return R >= 64 && ((R <= 512 && R % 64 == 0) || (R <= 1024 && R % 128 == 0));
 }
 // DecodeConfig::key_dims bit of a supported width R (bits 0 .. 11); 0 for another R.
-ASMEM_HOST_DEVICE constexpr uint32_t DecodeKeyDimBit(int64_t R) {
+ASMEM_DECODE_HD constexpr uint32_t DecodeKeyDimBit(int64_t R) {
   return !DecodeKeyDimSupported(R) ? 0u : R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
 }
 
