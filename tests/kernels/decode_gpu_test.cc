@@ -136,8 +136,10 @@ struct DeviceProblem {
     ASMEM_CUDA_CHECK(cudaMemsetAsync(lse.p, 0xff, lse.n, s));   // NaN
     ASMEM_CUDA_CHECK(cudaMemsetAsync(index.p, 0x7f, index.n, s));
     // The workspace is scratch: the op must not depend on what it held before (the lookup's
-    // done count and flag included, which the op zeroes itself).
-    ASMEM_CUDA_CHECK(cudaMemsetAsync(workspace.p, 0xff, workspace.n, s));
+    // done count and flag included, which the op zeroes itself). 0x7f bytes make every stale
+    // lookup slot a huge score of an index past any K, so a slot read before it is written
+    // shows as a wrong entry (with 0xff bytes, NaN scores, it never won a comparison).
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(workspace.p, 0x7f, workspace.n, s));
   }
   void Run(const DecodeConfig& config, cudaStream_t s) {
     DecodeAttention(config, params, workspace.p, workspace.n, s);
