@@ -125,7 +125,8 @@ struct WorkspaceLayout {
   size_t pscore = 0;    // [B, Hkv, parent_width] f32 parent scores (use_dictionaries)
   size_t whitened = 0;  // [B, Hkv, G*d] f32 whitened lookup keys, then [B, Hkv, G*d] of the
                         // op's 16-bit type (projected keys; config.whitening)
-  size_t lookup_sync = 0;  // uint32 [2]: finished lookup CTAs, lookup done (use_dictionaries)
+  size_t lookup_sync = 0;  // uint32 [3]: finished lookup CTAs, lookup done, CTAs whose projected
+                           // keys are out (use_dictionaries)
   size_t total = 0;
 };
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& config, const DecodePlan& plan);

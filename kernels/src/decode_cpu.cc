@@ -236,7 +236,7 @@ WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
   w.whitened = off;  // f32 rows, then the op's 16-bit rows (projected keys)
   if (dicts && c.whitening) off = AlignUp(off + B * Hkv * G * d * (sizeof(float) + 2));
   w.lookup_sync = off;
-  if (dicts) off = AlignUp(off + 2 * sizeof(uint32_t));
+  if (dicts) off = AlignUp(off + 3 * sizeof(uint32_t));
   w.total = off;
   return w;
 }

@@ -111,6 +111,14 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_DICT_COMBINE");
     return e != nullptr && e[0] == '1';
   }();
+  // Projected lookup keys (every served width below G d) of steps of at most
+  // kProjectMaxBatch requests come from the first lookup grid's own CTAs where that grid is
+  // resident at once (decode_kernels.cuh ProjectKeys); ASMEM_DECODE_WHITEN_GRID=1 keeps the
+  // whitening grid before the lookup instead.
+  static const bool whiten_grid = [] {
+    const char* e = std::getenv("ASMEM_DECODE_WHITEN_GRID");
+    return e != nullptr && e[0] == '1';
+  }();
 
   LaunchArgs a;
   a.p = p;
@@ -178,18 +186,47 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
     if (a.lookup) {
-      // The lookup's done count and flag (the combine picks the entries once it is done; the
-      // attention CTAs of kSplitOutDict wait for the lookup grid's end instead).
-      if (a.split_out != kSplitOutDict) {
-        ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 2 * sizeof(uint32_t), stream));
+      // Projected keys from the first lookup grid (narrowest width first) when the step is
+      // small, every served width is below G d and that grid's CTAs are all resident at once.
+      // H200, bench_decode, T = 1K, op us, the whitening grid -> the lookup projecting (two
+      // runs each, session 38): LLaMA-8B keys of 64 dims B = 1 K = 16 / 4096 hierarchical
+      // 28.5 / 35.5 -> 24.0 / 29.6, linear 28.7 / 31.4 -> 24.6 / 26.7; 128 dims K = 4096
+      // hierarchical 34.3 -> 31.6, K = 16 23.7 -> 24.8; GQA-8 keys of 128 of 1024 dims B = 1
+      // K = 4096 41.0 -> 29.7 (linear 36.4 -> 24.6), B = 2 36.0 -> 30.1. At B = 32 and 64 the
+      // projection of 32 or 64 requests took 16 us in the lookup CTAs (timeline) and the step
+      // lost up to 15 us (LLaMA-8B 64 dims, B = 32 K = 4096 hierarchical 61.5 -> 68.6, B = 64
+      // K = 16 linear 98.0 -> 113.1).
+      constexpr int32_t kProjectMaxBatch = 2;
+      bool project = false;
+      if (a.whitened != nullptr && !whiten_grid && p.batch <= kProjectMaxBatch) {
+        bool narrow = true, first = true;
+        ForEachKeyDim(a.key_dims, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          narrow = narrow && R < a.group * a.head_dim;
+          if (first) project = DecodeLookupCoResident<DType, R>(a);
+          first = false;
+        });
+        project = project && narrow;
       }
-      // The whitening, then one lookup grid per key width: the first starts beside the
-      // whitening (programmatic dependent launch), the others in stream order (the attention
-      // kernel waits for the last, which starts once the one before has ended).
-      if (a.whitened) LaunchDecodeWhiten<DType>(a, stream);
+      // The projecting lookup kernel does not probe: neither do the step's picks then.
+      if (project) a.probe = false;
+      // The lookup's done count and flag (the combine picks the entries once it is done; the
+      // attention CTAs of kSplitOutDict wait for the lookup grid's end instead) and the
+      // projection's count.
+      if (a.split_out != kSplitOutDict || project) {
+        ASMEM_CUDA_CHECK(cudaMemsetAsync(a.lookup_sync, 0, 3 * sizeof(uint32_t), stream));
+      }
+      // The whitening (unless the lookup projects), then one lookup grid per key width: the
+      // first starts beside the whitening (programmatic dependent launch), the others in
+      // stream order (the attention kernel waits for the last, which starts once the one
+      // before has ended).
+      if (a.whitened && !project) LaunchDecodeWhiten<DType>(a, stream);
       bool first = true;
       ForEachKeyDim(a.key_dims, [&](auto r) {
-        LaunchDecodeLookup<DType, decltype(r)::value>(a, first && a.whitened != nullptr && !no_pdl, stream);
+        LaunchArgs la = a;
+        la.project = first && project;
+        LaunchDecodeLookup<DType, decltype(r)::value>(
+            la, first && a.whitened != nullptr && !project && !no_pdl, stream);
         first = false;
       });
     }

@@ -13,4 +13,5 @@
 // The lookup of one key width KD (each supported width in one file).
 #define ASMEM_DECODE_LOOKUP_IMPL(DT, KD)                                      \
   template void LaunchDecodeLookup<DT, KD>(const LaunchArgs&, bool, cudaStream_t); \
+  template bool DecodeLookupCoResident<DT, KD>(const LaunchArgs&);                 \
   template void LoadDecodeLookupKernels<DT, KD>();

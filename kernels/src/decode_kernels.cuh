@@ -2,7 +2,8 @@
 //
 // Launches per step, in stream order:
 //  * [whitening] (config.whitening): W (x - mean) of every (request, KV head) whose view
-//    has whitening, into the workspace.
+//    has whitening, into the workspace; in small steps of projected keys the first lookup
+//    grid's CTAs compute these values themselves instead (ProjectKeys).
 //  * lookup (dictionaries only; a memset node first zeroes its done count and flag): CTAs
 //    (rep, KV head, s) score every key row of the views for all requests that share a
 //    dictionary at once: bf16 / f16 keys on tensor cores (each warp scans its own segments
@@ -34,6 +35,8 @@
 
 #include <cuda.h>  // driver types for cuFuncLoad; no libcuda is linked
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -1632,12 +1635,196 @@ __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, i
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// The lookup keys projected by the lookup CTAs (LaunchArgs::project; decode_cuda.cu picks it
+// for small steps where every served width is below G d and all CTAs of the step's first
+// lookup grid are resident at once): that grid's CTAs compute between them every value
+// DecodeWhitenKernel would, count themselves in lookup_sync[2] (zeroed before the grid) and
+// wait for the count before a whitened key is read (ProjectionWait). No whitening grid runs
+// before the lookup.
+// Unit (KV head h, rows, up to M requests): the members' q_pre rows in 16 bits in shared
+// memory (the member keys' and the ring's space, free before the scan), each warp a row of
+// W and the view's mean held in registers across the members, every value summed as
+// DecodeWhitenKernel sums it (lane j = 4 lane + 128 k in WhitenDot's fma order, x - mean in
+// f32, the xor reduction), so the keys are bit for bit the same.
+// ---------------------------------------------------------------------------------------
+
+// The widest width named in key_dims (DecodeKeyDimBit's bits), at most D.
+__device__ __forceinline__ int MaxServedKeyDim(uint32_t key_dims, int D) {
+  if (key_dims == 0u) return D;
+  const int hb = 31 - __clz(int(key_dims));
+  const int R = hb < 8 ? 64 * (hb + 1) : 128 * (hb - 3);
+  return min(R, D);
+}
+
+template <typename DType, int KEY_DIM>
+__device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm) {
+  constexpr int kChunks = kMaxKeyDim / 128;  // float4 of a D-wide row per lane
+  using L = SegTile<KEY_DIM>;
+  const DecodeParams& p = a.p;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int d = a.head_dim, D = a.group * a.head_dim;
+  const int M = min(L::kMaxMembers, L::kQueryBytes / (2 * D));  // members per unit
+  const int rmax = MaxServedKeyDim(a.key_dims, D);
+  const int groups = (a.batch + M - 1) / M;
+  // Rows per warp: as few as give every CTA at most one unit.
+  const int64_t base_units = int64_t(a.hkv) * groups * ((rmax + kWarps - 1) / kWarps);
+  const int rw = int((base_units + gridDim.x - 1) / gridDim.x);
+  const int rows = kWarps * rw;
+  const int row_blocks = (rmax + rows - 1) / rows;
+  const int units = a.hkv * row_blocks * groups;
+  DType* stage = reinterpret_cast<DType*>(sm.q);             // [M][D]
+  int32_t* tab = reinterpret_cast<int32_t*>(sm.ring);        // [M]: the member's width R (0: none)
+  int32_t* tab_id = tab + L::kMaxMembers;                    // [M]: its dictionary
+  for (int u = int(blockIdx.x); u < units; u += int(gridDim.x)) {
+    const int h = u % a.hkv, rb = (u / a.hkv) % row_blocks, grp = u / a.hkv / row_blocks;
+    const int b0 = grp * M, n = min(M, a.batch - b0), row0 = rb * rows;
+    bool need = false;
+    if (tid < n) {
+      const int32_t id = sm.IdOf(p, b0 + tid);
+      int R = 0;
+      if (id >= 0 && id < p.num_dicts) {
+        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
+        if (v.whitening != nullptr && v.whitening_mean != nullptr) R = min(ViewKeyDim(v, D), D);
+      }
+      tab[tid] = R;
+      tab_id[tid] = id;
+      need = R > row0;
+    }
+    if (!__syncthreads_or(need)) continue;
+    // The members' q_pre rows (16-byte chunks of 8 dims within one head).
+    const int kc = D / 8;
+    for (int c = tid; c < n * kc; c += kThreads) {
+      const int i = c / kc, e = (c % kc) * 8, g = e / d, cc = e - g * d;
+      const bool valid = tab[i] > row0;
+      const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(b0 + i) * p.q_pre_stride_b +
+                         int64_t(h * a.group + g) * p.q_pre_stride_h + cc;
+      CpAsync16(stage + int64_t(i) * D + e, valid ? src : static_cast<const DType*>(p.q_pre), valid);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    __syncthreads();
+    for (int k = 0; k < rw; ++k) {
+      const int r = row0 + warp + kWarps * k;
+      if (r >= rmax) break;
+      // Members that have row r (lane i: member i), and whether they share one view.
+      const bool has = lane < n && r < tab[lane];
+      const unsigned mask = __ballot_sync(0xffffffffu, has);
+      if (mask == 0u) continue;
+      const int32_t id0 = __shfl_sync(0xffffffffu, lane < n ? tab_id[lane] : 0, __ffs(mask) - 1);
+      const bool one_view = __all_sync(0xffffffffu, !has || (lane < n && tab_id[lane] == id0));
+      int32_t held = INT32_MIN;  // the view whose W row and mean are in registers
+      float4 w4[kChunks], m4[kChunks];
+      auto hold = [&](int32_t id) {
+        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
+        const float* wr = v.whitening + int64_t(r) * D;
+#pragma unroll
+        for (int q = 0; q < kChunks; ++q) {
+          const int j = lane * 4 + 128 * q;
+          if (j < D) {
+            w4[q] = __ldg(reinterpret_cast<const float4*>(wr + j));
+            m4[q] = __ldg(reinterpret_cast<const float4*>(v.whitening_mean + j));
+          }
+        }
+        held = id;
+      };
+      // Member i's value: W row . (x - mean) in DecodeWhitenKernel's order, this lane's part.
+      auto part = [&](int i) {
+        const DType* xr = stage + int64_t(i) * D;
+        float acc = 0.f;
+#pragma unroll
+        for (int q = 0; q < kChunks; ++q) {
+          const int j = lane * 4 + 128 * q;
+          if (j < D) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(xr + j);
+            float x0, x1, x2, x3;
+            Pack<DType>::ToFloat2(raw.x, x0, x1);
+            Pack<DType>::ToFloat2(raw.y, x2, x3);
+            x0 -= m4[q].x;
+            x1 -= m4[q].y;
+            x2 -= m4[q].z;
+            x3 -= m4[q].w;
+            acc = fmaf(w4[q].x, x0, fmaf(w4[q].y, x1, fmaf(w4[q].z, x2, fmaf(w4[q].w, x3, acc))));
+          }
+        }
+        return acc;
+      };
+      auto store = [&](int i, float y) {  // lane 0
+        const int64_t bh = int64_t(b0 + i) * a.hkv + h;
+        if (tab[i] < D) {  // projected: rounded to the op's type, also stored in it
+          y = RoundTo<DType>(y);
+          static_cast<DType*>(a.whitened16)[bh * D + r] = DType(y);
+        }
+        a.whitened[bh * D + r] = y;
+      };
+      if (one_view) {
+        // One view (the common case): its row once, then four members at a time, their
+        // sums independent until the reduction.
+        hold(id0);
+        constexpr int kTogether = 4;
+        for (int i0 = 0; i0 < n; i0 += kTogether) {
+          if (((mask >> i0) & ((1u << kTogether) - 1u)) == 0u) continue;
+          float acc[kTogether];
+#pragma unroll
+          for (int t = 0; t < kTogether; ++t) acc[t] = i0 + t < n ? part(i0 + t) : 0.f;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+            for (int t = 0; t < kTogether; ++t) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
+          }
+          if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < kTogether; ++t) {
+              if ((mask >> (i0 + t)) & 1u) store(i0 + t, acc[t]);
+            }
+          }
+        }
+      } else {
+        for (int i = 0; i < n; ++i) {
+          if (((mask >> i) & 1u) == 0u) continue;
+          if (tab_id[i] != held) hold(tab_id[i]);
+          float acc = part(i);
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+          if (lane == 0) store(i, acc);
+        }
+      }
+    }
+    __syncthreads();  // stage and tab are rewritten by the next unit
+  }
+  // Counted once this CTA's values are out (the barrier orders every thread's stores before
+  // thread 0's fence and count).
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(a.lookup_sync + 2, 1u);
+  }
+}
+
+// Until every CTA of the grid has counted its projected keys (LaunchArgs::project); ends with
+// a barrier, so every thread of the CTA reads them after thread 0's acquire.
+__device__ __forceinline__ void ProjectionWait(const LaunchArgs& a) {
+  if (threadIdx.x == 0) {
+    const uint32_t* count = a.lookup_sync + 2;
+    for (;;) {
+      uint32_t c;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(count) : "memory");
+      if (c >= gridDim.x) break;
+      __nanosleep(32);
+    }
+  }
+  __syncthreads();
+}
+
 // Three CTAs' worth of registers per SM (at most 168 per thread), so that a lookup CTA fits
 // beside two attention CTAs. The parameter is a grid constant: LookupBlockOther takes it by
 // reference without a local copy.
-template <typename DType, int KEY_DIM, bool PROBE>
+template <typename DType, int KEY_DIM, bool PROBE, bool PROJECT>
 __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_constant__ LaunchArgs a) {
-  GridLaunchDependents();  // the attention kernel may start at once
+  // The attention kernel may start at once; a projecting grid lets it start once its keys
+  // are out, as the attention's start slowed the projection (H200, LLaMA-8B B = 32, keys of
+  // 64 dims, timeline: 20 us to project beside it, 16 us before it).
+  if constexpr (!PROJECT) GridLaunchDependents();
   using L = SegTile<KEY_DIM>;
   extern __shared__ float4 lookup_smem[];
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
@@ -1677,6 +1864,10 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     if (tid < cached) sm.first[tid] = first ? 1 : 0;
   }
   __syncthreads();
+  if constexpr (PROJECT) {
+    ProjectKeys<DType, KEY_DIM>(a, sm);
+    GridLaunchDependents();
+  }
   DTL(if (tlr) tlr[1] = DtlNow());
   for (int b0 = r; b0 < a.batch; b0 += R) {
     const int32_t id = sm.IdOf(p, b0);
@@ -1691,9 +1882,16 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
     if (!LookupViewOk(v, a)) continue;                        // the combine flags it
     if (ViewKeyDim(v, a.group * a.head_dim) != KEY_DIM) continue;  // another grid's width
-    // Whitened keys come from the whitening grid, this one's primary (programmatic dependent
-    // launch): wait for it before they are read.
-    if (v.whitening != nullptr && a.whitened != nullptr) GridDependencyWait();
+    // Whitened keys come from this grid's CTAs (a.project: wait for their count) or from the
+    // whitening grid, this one's primary (programmatic dependent launch): wait for it before
+    // they are read.
+    if (v.whitening != nullptr && a.whitened != nullptr) {
+      if constexpr (PROJECT) {
+        ProjectionWait(a);
+      } else {
+        GridDependencyWait();
+      }
+    }
     bool probe = false;
     if constexpr (PROBE) probe = ProbeView<DType>(a, v);
     if (!probe) {
@@ -2700,10 +2898,37 @@ void LaunchMaybePdl(Kernel kernel, unsigned grid, unsigned block, size_t smem, b
 template <typename DType, int kKeyDim>
 void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream) {
   if (a.n_lookup_ctas == 0) return;
-  auto kernel = a.probe ? DecodeLookupKernel<DType, kKeyDim, true> : DecodeLookupKernel<DType, kKeyDim, false>;
+  // The projecting kernel never probes (decode_cuda.cu clears a.probe for such steps).
+  auto kernel = a.project ? DecodeLookupKernel<DType, kKeyDim, false, true>
+                : a.probe ? DecodeLookupKernel<DType, kKeyDim, true, false>
+                          : DecodeLookupKernel<DType, kKeyDim, false, false>;
   const size_t smem = SegTile<kKeyDim>::kBytes;
   AllowDynamicSmem(kernel, smem, true);
   LaunchMaybePdl(kernel, unsigned(a.n_lookup_ctas), kThreads, smem, after_whiten, a, stream);
+}
+
+template <typename DType, int kKeyDim>
+bool DecodeLookupCoResident(const LaunchArgs& a) {
+  if (a.n_lookup_ctas == 0) return false;
+  // Per device: CTAs of the projecting kernel resident at once, 0 until asked.
+  constexpr int kDevices = 64;
+  static std::atomic<int64_t> capacity[kDevices];
+  int dev = 0;
+  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kDevices) return false;
+  std::atomic<int64_t>& cap = capacity[dev];
+  int64_t n = cap.load(std::memory_order_relaxed);
+  if (n == 0) {
+    auto kernel = DecodeLookupKernel<DType, kKeyDim, false, true>;
+    const size_t smem = SegTile<kKeyDim>::kBytes;
+    AllowDynamicSmem(kernel, smem, true);
+    int sms = 0, per_sm = 0;
+    ASMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    ASMEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+    n = std::max<int64_t>(int64_t(sms) * per_sm, 1);  // 1: asked (no CTA fits is not expected)
+    cap.store(n, std::memory_order_relaxed);
+  }
+  return n >= a.n_lookup_ctas;
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>
@@ -2750,8 +2975,9 @@ inline void LoadKernel(const void* kernel) {
 
 template <typename DType, int KEY_DIM>
 void LoadDecodeLookupKernels() {
-  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, false>));
-  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, true>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, false, false>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, true, false>));
+  LoadKernel(reinterpret_cast<const void*>(DecodeLookupKernel<DType, KEY_DIM, false, true>));
 }
 
 template <typename DType, int HEAD_DIM, int GROUP>

@@ -64,7 +64,8 @@ struct LaunchArgs {
   float* part_lse = nullptr;  // workspace: [B, Hq, kv_splits]
   LookupPartial* pbest = nullptr;  // workspace: [B, Hkv, lookup_width] best of each segment
   float* pscore = nullptr;    // workspace: [B, Hkv, parent_width] parent scores
-  uint32_t* lookup_sync = nullptr;  // workspace: [0] lookup CTAs finished, [1] lookup done
+  uint32_t* lookup_sync = nullptr;  // workspace: [0] lookup CTAs finished, [1] lookup done,
+                                    // [2] CTAs whose projected keys are out (project)
   float* whitened = nullptr;  // workspace: [B, Hkv, G*d] whitened lookup keys (whitening
                               // launch; a view's R values first in its row), or null
   void* whitened16 = nullptr;  // workspace: [B, Hkv, G*d] of DType, the projected keys (key
@@ -75,6 +76,8 @@ struct LaunchArgs {
   bool lookup = false;        // dict_ids given: the lookup kernel runs
   bool probe = false;         // a small step: the lookup probes hierarchical views
                               // (DecodeConfig::probe_max_batch; decode_kernels.cuh ProbeView)
+  bool project = false;       // this lookup grid's CTAs project the keys themselves, no
+                              // whitening grid (decode_kernels.cuh ProjectKeys)
   int32_t n_lookup_ctas = 0;  // lookup_reps * Hkv * lookup_splits, or 0
   int32_t n_attn_ctas = 0;    // B * Hkv * kv_splits
 #ifdef ASMEM_DECODE_TIMELINE
@@ -165,6 +168,10 @@ struct SegTile {
 // kernel (its CTAs wait for that grid before they read whitened keys).
 template <typename DType, int KEY_DIM>
 void LaunchDecodeLookup(const LaunchArgs& a, bool after_whiten, cudaStream_t stream);
+// Whether the device holds every CTA of that lookup grid (a.n_lookup_ctas) at once, so that
+// they may wait for each other's projected keys (LaunchArgs::project). Cached per device.
+template <typename DType, int KEY_DIM>
+bool DecodeLookupCoResident(const LaunchArgs& a);
 template <typename DType, int KEY_DIM>
 void LoadDecodeLookupKernels();
 // Attention kernel: split-KV attention CTAs. `after_lookup`: launched with programmatic

@@ -686,7 +686,37 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       CheckAgainstReference(pb, no_pass, "projected keys, in-CTA projection");
     }
   }
-  {  // the one-wave plan (LLaMA-8B heads, B = 32), keys of 128 of 512 dims
+  // Steps of one and two requests, whose first lookup grid projects the keys itself on a
+  // device that holds all its CTAs at once (by the occupancy rule an H200 does: 136 CTAs
+  // for LLaMA-8B heads at B = 1, 264 for GQA-8 heads at B = 2): LLaMA-8B heads (G d = 512)
+  // with keys of 64 and 128 dims, GQA-8 heads (G d = 1024) with 128 and 256; the first
+  // dictionary hierarchical, the second linear (two lookup grids, the first projecting for
+  // both).
+  for (int32_t hkv : {8, 4}) {
+    for (int32_t batch : {1, 2}) {
+      SCOPED_TRACE("Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
+      CaseSpec s;
+      s.Hq = 32;
+      s.Hkv = hkv;
+      s.d = 128;
+      s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
+      s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
+      s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+      const int32_t narrow = hkv == 8 ? 64 : 128;
+      for (DictSpec& ds : s.dicts) ds.whitening = true;
+      s.dicts[0].key_dim = narrow;
+      s.dicts[1].key_dim = 2 * narrow;
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(narrow) | DecodeKeyDimBit(2 * narrow));
+      CheckAgainstReference(pb, pb.config, "projected keys, small steps");
+    }
+  }
+  // The one-wave plan (LLaMA-8B heads, B = 32, one lookup rep; its keys come from the
+  // whitening grid), keys of 128 of 512 dims, then dictionaries of 128 and 64 dims (two
+  // lookup grids).
+  for (int32_t second_dim : {128, 64}) {
+    SCOPED_TRACE("second dictionary's width " + std::to_string(second_dim));
     CaseSpec s;
     s.Hq = 32;
     s.Hkv = 8;
@@ -702,12 +732,14 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       ds.whitening = true;
       ds.key_dim = 128;
     }
+    s.dicts[1].key_dim = second_dim;
     Problem pb;
     BuildProblem(s, seed + n++, &pb);
-    ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(128));
+    ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(128) | DecodeKeyDimBit(second_dim));
     ASSERT_EQ(PlanDecode(pb.config).kv_splits, 1);
     ASSERT_EQ(PlanDecode(pb.config).lookup_reps, 1);
     CheckAgainstReference(pb, pb.config, "projected keys, one wave");
+    if (second_dim != 128) continue;
     // A width the config does not serve: NaN for the requests of that dictionary.
     DecodeConfig other = pb.config;
     other.key_dims = DecodeKeyDimBit(64);

@@ -196,8 +196,10 @@ struct DecodeConfig {
                              // lookup grid); 0: G*d only. A view of a width not named here
                              // gives NaN outputs, as an invalid view does
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
-                             // a separate launch (without it every lookup CTA whitens the
-                             // keys it needs on CUDA cores: correct, much slower)
+                             // a separate launch, or, in steps of at most two requests
+                             // whose served widths are all below G*d, in the lookup grid's
+                             // own CTAs (without it every lookup CTA whitens the keys it
+                             // needs on CUDA cores: correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
                              // 8 * kDecodePlanSms with use_dictionaries, but for steps of
@@ -216,7 +218,9 @@ struct DecodeConfig {
                                 // steps score every row for all their requests at once.
                                 // 0: the default (kDecodeProbeMaxBatch); -1: never (set it
                                 // where no view can probe: DecodeViewCanProbe); at most 8.
-                                // A tuning knob: it changes the work, never a result.
+                                // Steps whose lookup CTAs project the keys (whitening)
+                                // do not probe. A tuning knob: it changes the work, never
+                                // a result.
 };
 
 // Whether view v (host or device pointers; only its shape, key type and whitening are
