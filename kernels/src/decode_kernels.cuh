@@ -249,6 +249,12 @@ __device__ void ScanRowsAny(const void* keys, KernelDType t, int64_t row_begin, 
   }
 }
 
+// acc plus four terms of a whitened value, in the one order every whitening path uses
+// (WhitenDot, DecodeWhitenKernel, ProjectKeys; ProjectLookupKeyCpu repeats it on the host).
+__device__ __forceinline__ float WhitenFma4(float acc, float4 w, float4 x) {
+  return fmaf(w.x, x.x, fmaf(w.y, x.y, fmaf(w.z, x.z, fmaf(w.w, x.w, acc))));
+}
+
 // One warp: sum_j w[j] * xm[j] over D values (w global fp32 row, xm shared), to every lane.
 __device__ __forceinline__ float WhitenDot(const float* __restrict__ w, const float* xm, int D) {
   const int lane = threadIdx.x & 31;
@@ -256,7 +262,7 @@ __device__ __forceinline__ float WhitenDot(const float* __restrict__ w, const fl
   for (int j = lane * 4; j < D; j += 128) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(w + j));
     const float4 x = *reinterpret_cast<const float4*>(xm + j);
-    acc = fmaf(a.x, x.x, fmaf(a.y, x.y, fmaf(a.z, x.z, fmaf(a.w, x.w, acc))));
+    acc = WhitenFma4(acc, a, x);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -298,6 +304,12 @@ __device__ __forceinline__ int ViewKeyDim(const DictLayerView& v, int D) { retur
 __device__ __forceinline__ bool KeyDimServed(const DictLayerView& v, uint32_t key_dims, int D) {
   const int R = ViewKeyDim(v, D);
   return R <= D && (v.whitening != nullptr || R == D) && (key_dims & DecodeKeyDimBit(R)) != 0u;
+}
+
+// Rows of W (x - mean) a whitening pass computes for view v (0: none): R = the view's key
+// width, at most D.
+__device__ __forceinline__ int WhitenedRows(const DictLayerView& v, int D) {
+  return v.whitening != nullptr && v.whitening_mean != nullptr ? min(ViewKeyDim(v, D), D) : 0;
 }
 
 // The lookup key of (b, h) into q (shared): whitened W (x - mean) when the view has
@@ -1684,8 +1696,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
       const int32_t id = sm.IdOf(p, b0 + tid);
       int R = 0;
       if (id >= 0 && id < p.num_dicts) {
-        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
-        if (v.whitening != nullptr && v.whitening_mean != nullptr) R = min(ViewKeyDim(v, D), D);
+        R = WhitenedRows(p.dict_views[int64_t(id) * a.hkv + h], D);
       }
       tab[tid] = R;
       tab_id[tid] = id;
@@ -1744,7 +1755,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
             x1 -= m4[q].y;
             x2 -= m4[q].z;
             x3 -= m4[q].w;
-            acc = fmaf(w4[q].x, x0, fmaf(w4[q].y, x1, fmaf(w4[q].z, x2, fmaf(w4[q].w, x3, acc))));
+            acc = WhitenFma4(acc, w4[q], make_float4(x0, x1, x2, x3));
           }
         }
         return acc;
@@ -2414,7 +2425,7 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
   const float* mean = v.whitening_mean;
   if (!W || !mean) return;
   const int D = a.group * a.head_dim;
-  const int R = min(ViewKeyDim(v, D), D);  // W: [R, D]
+  const int R = min(ViewKeyDim(v, D), D);  // W: [R, D]; the rows WhitenedRows counts
   const int row0 = int(blockIdx.x) * 32;
   if (row0 >= R) return;
   LoadLookupKey<DType>(a, b, h, mean, xm);
@@ -2433,7 +2444,7 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
       const int r = row0 + warp + k * kWarps;
       if (r < R) {
         const float4 w = __ldg(reinterpret_cast<const float4*>(W + int64_t(r) * D + j));
-        acc[k] = fmaf(w.x, x.x, fmaf(w.y, x.y, fmaf(w.z, x.z, fmaf(w.w, x.w, acc[k]))));
+        acc[k] = WhitenFma4(acc[k], w, x);
       }
     }
   }
