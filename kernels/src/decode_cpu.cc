@@ -250,11 +250,7 @@ bool DecodeSupported(const DecodeConfig& config) {
 
 int32_t decode::MaxKeyDim(const DecodeConfig& c) {
   if (c.key_dims == 0) return c.num_q_heads / c.num_kv_heads * c.head_dim;
-  int32_t widest = 0;
-  for (int32_t R = 64; R <= kMaxKeyDim; R += 64) {
-    if ((c.key_dims & DecodeKeyDimBit(R)) != 0) widest = R;
-  }
-  return widest;
+  return DecodeWidestKeyDim(c.key_dims);
 }
 
 bool decode::LookupOneWave(const DecodeConfig& c) {

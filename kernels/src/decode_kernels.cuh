@@ -1663,10 +1663,7 @@ __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, i
 
 // The widest width named in key_dims (DecodeKeyDimBit's bits), at most D.
 __device__ __forceinline__ int MaxServedKeyDim(uint32_t key_dims, int D) {
-  if (key_dims == 0u) return D;
-  const int hb = 31 - __clz(int(key_dims));
-  const int R = hb < 8 ? 64 * (hb + 1) : 128 * (hb - 3);
-  return min(R, D);
+  return key_dims == 0u ? D : min(int(DecodeWidestKeyDim(key_dims)), D);
 }
 
 template <typename DType, int KEY_DIM>

@@ -3,6 +3,7 @@
 // training query gives exact attention; all parents == linear), layouts, argument checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -548,6 +549,24 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
 // DecodeViewCanProbe: the probing lookup's rule at one request (decode_common.h ProbePays),
 // for LLaMA-3.1-8B shapes (17 lookup CTAs, 68 units per KV head: at least 1088 rows
 // skipped, at most half the rows listed) and only for the views the probing kernels take.
+// The widest width of a key_dims set (the projecting lookup sizes its rows by it on the
+// device; the plan by it on the host): each supported width alone, every pair, and no bit.
+TEST(DecodeConfig, WidestKeyDimInvertsTheBits) {
+  EXPECT_EQ(DecodeWidestKeyDim(0u), 0);
+  std::vector<int32_t> widths;
+  for (int32_t R = 1; R <= 2048; ++R) {
+    if (DecodeKeyDimSupported(R)) widths.push_back(R);
+  }
+  ASSERT_EQ(widths.size(), 12u);  // 64 .. 512 by 64, 640 .. 1024 by 128
+  for (int32_t R : widths) {
+    EXPECT_EQ(DecodeWidestKeyDim(DecodeKeyDimBit(R)), R) << R;
+    for (int32_t S : widths) {
+      EXPECT_EQ(DecodeWidestKeyDim(DecodeKeyDimBit(R) | DecodeKeyDimBit(S)), std::max(R, S)) << R << " " << S;
+    }
+  }
+  EXPECT_EQ(DecodeWidestKeyDim(1u << 12), 0);  // past the last width's bit
+}
+
 TEST(DecodeConfig, ViewCanProbeFollowsTheRule) {
   DecodeConfig c = Llama8bConfig();
   c.use_dictionaries = true;

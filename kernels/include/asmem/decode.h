@@ -159,7 +159,15 @@ ASMEM_DECODE_HD constexpr bool DecodeKeyDimSupported(int64_t R) {
 ASMEM_DECODE_HD constexpr uint32_t DecodeKeyDimBit(int64_t R) {
   return !DecodeKeyDimSupported(R) ? 0u : R <= 512 ? 1u << (R / 64 - 1) : 1u << (8 + R / 128 - 5);
 }
-#undef ASMEM_DECODE_HD  // used by the two functions above only; not left to includers
+// The widest width whose DecodeKeyDimBit is set in key_dims; 0 when none is.
+ASMEM_DECODE_HD constexpr int32_t DecodeWidestKeyDim(uint32_t key_dims) {
+  int32_t widest = 0;
+  for (int32_t R = 64; R <= 1024; R += 64) {
+    if ((key_dims & DecodeKeyDimBit(R)) != 0u) widest = R;
+  }
+  return widest;
+}
+#undef ASMEM_DECODE_HD  // used by the three functions above only; not left to includers
 
 // Most parents a hierarchical view may have (shared-memory bound; ~sqrt(K) for K up to 4M).
 constexpr int64_t kDecodeMaxParents = 2048;
