@@ -546,9 +546,6 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   }
 }
 
-// DecodeViewCanProbe: the probing lookup's rule at one request (decode_common.h ProbePays),
-// for LLaMA-3.1-8B shapes (17 lookup CTAs, 68 units per KV head: at least 1088 rows
-// skipped, at most half the rows listed) and only for the views the probing kernels take.
 // The widest width of a key_dims set (the projecting lookup sizes its rows by it on the
 // device; the plan by it on the host): each supported width alone, every pair, and no bit.
 TEST(DecodeConfig, WidestKeyDimInvertsTheBits) {
@@ -567,6 +564,9 @@ TEST(DecodeConfig, WidestKeyDimInvertsTheBits) {
   EXPECT_EQ(DecodeWidestKeyDim(1u << 12), 0);  // past the last width's bit
 }
 
+// DecodeViewCanProbe: the probing lookup's rule at one request (decode_common.h ProbePays),
+// for LLaMA-3.1-8B shapes (17 lookup CTAs, 68 units per KV head: at least 1088 rows
+// skipped, at most half the rows listed) and only for the views the probing kernels take.
 TEST(DecodeConfig, ViewCanProbeFollowsTheRule) {
   DecodeConfig c = Llama8bConfig();
   c.use_dictionaries = true;
