@@ -120,7 +120,14 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     return e != nullptr && e[0] == '1';
   }();
 
+  // The attention's KV copies go through L2 as evict-first (decode_kernels.cuh
+  // KvCopyPolicy); ASMEM_DECODE_KV_EVICT_FIRST=0 keeps the normal policy, for comparison.
+  static const bool kv_evict_first = [] {
+    const char* e = std::getenv("ASMEM_DECODE_KV_EVICT_FIRST");
+    return e == nullptr || e[0] != '0';
+  }();
   LaunchArgs a;
+  a.kv_evict_first = kv_evict_first;
   a.p = p;
   a.batch = p.batch;
   a.hq = c.num_q_heads;

@@ -347,6 +347,42 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
 }
+// The same with an L2 cache policy (createpolicy): the attention's KV copies.
+__device__ __forceinline__ void CpAsync16Policy(void* smem, const void* gmem, bool valid, uint64_t policy) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem), "r"(n),
+               "l"(policy));
+}
+// The L2 policy of the attention's KV copies (and the MAC attend's): evict-first where
+// LaunchArgs::kv_evict_first, else normal. The KV rows are read once per step; as
+// evict-first they no longer push out of L2 what the step reads again (the dictionary's
+// views and child offsets, the lookup's results, the partials). H200, session 41, one binary
+// with the policy switched (asmem_bench_decode --no-torch --prefixes 32768, T = 1K, two runs
+// each, op us, normal -> evict-first): without a dictionary LLaMA-8B 32K + 1K B = 1 43.8 ->
+// 42.3, B = 8 295 -> 254, B = 32 1095 -> 977, B = 64 2192 / 2219 -> 1942; GQA-8 B = 32 564 ->
+// 496; with a dictionary LLaMA-8B B = 32 K = 4096 hierarchical 59.6 -> 50.7, linear 55.9 ->
+// 46.3, K = 16 47.4 -> 44.8, B = 64 K = 4096 106.3 -> 94.0; B = 1-8 cells -0.5 .. -1.5 us, but
+// GQA-8 B = 1 K = 16 +0.2 / +0.4 us. The MAC grid (asmem_bench_mac, both kernels switched
+// together, 192 cells): the step a median 8% faster (up to 13%; the slowest, LLaMA-8B B = 64
+// 128K half hits, +1.8%; B = 1 hit cells within 0.4 us); its full-attention baseline 10-12%
+// faster at B >= 16; all-miss GQA-8 B = 16 / 32 at 32K 0.92 / 0.92 -> 0.94 / 0.95 of it. Other
+// machines of the same kind ran the normal policy about as fast as this one's evict-first (the
+// committed grids; session 41's timeline calls): the policy removes a loss some machines
+// show, more than it gains where there is none. On another machine (call 7, --prefixes 0):
+// LLaMA-8B B = 32 K = 4096 hierarchical 59.8 (normal, one run) -> 55.1, 53.9, B = 64 K = 16
+// 90.5 -> 83.9, 83.7, no dictionary B = 64 74.3 -> 69.4, 69.2. Not taken on top of it: the
+// lookup's key copies evict-first too (-3 .. +6 us by cell), the pick's static lines
+// prefetched into L2 as evict-last instead of into L1 (no cell beyond the spread).
+__device__ __forceinline__ uint64_t KvCopyPolicy(bool evict_first) {
+  uint64_t pol;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(pol));
+  }
+  return pol;
+}
 // cp.async of 4 bytes into shared memory (through L1: cp.async.cg takes 16 bytes only).
 __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -2157,6 +2193,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
   const int stages = a.attn_stages;  // 2 or 3 (the launch's shared memory holds them)
+  const uint64_t kv_pol = KvCopyPolicy(a.kv_evict_first);
   // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
   // ahead so the block-table round trip never sits between a barrier and the copies.
   int32_t pages[kLoads];
@@ -2183,8 +2220,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
                 piece * 8;
         }
         const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
-        CpAsync16(kt + sw, kb + off, valid);
-        CpAsync16(vt + sw, vb + off, valid);
+        CpAsync16Policy(kt + sw, kb + off, valid, kv_pol);
+        CpAsync16Policy(vt + sw, vb + off, valid, kv_pol);
       }
     }
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform

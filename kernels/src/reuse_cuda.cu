@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -32,7 +33,14 @@ void CheckWorkspace(void* ws, size_t have, size_t need, const char* fn, const ch
 }
 
 LaunchArgs CommonArgs(const MacDecodeConfig& c, float sm_scale) {
+  // The attend's KV copies go through L2 as evict-first, as decode attention's
+  // (decode_kernels.cuh KvCopyPolicy); ASMEM_MAC_KV_EVICT_FIRST=0 keeps the normal policy.
+  static const bool kv_evict_first = [] {
+    const char* e = std::getenv("ASMEM_MAC_KV_EVICT_FIRST");
+    return e == nullptr || e[0] != '0';
+  }();
   LaunchArgs a;
+  a.kv_evict_first = kv_evict_first;
   a.hq = c.num_q_heads;
   a.hkv = c.num_kv_heads;
   a.group = c.num_q_heads / c.num_kv_heads;

@@ -1478,6 +1478,7 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
   constexpr int kPageSlots = Cfg::kPageSlots;
   static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile chunks must split evenly");
   static_assert(GROUP >= 1 && GROUP <= 8, "group size");
+  const uint64_t kv_pol = decode::KvCopyPolicy(a.kv_evict_first);
   static_assert(kBlockN <= kThreads, "one thread per row copies the tile's page ids");
   static_assert(kStages == 3 && kPageSlots == 4, "the cursors' distances below");
 
@@ -1600,8 +1601,8 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
           off = int64_t(tp[j]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * 8;
         }
         const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
-        CpAsync16(kt + sw, kb + off, valid);
-        CpAsync16(vt + sw, vb + off, valid);
+        decode::CpAsync16Policy(kt + sw, kb + off, valid, kv_pol);
+        decode::CpAsync16Policy(vt + sw, vb + off, valid, kv_pol);
       }
       ++df;
       if (++dt == dsrc.n) {

@@ -57,6 +57,7 @@ struct LaunchArgs {
   // Fill: positions per request and splits per (request, position, KV head).
   int32_t fill_n = 0, fill_splits = 1;
   bool pdl = false;  // attend and combine launched as programmatic dependents
+  bool kv_evict_first = true;  // the attend's KV copies evict-first in L2 (decode::KvCopyPolicy)
   bool plan_dry = false;  // the plan CTA's dry pass (MacPlanKernel; set by LaunchMatch)
   // The speculative all-miss plan (MacPlanKernel, MacAttendKernel): with programmatic
   // launch, the layer state's step_spec and at most kSpecMaxHeads query heads in the batch.
