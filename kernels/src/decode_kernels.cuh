@@ -362,7 +362,7 @@ __device__ __forceinline__ void CpAsync16Policy(void* smem, const void* gmem, bo
 // each, op us, normal -> evict-first): without a dictionary LLaMA-8B 32K + 1K B = 1 43.8 ->
 // 42.3, B = 8 295 -> 254, B = 32 1095 -> 977, B = 64 2192 / 2219 -> 1942; GQA-8 B = 32 564 ->
 // 496; with a dictionary LLaMA-8B B = 32 K = 4096 hierarchical 59.6 -> 50.7, linear 55.9 ->
-// 46.3, K = 16 47.4 -> 44.8, B = 64 K = 4096 106.3 -> 94.0; B = 1-8 cells -0.5 .. -1.5 us, but
+// 46.3, K = 16 47.4 -> 44.8, B = 64 K = 4096 106.3 -> 94.0; B = 1-8 cells -0.3 .. -1.9 us, but
 // GQA-8 B = 1 K = 16 +0.2 / +0.4 us. The MAC grid (asmem_bench_mac, both kernels switched
 // together, 192 cells): the step a median 8% faster (up to 13%; the slowest, LLaMA-8B B = 64
 // 128K half hits, +1.8%; B = 1 hit cells within 0.4 us); its full-attention baseline 10-12%

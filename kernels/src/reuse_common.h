@@ -180,7 +180,8 @@ constexpr int32_t kPlanWarmHeads = 512;
 // end late all the same, and the rest contend with it). Again in session 41 (up to 256
 // groups, the speculating plan kernels' threads; two runs each, us): all-miss LLaMA-8B B = 16
 // 502.3, 502.1 -> 507.3, 506.6 (128K 1901 -> 1936), B = 32 979.1, 977.3 -> 995.1, 997.7
-// (128K 3775 -> 3856); GQA-8 B = 16 268.1, 267.7 -> 267.3, 267.3, B = 32 511.7 -> 516.8.
+// (128K 3775 -> 3856); GQA-8 B = 16 268.1, 267.7 -> 267.3, 267.3, B = 32 511.7, 511.5 -> 516.5,
+// 517.1.
 constexpr int32_t kSpecMaxHeads = 256;
 // Match: about this many CTAs per step (the ring scan is split over W when B * Hq is small),
 // each scanning at least kMinMatchRows candidates.
