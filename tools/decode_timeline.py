@@ -44,7 +44,8 @@ def summarize(step):
         if flag:
             out.append(f"    flag raised at {flag[0][3]:.1f}")
         ends += reached(lookup, 3)
-    # Attention CTAs: start, first tile landed, tile loop done, end, SM, tokens, split.
+    # Attention CTAs: start, first tile landed, tile loop done, end, SM, tokens, split, entry
+    # picked (the CTAs that pick it themselves; null otherwise).
     if attn:
         starts = reached(attn, 0)
         out.append(f"  attention: {len(attn)} CTAs, start {min(starts):.1f} / p50 {quantile(starts, 0.5):.1f} / "
@@ -57,6 +58,10 @@ def summarize(step):
                        spread([r[2] - r[1] for r in busy]) + "; epilogue " +
                        spread([r[3] - r[2] for r in busy]) + "; tokens " +
                        spread([float(r[5]) for r in busy]))
+            picked = [r for r in busy if len(r) > 7 and r[7] is not None]
+            if picked:
+                out.append("    entry picked, us after the tile loop's end (negative: inside it) " +
+                           spread([r[7] - r[2] for r in picked]) + f" (n = {len(picked)})")
             if working_sms:
                 beside = [r[2] - r[1] for r in busy if r[4] in working_sms]
                 alone = [r[2] - r[1] for r in busy if r[4] not in working_sms]
@@ -65,6 +70,20 @@ def summarize(step):
         if lookup:
             after = [s for s in starts if s > max(reached(lookup, 0))]
             out.append(f"    attention CTAs starting after the last lookup CTA's start: {len(after)}")
+        # The CTAs' picks (step.pick, one record per attention CTA that picked its entry):
+        # entered, view loaded, first parents' pieces known, lookup waited, then
+        # (hierarchical) parent scores landed, parents selected, children's bests found, and
+        # the entry chosen; the time from each stamp to the next one reached.
+        picks = [r for r in step.get("pick", []) if r[0] is not None and r[7] is not None]
+        if picks:
+            names = ["view", "pieces", "wait", "scores landed", "selection", "children", "entry"]
+            parts = []
+            for k in range(1, 8):
+                d = [r[k] - max(x for x in r[:k] if x is not None) for r in picks if r[k] is not None]
+                if d:
+                    parts.append(f"{names[k - 1]} {quantile(d, 0.5):.2f}")
+            out.append(f"    pick (n = {len(picks)}), p50 us per stage: " + ", ".join(parts) +
+                       f"; entered to returned {quantile([r[7] - r[0] for r in picks], 0.5):.2f}")
         last = sorted(attn, key=lambda r: -r[3])[:3]
         out.append("  last attention CTAs to end: " + "; ".join(
             f"split {r[6]} on SM {r[4]}, {r[5]} tokens, start {r[0]:.1f}, end {r[3]:.1f}" for r in last))

@@ -263,7 +263,8 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
       std::fprintf(out, "%.3f", (double(t) - double(t0)) * 1e-3);
     }
   };
-  // Words 0-3 are stamps, 4 the SM, 5 and 6 the lookup's and attention's counts.
+  // Words 0-3 are stamps, 4 the SM, 5 and 6 the lookup's and attention's counts, 7 a stamp
+  // (the attention's entry picked; null in the lookup's).
   auto grid = [&](const char* name, int g) {
     std::fprintf(out, ", \"%s\": [", name);
     for (int i = 0; i < n[g]; ++i) {
@@ -273,7 +274,9 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
         if (k) std::fputs(", ", out);
         stamp(r[k]);
       }
-      std::fprintf(out, ", %llu, %llu, %llu]", r[4], r[5], r[6]);
+      std::fprintf(out, ", %llu, %llu, %llu, ", r[4], r[5], r[6]);
+      stamp(r[7]);
+      std::fputs("]", out);
     }
     std::fputs("]", out);
   };
@@ -296,6 +299,18 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
       stamp(r[k]);
     }
     std::fprintf(out, ", %llu]", r[4]);
+  }
+  std::fputs("]", out);
+  // The attention CTAs' picks: eight stamps each (decode_launch.cuh kTlPick).
+  std::fputs(", \"pick\": [", out);
+  for (int i = 0; i < n[kTlAttn]; ++i) {
+    const unsigned long long* r = rec(kTlPick, i);
+    std::fputs(i ? ", [" : "[", out);
+    for (int k = 0; k < kTlWords; ++k) {
+      if (k) std::fputs(", ", out);
+      stamp(r[k]);
+    }
+    std::fputs("]", out);
   }
   std::fprintf(out, "], \"combine_kind\": \"%s\"}\n",
                kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");

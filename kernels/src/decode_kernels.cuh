@@ -515,8 +515,18 @@ __device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int
     for (int i = 1; i < kTlWords; ++i) r[i] = 0;
     r[0] = t;
     r[4] = sm;
+    if (grid == kTlAttn) {  // and the CTA's pick record (a step without a pick leaves it empty)
+      unsigned long long* pr = a.tl + kTlHeader + (size_t(kTlPick) * kTlCtas + blockIdx.x) * kTlWords;
+      for (int i = 0; i < kTlWords; ++i) pr[i] = 0;
+    }
   }
   return r;
+}
+// A stamp taken once `dep` is known (the load it comes from has landed).
+__device__ __forceinline__ unsigned long long DtlNowAfter(uint32_t dep) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+  return t;
 }
 #define DTL(stmt) stmt
 #else
@@ -2102,6 +2112,9 @@ struct DictPickArgs {
   uint32_t key_dims;  // LaunchArgs::key_dims
   int32_t D;          // G d
   bool probe;
+#ifdef ASMEM_DECODE_TIMELINE
+  unsigned long long* tl;  // lane 0's pick record (kTlPick), else null
+#endif
 };
 template <typename DType>
 __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys);
@@ -2365,12 +2378,19 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       const DictPickArgs pa{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
                             p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
                             a.lookup_splits * kLookupUnits, a.batch,         a.key_dims,
-                            GROUP * HEAD_DIM, a.probe};
+                            GROUP * HEAD_DIM, a.probe,
+#ifdef ASMEM_DECODE_TIMELINE
+                            tid == 0 && cta < kTlCtas
+                                ? a.tl + kTlHeader + (size_t(kTlPick) * kTlCtas + cta) * kTlWords
+                                : nullptr
+#endif
+      };
       const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
       if (lane == 0) {
         sm_pick[0] = r.x;
         sm_pick[1] = r.y;
       }
+      DTL(if (tlr) tlr[7] = DtlNow());
     }
     __syncthreads();
     entry = sm_pick[0];
@@ -2427,9 +2447,12 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
 }
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; 64 KB with kAttnLookupStages,
-// so that two fit beside a lookup CTA while the lookup runs).
+// so that two fit beside a lookup CTA while the lookup runs). Registers as for three CTAs
+// per SM (at most 168 per thread, as the lookup's), so that two also fit beside a lookup
+// CTA in registers: a timeline build's 191 did not, and its attention CTAs waited for the
+// lookup CTAs to leave (H200, LLaMA-8B B = 32, K = 4096: half of them started after 25 us).
 template <typename DType, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, 2) DecodeMainKernel(const __grid_constant__ LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) DecodeMainKernel(const __grid_constant__ LaunchArgs a) {
   extern __shared__ float4 decode_smem[];
   DTL(unsigned long long* const tlr = DtlStart(a, kTlAttn));
   GridLaunchDependents();  // the combine may start (it waits for this grid where it must)
@@ -2518,9 +2541,39 @@ struct FirstParents {
         pc1(LoadPieceChunk(v.child_offsets, int(v.C1), 32, pc0.total, R)) {}
 };
 
+// The m-th largest (1 <= m <= 64) of the 64 keys that the warp's lanes hold two each (a and
+// b: keys lane and lane + 32), by a bitonic sort into descending order (21 compare-exchange
+// stages, 20 of them a shuffle) and a shuffle from the lane that then holds position m - 1.
+// Warp-wide; m uniform.
+__device__ __forceinline__ uint32_t WarpKthLargest64(uint32_t a, uint32_t b, int m) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 64; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j == 32) {  // k = 64: positions lane and lane + 32, descending
+        const uint32_t hi = max(a, b), lo = min(a, b);
+        a = hi;
+        b = lo;
+      } else {
+        // Position i = lane + 32 r and its partner i ^ j: the lower position of the pair
+        // keeps the larger key in a descending block ((i & k) == 0: at k = 32 a's and not
+        // b's, at k = 64 every one).
+        const bool lower = (lane & j) == 0;
+        const bool desc_a = k >= 32 || (lane & k) == 0, desc_b = k == 64 || (k < 32 && (lane & k) == 0);
+        const uint32_t pa = __shfl_xor_sync(0xffffffffu, a, j), pb = __shfl_xor_sync(0xffffffffu, b, j);
+        a = lower == desc_a ? max(a, pa) : min(a, pa);
+        b = lower == desc_b ? max(b, pb) : min(b, pb);
+      }
+    }
+  }
+  return __shfl_sync(0xffffffffu, m - 1 < 32 ? a : b, (m - 1) & 31);
+}
+
 // The entry of a hierarchical view for (b, h) = bh, by one warp: the probed parents are
 // the top_m by score (desc, index asc) among the C1 parent scores (pscore): the m-th
-// largest score by bitwise radix selection, then the ties at it in index order. The entry
+// largest score (up to 64 parents WarpKthLargest64; more, bitwise radix selection: 32
+// rounds of a warp reduction each), then the ties at it in index order. The entry
 // is the best child of the probed parents, or of all parents when every probed parent is
 // childless; a parent's best child is the best of its pieces' pbest slots (SegList: the
 // pieces follow from the child offsets and PieceRows; `fp` holds those of the first 64
@@ -2528,7 +2581,8 @@ struct FirstParents {
 // scratch of kDecodeMaxParents words for the others (read once from global memory).
 // `ps` and `pb`: the (request, KV head)'s pscore and pbest rows; R: PieceRows of the step.
 __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
-                                                   int R, const FirstParents& fp, uint32_t* keys) {
+                                                   int R, const FirstParents& fp, uint32_t* keys,
+                                                   unsigned long long* tl = nullptr) {
   const LookupPartial kNone{-INFINITY, -1};
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
@@ -2553,10 +2607,14 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
     if (Beats(x1[j].score, x1[j].index, x1[0].score, x1[0].index)) x1[0] = x1[j];
   }
   const uint32_t k0 = OrderedKey(sc0), k1 = OrderedKey(sc1);
+  DTL(if (tl) tl[4] = DtlNowAfter(k0 ^ k1 ^ uint32_t(x0[0].index) ^ uint32_t(x1[0].index)));
   for (int q = lane + 64; q < C1; q += 32) keys[q] = OrderedKey(__ldcg(ps + q));
   __syncwarp();
   uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
-  if (m < C1) {
+  if (m < C1 && C1 <= 64) {
+    // Parents past C1 as key 0, below every parent (the m-th largest is one of the C1).
+    thr = WarpKthLargest64(ok0 ? k0 : 0u, ok1 ? k1 : 0u, m);
+  } else if (m < C1) {
     for (int bit = 31; bit >= 0; --bit) {
       const uint32_t cand = thr | (1u << bit);
       unsigned cnt = (ok0 && k0 >= cand ? 1u : 0u) + (ok1 && k1 >= cand ? 1u : 0u);
@@ -2564,6 +2622,7 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
       if (__reduce_add_sync(0xffffffffu, cnt) >= unsigned(m)) thr = cand;
     }
   }
+  DTL(if (tl) tl[5] = DtlNowAfter(thr));
   unsigned gt = (ok0 && k0 > thr ? 1u : 0u) + (ok1 && k1 > thr ? 1u : 0u);
   for (int q = lane + 64; q < C1; q += 32) gt += keys[q] > thr ? 1u : 0u;
   int need = m - int(__reduce_add_sync(0xffffffffu, gt));  // ties at thr to take
@@ -2602,8 +2661,9 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
       if (Beats(x.score, x.index, any.score, any.index)) any = {x.score, x.index};
     }
   }
+  DTL(if (tl) tl[6] = DtlNowAfter(uint32_t(best.index) ^ uint32_t(any.index)));
   WarpArgmax(best);
-  WarpArgmax(any);
+  if (best.index < 0) WarpArgmax(any);  // only when every probed parent is childless
   __syncwarp();  // keys is rewritten by the warp's next call
   return best.index >= 0 ? best : any;
 }
@@ -2613,8 +2673,8 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
 // slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
 __device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
                                             int units, bool ok, bool hier, const FirstParents& fp,
-                                            uint32_t* keys) {
-  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys);
+                                            uint32_t* keys, unsigned long long* tl = nullptr) {
+  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys, tl);
   Best best{-INFINITY, -1};
   if (ok) {
     for (int q = int(threadIdx.x & 31); q < units; q += 32) {
@@ -2638,19 +2698,29 @@ __device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float*
 // the id and the view and again after the wait (SASS: 19 such loads in this function).
 template <typename DType>
 __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys) {
+  DTL(if (pa.tl) pa.tl[0] = DtlNow());
   const int32_t id = pa.dict_ids[b];
   if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
   if (id < 0) return make_int2(-1, 0);
   const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
   const bool ok = LookupViewOk(v, pa.parent_width, pa.key_dims, pa.D);
+  DTL(if (pa.tl) pa.tl[1] = DtlNowAfter(uint32_t(v.C1) ^ uint32_t(v.K)));
   bool hier = ok && v.C1 > 0;
   if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
   const int R = PieceRows(v.K, pa.units);
   const FirstParents fp(hier ? v : DictLayerView{}, R);
+  DTL(if (pa.tl) pa.tl[2] = DtlNowAfter(uint32_t(fp.pc0.start) ^ uint32_t(fp.pc1.total)));
   GridDependencyWait();
+  DTL(if (pa.tl) pa.tl[3] = DtlNow());
   const int64_t bh = int64_t(b) * pa.hkv + h;
+#ifdef ASMEM_DECODE_TIMELINE
+  unsigned long long* const tl = pa.tl;
+#else
+  unsigned long long* const tl = nullptr;
+#endif
   const Best best = EntryChoice(v, pa.pscore + bh * pa.parent_width, pa.pbest + bh * pa.lookup_width,
-                                pa.units, ok, hier, fp, keys);
+                                pa.units, ok, hier, fp, keys, tl);
+  DTL(if (pa.tl) pa.tl[7] = DtlNowAfter(uint32_t(best.index)));
   if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
   return make_int2(best.index, 0);
 }

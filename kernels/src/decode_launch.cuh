@@ -97,14 +97,20 @@ constexpr int kTlCtas = 8192;
 constexpr int kTlWords = 8;
 constexpr int kTlHeader = 8;
 constexpr int kTlLookup = 0, kTlAttn = 1, kTlCombine = 2;  // grids
+constexpr int kTlPick = 3;  // the attention CTAs' DictEntryPick, a record per CTA as a grid's
 constexpr unsigned long long kTlCombineDict = 1, kTlCombineSplits = 2;
-constexpr size_t kTlBytes = (size_t(kTlHeader) + 3 * size_t(kTlCtas) * kTlWords) * 8;
+constexpr size_t kTlBytes = (size_t(kTlHeader) + 4 * size_t(kTlCtas) * kTlWords) * 8;
 // Words per CTA record: four stamps, the SM, then
 // - lookup: start, ids and first flags read, loop done, end (done counted); SM; blocks
-//   scanned, raised the flag (1) or not (0);
-// - attention: start, first tile landed, tile loop done, end; SM; tokens, split;
+//   scanned, raised the flag (1) or not (0); -;
+// - attention: start, first tile landed, tile loop done, end; SM; tokens, split; entry
+//   picked (kSplitOutDict);
 // - combine (thread 0): start, lookup flag seen, entry picked (the dictionary combine; 0 in
 //   the split combine), attention waited; SM; end.
+// - pick (kTlPick; lane 0 of an attention CTA's DictEntryPick): entered, view loaded, first
+//   parents' pieces known, lookup waited, then (hierarchical) the parent scores and first
+//   pieces' bests landed, the top_m parents selected, the best child of each found; last,
+//   the entry chosen (the warp's argmax).
 #endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB

@@ -320,12 +320,14 @@ void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
 // Diagnostic builds only (CMake -DASMEM_DECODE_TIMELINE=ON, off by default): the decode
 // kernels record per-CTA %globaltimer stamps of the latest DecodeAttention step, written
 // here as one JSON line, us from the first CTA's start (the lookup's when the step has one):
-// "lookup" [start, ids read, loop done, end, SM, blocks scanned, raised the flag] per CTA;
-// "attention" [start, first tile landed, tile loop done, end, SM, tokens, split];
+// "lookup" [start, ids read, loop done, end, SM, blocks scanned, raised the flag, null] per
+// CTA; "attention" [start, first tile landed, tile loop done, end, SM, tokens, split, entry
+// picked (with a dictionary and one split; else null)];
 // "combine" [start, lookup flag seen, entry picked, attention waited, end, SM] (the
 // dictionary combine, warp 0's stamps) or [start, -, -, attention waited, end, SM] (the
-// split combine), "combine_kind" "dictionary" / "splits" / "none". A stamp the CTA did not
-// reach is null. At most 8192 CTAs per grid. Synchronizes the device.
+// split combine); "pick", per attention CTA, the stages of its own pick (with a dictionary
+// and one split; decode_launch.cuh kTlPick); "combine_kind" "dictionary" / "splits" /
+// "none". A stamp the CTA did not reach is null. At most 8192 CTAs per grid. Synchronizes the device.
 // tools/decode_timeline.py summarizes a file of such lines (asmem_bench_decode --timeline).
 void DecodeTimelineDump(const char* label, std::FILE* out);
 #endif
