@@ -20,8 +20,9 @@
 //    in a thread block cluster (ClusterMerge); no combine runs then.
 //  * combine (programmatic dependent launch after the attention), one warp per (request,
 //    query head): once the lookup's flag is up, and while the attention still runs, the
-//    entry (the top_m parents by radix selection over the parent scores, the best child
-//    among them, or of all rows when they are childless; linear: the best slice) and its
+//    entry (the top_m parents by their m-th largest score: a bitonic sort of up to 64
+//    parent keys, radix selection past that; the best child among them, or of all rows
+//    when they are childless; linear: the best slice) and its
 //    (o, lse); then, after the attention grid, the n-way merge (state.cuh LseSum) with every
 //    KV split. Without a dictionary: one CTA per row merges the splits
 //    (DecodeSplitCombineKernel).
@@ -759,7 +760,7 @@ struct SegList {
   }
 };
 
-// Float -> uint32 in the same order (for radix selection); -0 counts as +0.
+// Float -> uint32 in the same order (for the parents' selection); -0 counts as +0.
 __device__ __forceinline__ uint32_t OrderedKey(float f) {
   const uint32_t u = __float_as_uint(f == 0.f ? 0.f : f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -2544,7 +2545,9 @@ struct FirstParents {
 // The m-th largest (1 <= m <= 64) of the 64 keys that the warp's lanes hold two each (a and
 // b: keys lane and lane + 32), by a bitonic sort into descending order (21 compare-exchange
 // stages, 20 of them a shuffle) and a shuffle from the lane that then holds position m - 1.
-// Warp-wide; m uniform.
+// Warp-wide; m uniform. H200, LLaMA-8B B = 32, K = 4096 (C1 64, top_m 16): the pick's
+// selection 2.3 -> 0.5 us against 32 radix rounds (timeline), the op 51.4, 51.7 -> 49.5,
+// 49.1 us. (Counting each parent's rank over 31 shuffle rounds took 1.8-2.0 us.)
 __device__ __forceinline__ uint32_t WarpKthLargest64(uint32_t a, uint32_t b, int m) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
