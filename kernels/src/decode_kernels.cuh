@@ -2615,7 +2615,8 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
   __syncwarp();
   uint32_t thr = 0;  // the largest t with #{key >= t} >= m: the m-th largest key
   if (m < C1 && C1 <= 64) {
-    // Parents past C1 as key 0, below every parent (the m-th largest is one of the C1).
+    // Parents past C1 as key 0, at or below every parent's (the m-th largest is still the
+    // m-th of the C1).
     thr = WarpKthLargest64(ok0 ? k0 : 0u, ok1 ? k1 : 0u, m);
   } else if (m < C1) {
     for (int bit = 31; bit >= 0; --bit) {
