@@ -517,7 +517,7 @@ __device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int
     r[0] = t;
     r[4] = sm;
     if (grid == kTlAttn) {  // and the CTA's pick record (a step without a pick leaves it empty)
-      unsigned long long* pr = a.tl + kTlHeader + (size_t(kTlPick) * kTlCtas + blockIdx.x) * kTlWords;
+      unsigned long long* pr = DtlRec(a, kTlPick);
       for (int i = 0; i < kTlWords; ++i) pr[i] = 0;
     }
   }
@@ -2381,9 +2381,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
                             a.lookup_splits * kLookupUnits, a.batch,         a.key_dims,
                             GROUP * HEAD_DIM, a.probe,
 #ifdef ASMEM_DECODE_TIMELINE
-                            tid == 0 && cta < kTlCtas
-                                ? a.tl + kTlHeader + (size_t(kTlPick) * kTlCtas + cta) * kTlWords
-                                : nullptr
+                            tid == 0 ? DtlRec(a, kTlPick) : nullptr
 #endif
       };
       const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));

@@ -327,7 +327,8 @@ void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
 // dictionary combine, warp 0's stamps) or [start, -, -, attention waited, end, SM] (the
 // split combine); "pick", per attention CTA, the stages of its own pick (with a dictionary
 // and one split; decode_launch.cuh kTlPick); "combine_kind" "dictionary" / "splits" /
-// "none". A stamp the CTA did not reach is null. At most 8192 CTAs per grid. Synchronizes the device.
+// "none". A stamp the CTA did not reach is null. At most 8192 CTAs per grid. Synchronizes
+// the device.
 // tools/decode_timeline.py summarizes a file of such lines (asmem_bench_decode --timeline).
 void DecodeTimelineDump(const char* label, std::FILE* out);
 #endif
