@@ -8,15 +8,21 @@
 // Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16,
 // paged KV (page 16, HND layout), random data, normalized random dictionary keys.
 // Timing: our op is captured once in a CUDA graph per input rotation; torch runs eagerly
-// (as a serving stack calls it). After warm-up each timed call or replay sits between two
-// CUDA events; the median of --iters is reported (and the mean, min). When a config's
-// working set would fit in L2 several times, calls rotate over several disjoint input sets.
-// A large memset enqueued first keeps the host ahead of the GPU, so host launch time is not
-// measured. Bytes: the fewest HBM bytes the step must read (each KV row once, each
+// (as a serving stack calls it). After warm-up each timed call or replay follows an untimed
+// read of a 256 MB buffer (--flush read, the default: the L2 then holds nothing of the step
+// and no dirty line, as after a layer's projections in a serving step, where the other
+// layers' dictionaries and KV have long pushed this layer's out) and sits between two CUDA
+// events; the median of --iters is reported (and the mean, min). `--flush none` times back
+// to back replays instead: then, when a config's working set would fit in L2 several times,
+// calls rotate over several disjoint input sets, and what the working set leaves in L2 (the
+// dictionary's keys, while the KV streams evict-first) is read from there by the next call.
+// `--flush write` empties the L2 by a memset (every line dirty). A large memset enqueued
+// first keeps the host ahead of the GPU, so host launch time is not measured. Bytes: the fewest HBM bytes the step must read (each KV row once, each
 // dictionary row the lookups touch once); roofline = bytes / time / --hbm-tbps.
 //
 //   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
 //                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--key-rank R] [--no-torch]
+//                      [--flush read|write|none]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -39,6 +45,7 @@
 #include "asmem/atomic_file.h"
 #include "asmem/cuda_check.cuh"
 #include "bench_util.h"
+#include "l2_flush.h"
 #include "asmem/decode.h"
 #include "asmem/error.h"
 
@@ -79,6 +86,7 @@ struct Options {
   std::vector<int> prefixes = {8192, 32768, 131072};
   std::vector<int> ks = {1024, 4096, 16384};
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
+  std::string flush = "read";  // before each timed call: read, or write (memset), a 256 MB buffer; none
   std::string timeline;  // ASMEM_DECODE_TIMELINE builds: per-CTA stamps, one JSON line per config
 };
 
@@ -101,6 +109,15 @@ using bench::DevMem;
 using bench::ElapsedUs;
 using bench::Median;
 using bench::Upload;
+
+// Empties the L2 before a timed call (Options::flush): reads `buf` (clean lines) or writes it.
+void FlushL2(const Options& opt, const DevMem& buf, DevMem& sink, int i, cudaStream_t stream) {
+  if (opt.flush == "read") {
+    bench::L2FlushRead(buf.p, buf.n / 16 * 16, sink.p, stream);
+  } else if (opt.flush == "write") {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(buf.p, i & 0xff, buf.n, stream));
+  }
+}
 
 // Fast normal variates (xorshift + Box-Muller); data quality is irrelevant to timing.
 struct Rng {
@@ -287,7 +304,7 @@ struct Timing {
 
 // Captures one step per rotation in a graph, then times replays (see the file comment).
 Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotations,
-              const Options& opt, cudaStream_t stream, DevMem& workspace, DevMem& spin) {
+              const Options& opt, cudaStream_t stream, DevMem& workspace, DevMem& spin, const DevMem& flush) {
   const size_t ws = DecodeWorkspaceBytes(config);
   if (workspace.n < ws) workspace = DevMem(ws);
   std::vector<cudaGraphExec_t> execs;
@@ -315,6 +332,7 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
   for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
   ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
   for (int i = 0; i < opt.iters; ++i) {
+    FlushL2(opt, flush, spin, i, stream);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -382,7 +400,7 @@ void EnableOnlySdpBackend(const std::string& b) {
 // starts at element r * B*Hkv*L*d), enable_gqa; eager calls on `stream`.
 std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const DevMem& q,
                                    const DevMem& kpool, const DevMem& vpool, const Options& opt,
-                                   cudaStream_t stream, DevMem& spin) {
+                                   cudaStream_t stream, DevMem& spin, const DevMem& flush) {
   int dev = 0;
   ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
   const auto topt = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev);
@@ -413,6 +431,7 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
       for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
       for (int k = 0; k < 4; ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
       for (int i = 0; i < opt.iters; ++i) {
+        FlushL2(opt, flush, spin, i, stream);
         ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
         call(i);
         ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -446,7 +465,7 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
 constexpr bool kHaveTorch = true;
 #else
 std::vector<TorchResult> TimeTorch(const Shape&, int, int, int, const DevMem&, const DevMem&,
-                                   const DevMem&, const Options&, cudaStream_t, DevMem&) {
+                                   const DevMem&, const Options&, cudaStream_t, DevMem&, const DevMem&) {
   return {};
 }
 constexpr bool kHaveTorch = false;
@@ -505,6 +524,8 @@ int Run(const Options& opt) {
     FillRandom(vpool.p, pool_bytes, chunk);
   }
   DevMem spin(size_t(4) << 30), workspace(1 << 20);
+  DevMem flush(opt.flush == "none" ? 16 : size_t(256) << 20);
+  ASMEM_CUDA_CHECK(cudaMemset(flush.p, 0x5a, flush.n));  // L2FlushRead's sink stays untouched
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // Bring the clocks up before the first timing (about 0.3 s of memsets).
@@ -524,7 +545,8 @@ int Run(const Options& opt) {
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
                      {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
                      {"probe_max_batch", opt.probe_max_batch},
-                     {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype}};
+                     {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype},
+                     {"flush", opt.flush}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -538,7 +560,9 @@ int Run(const Options& opt) {
     std::mt19937_64 shuf(7);
     std::shuffle(perm.begin(), perm.end(), shuf);
 
+    // Flushed calls start from an empty L2 whatever their inputs: one input set serves.
     auto rotations_for = [&](double working_set, int64_t pages_per_rotation) {
+      if (opt.flush != "none") return 1;
       int R = int(std::ceil(3 * kL2Bytes / std::max(working_set, 1.0)));
       R = std::max(1, std::min(R, opt.max_rotations));
       R = int(std::min<int64_t>(R, std::max<int64_t>(1, pool_pages / std::max<int64_t>(1, pages_per_rotation))));
@@ -630,7 +654,7 @@ int Run(const Options& opt) {
           std::vector<DecodeParams> rot;
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, L, r, nullptr, nullptr, 0));
           CheckOutputs(c, rot[0], workspace, stream, s.name + " full");
-          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
+          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin, flush);
           AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " P=" + std::to_string(P) + " T=" +
                                   std::to_string(T) + " no dictionary med=" + std::to_string(t.median_us));
           ours_us = t.median_us;
@@ -645,7 +669,7 @@ int Run(const Options& opt) {
         std::string torch_line;
         double torch_best = INFINITY;
         if (use_torch && !opt.check_only) {
-          for (const TorchResult& r : TimeTorch(s, B, L, R, q, kpool, vpool, opt, stream, spin)) {
+          for (const TorchResult& r : TimeTorch(s, B, L, R, q, kpool, vpool, opt, stream, spin, flush)) {
             json j = {{"ok", r.ok}};
             char buf[96];
             if (r.ok) {
@@ -720,7 +744,7 @@ int Run(const Options& opt) {
           const DictLayerView* views = hier ? dd.hier_dev.as<DictLayerView>() : dd.linear_dev.as<DictLayerView>();
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));
           CheckOutputs(c, rot[0], workspace, stream, s.name + " op " + mode);
-          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin);
+          const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin, flush);
           AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " K=" +
                                   std::to_string(K) + " " + mode + " " + opt.key_dtype +
                                   " med=" + std::to_string(t.median_us));
@@ -798,6 +822,10 @@ int main(int argc, char** argv) {
                  "unequal children per parent, ~ exp(SKEW N(0, 1)) (0: equal; 0.6 is about as "
                  "unequal as a compiled dictionary)")
       ->check(CLI::Range(0.0, 4.0));
+  app.add_option("--flush", opt.flush,
+                 "before each timed call: read (default) or write a 256 MB buffer, emptying the L2; "
+                 "none: back to back, rotating inputs where they fit in L2")
+      ->check(CLI::IsMember({"read", "write", "none"}));
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
