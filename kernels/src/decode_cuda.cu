@@ -126,15 +126,8 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_KV_EVICT_FIRST");
     return e == nullptr || e[0] != '0';
   }();
-  // Each lookup warp asks L2 for all its key rows at once (decode_kernels.cuh
-  // PrefetchSegsL2); ASMEM_DECODE_KEY_PREFETCH=0 leaves the rows to the ring's copies alone.
-  static const bool key_prefetch = [] {
-    const char* e = std::getenv("ASMEM_DECODE_KEY_PREFETCH");
-    return e == nullptr || e[0] != '0';
-  }();
   LaunchArgs a;
   a.kv_evict_first = kv_evict_first;
-  a.key_prefetch = key_prefetch;
   a.p = p;
   a.batch = p.batch;
   a.hq = c.num_q_heads;

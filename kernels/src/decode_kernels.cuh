@@ -967,26 +967,6 @@ struct KeyRing {
   }
 };
 
-// Asks L2 for every key row of the unit's segments (warp-wide; lane 0 issues one bulk
-// prefetch per segment). The ring copies only kRingStages - 1 chunks ahead, which from a
-// cold L2 (a serving step: the layer's projections and the other layers' dictionaries have
-// pushed this one's keys out) leaves each warp waiting on HBM latency chunk after chunk;
-// with its rows requested up front they stream in beside the attention's KV (evict-first,
-// so they do not push the keys out) and the ring finds them in L2.
-template <int ROW_BYTES>
-__device__ __forceinline__ void PrefetchSegsL2(const DictLayerView& v, SegList segs) {
-  const char* keys = static_cast<const char*>(v.keys);
-  const char* pkeys = static_cast<const char*>(v.parent_keys);
-  Seg sg;
-  while (segs.Next(sg)) {
-    if ((threadIdx.x & 31) == 0 && sg.hi > sg.lo) {
-      const char* base = (sg.parents ? pkeys : keys) + int64_t(sg.lo) * ROW_BYTES;
-      const uint32_t bytes = uint32_t(sg.hi - sg.lo) * ROW_BYTES;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base), "r"(bytes) : "memory");
-    }
-  }
-}
-
 // One warp scores the segments of its unit `segs` for members sm.mem[0, n) on tensor cores
 // (keys of type KT, bf16 or f16), without waiting for any other warp. Per 16 key rows, mma
 // m16n8k16 with A = the 16 rows and B = 8 members per n-tile. The key rows come through the
@@ -2027,7 +2007,6 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
         KeyRing<KEY_DIM> kr(sm, v, mine);
         kr.Start();
-        if (a.key_prefetch) PrefetchSegsL2<KEY_DIM * 2>(v, mine);
         CpAsyncWait<L::kRingStages - 1>();
         __syncthreads();
         WarpSegScanTc<DType, KEY_DIM, 1, true>(a, sm, mine, kr, n, MB, h);

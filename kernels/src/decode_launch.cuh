@@ -54,7 +54,6 @@ struct LaunchArgs {
   int32_t kv_splits = 1;
   int32_t attn_stages = kAttnStages;  // attention cp.async stages (2 or 3)
   bool kv_evict_first = true;  // the attention's KV copies evict-first in L2 (KvCopyPolicy)
-  bool key_prefetch = true;    // lookup warps prefetch their key rows into L2 (PrefetchSegsL2)
   int32_t split_out = kSplitOutPartials;  // kSplitOut*: where the attention CTAs write
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
