@@ -7,18 +7,19 @@
 //
 // Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16,
 // paged KV (page 16, HND layout), random data, normalized random dictionary keys.
-// Timing: our op is captured once in a CUDA graph per input rotation; torch runs eagerly
-// (as a serving stack calls it). After warm-up each timed call or replay follows an untimed
-// read of a 256 MB buffer (--flush read, the default: the L2 then holds nothing of the step
-// and no dirty line, as after a layer's projections in a serving step, where the other
-// layers' dictionaries and KV have long pushed this layer's out) and sits between two CUDA
-// events; the median of --iters is reported (and the mean, min). `--flush none` times back
-// to back replays instead: then, when a config's working set would fit in L2 several times,
-// calls rotate over several disjoint input sets, and what the working set leaves in L2 (the
+// Timing: our op is captured once in a CUDA graph per input set; torch runs eagerly (as a
+// serving stack calls it). After warm-up each timed call or replay follows an untimed read
+// of a 256 MB buffer (--flush read, the default: the L2 then holds nothing of the step and
+// no dirty line, as after a layer's projections in a serving step, where the other layers'
+// dictionaries and KV have long pushed this layer's out) and sits between two CUDA events;
+// the median of --iters is reported (and the mean, min). `--flush none` times back-to-back
+// replays instead: then, when a config's working set would fit in L2 several times, calls
+// rotate over several disjoint input sets, and what the working set leaves in L2 (the
 // dictionary's keys, while the KV streams evict-first) is read from there by the next call.
 // `--flush write` empties the L2 by a memset (every line dirty). A large memset enqueued
-// first keeps the host ahead of the GPU, so host launch time is not measured. Bytes: the fewest HBM bytes the step must read (each KV row once, each
-// dictionary row the lookups touch once); roofline = bytes / time / --hbm-tbps.
+// first keeps the host ahead of the GPU, so host launch time is not measured. Bytes: the
+// fewest HBM bytes the step must read (each KV row once, each dictionary row the lookups
+// touch once); roofline = bytes / time / --hbm-tbps.
 //
 //   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
 //                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--key-rank R] [--no-torch]
