@@ -111,14 +111,6 @@ using bench::ElapsedUs;
 using bench::Median;
 using bench::Upload;
 
-// Empties the L2 before a timed call (Options::flush): reads `buf` (clean lines) or writes it.
-void FlushL2(const Options& opt, const DevMem& buf, DevMem& sink, int i, cudaStream_t stream) {
-  if (opt.flush == "read") {
-    bench::L2FlushRead(buf.p, buf.n / 16 * 16, sink.p, stream);
-  } else if (opt.flush == "write") {
-    ASMEM_CUDA_CHECK(cudaMemsetAsync(buf.p, i & 0xff, buf.n, stream));
-  }
-}
 
 // Fast normal variates (xorshift + Box-Muller); data quality is irrelevant to timing.
 struct Rng {
@@ -333,7 +325,7 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
   for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
   ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
   for (int i = 0; i < opt.iters; ++i) {
-    FlushL2(opt, flush, spin, i, stream);
+    bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -432,7 +424,7 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
       for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
       for (int k = 0; k < 4; ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
       for (int i = 0; i < opt.iters; ++i) {
-        FlushL2(opt, flush, spin, i, stream);
+        bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
         ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
         call(i);
         ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -526,7 +518,7 @@ int Run(const Options& opt) {
   }
   DevMem spin(size_t(4) << 30), workspace(1 << 20);
   DevMem flush(opt.flush == "none" ? 16 : size_t(256) << 20);
-  ASMEM_CUDA_CHECK(cudaMemset(flush.p, 0x5a, flush.n));  // L2FlushRead's sink stays untouched
+  ASMEM_CUDA_CHECK(cudaMemset(flush.p, 0x5a, flush.n));  // defined contents for the read flush
   cudaStream_t stream;
   ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // Bring the clocks up before the first timing (about 0.3 s of memsets).

@@ -90,7 +90,6 @@ struct Options {
 
 using bench::DevMem;
 using bench::ElapsedUs;
-using bench::L2FlushRead;
 using bench::Median;
 using bench::Upload;
 
@@ -153,11 +152,7 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
   for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&x));
   ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
   for (int i = 0; i < opt.iters; ++i) {
-    if (opt.flush == "read") {
-      L2FlushRead(flush.p, flush.n / 16 * 16, spin.p, stream);
-    } else {
-      ASMEM_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream));
-    }
+    bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));

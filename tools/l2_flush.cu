@@ -29,4 +29,12 @@ void L2FlushRead(const void* buf, size_t bytes, void* sink, cudaStream_t stream)
   ASMEM_CUDA_CHECK_LAUNCH();
 }
 
+void EmptyL2(const std::string& mode, void* buf, size_t bytes, void* sink, int i, cudaStream_t stream) {
+  if (mode == "read") {
+    L2FlushRead(buf, bytes / 16 * 16, sink, stream);
+  } else if (mode == "write") {
+    ASMEM_CUDA_CHECK(cudaMemsetAsync(buf, i & 0xff, bytes, stream));
+  }
+}
+
 }  // namespace asmem::bench

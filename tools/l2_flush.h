@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <string>
 
 namespace asmem::bench {
 
@@ -12,5 +13,9 @@ namespace asmem::bench {
 // back on its way (a memset of the buffer leaves the whole L2 dirty: the first reads after it
 // pay for the write-back of its lines).
 void L2FlushRead(const void* buf, size_t bytes, void* sink, cudaStream_t stream);
+
+// Empties the L2 before timed call `i` as `mode` says: "read" (L2FlushRead of the buffer),
+// "write" (a memset of it, byte i & 0xff: every line left dirty), anything else nothing.
+void EmptyL2(const std::string& mode, void* buf, size_t bytes, void* sink, int i, cudaStream_t stream);
 
 }  // namespace asmem::bench
