@@ -111,7 +111,6 @@ using bench::ElapsedUs;
 using bench::Median;
 using bench::Upload;
 
-
 // Fast normal variates (xorshift + Box-Muller); data quality is irrelevant to timing.
 struct Rng {
   uint64_t s;
