@@ -27,6 +27,18 @@ def summarize(step):
     out = [f"== {step['label']}"]
     lookup, attn, combine = step["lookup"], step["attention"], step["combine"]
     ends = []
+    # Whitening CTAs (a step with projected lookup keys; they start before time zero): start,
+    # key loaded, loop done, end, SM. A CTA with no rows to project returns before its stamps.
+    whiten = step.get("whiten", [])
+    if whiten:
+        starts, done = reached(whiten, 0), [r for r in whiten if r[1] is not None and r[3] is not None]
+        line = (f"  whitening: {len(whiten)} CTAs on {len({r[4] for r in whiten})} SMs, start {min(starts):.1f} / "
+                f"p50 {quantile(starts, 0.5):.1f} / last {max(starts):.1f}")
+        if done:
+            line += (f"; key loaded p50 {quantile([r[1] for r in done], 0.5):.1f}; loop " +
+                     spread([r[2] - r[1] for r in done if r[2] is not None]) +
+                     f"; end p50 {quantile([r[3] for r in done], 0.5):.1f} / last {max(r[3] for r in done):.1f}")
+        out.append(line)
     # Lookup CTAs: start, ids read, loop done, end, SM, blocks scanned, raised the flag.
     working_sms = set()
     if lookup:

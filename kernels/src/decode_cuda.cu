@@ -312,6 +312,18 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
     }
     std::fputs("]", out);
   }
+  // The whitening CTAs: start, key loaded, loop done, end, SM.
+  std::fputs("], \"whiten\": [", out);
+  const int nw = int(std::min<unsigned long long>(h[4], kTlCtas));
+  for (int i = 0; i < nw; ++i) {
+    const unsigned long long* r = rec(kTlWhiten, i);
+    std::fputs(i ? ", [" : "[", out);
+    for (int k = 0; k < 4; ++k) {
+      if (k) std::fputs(", ", out);
+      stamp(r[k]);
+    }
+    std::fprintf(out, ", %llu]", r[4]);
+  }
   std::fprintf(out, "], \"combine_kind\": \"%s\"}\n",
                kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");
 }

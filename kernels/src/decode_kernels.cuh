@@ -2467,8 +2467,27 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeMainKernel(const __grid_con
 // (W: [R, D], R the view's key width).
 // ---------------------------------------------------------------------------------------
 
+#ifdef ASMEM_DECODE_TIMELINE
+// The whitening grid's records (kTlWhiten; its CTAs in linear order).
+__device__ __forceinline__ unsigned long long* DtlWhitenStart(const LaunchArgs& a) {
+  if (threadIdx.x != 0) return nullptr;
+  const unsigned long long t0 = DtlNow();
+  const unsigned wi = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  if (wi == 0) a.tl[kTlWhiten] = gridDim.x * gridDim.y * gridDim.z;
+  if (wi >= unsigned(kTlCtas)) return nullptr;
+  unsigned long long* r = a.tl + kTlHeader + (size_t(kTlWhiten) * kTlCtas + wi) * kTlWords;
+  for (int i = 1; i < kTlWords; ++i) r[i] = 0;
+  r[0] = t0;
+  r[4] = sm;
+  return r;
+}
+#endif
+
 template <typename DType>
 __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs a) {
+  DTL(unsigned long long* const tlr = DtlWhitenStart(a));
   GridLaunchDependents();  // the lookup starts at once and waits before it reads the keys
   __shared__ __align__(16) float xm[kMaxKeyDim];
   const int bh = int(blockIdx.y);
@@ -2486,6 +2505,7 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
   if (row0 >= R) return;
   LoadLookupKey<DType>(a, b, h, mean, xm);
   __syncthreads();
+  DTL(if (tlr) tlr[1] = DtlNow());
   // Warp w: rows row0 + w + 4 k, k < 8, their loads in flight together (WhitenDot's sums, in
   // its order, one row per accumulator).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -2504,6 +2524,7 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
       }
     }
   }
+  DTL(if (tlr) tlr[2] = DtlNowAfter(__float_as_uint(acc[0])));
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     float y = acc[k];
@@ -2519,6 +2540,7 @@ __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs 
       a.whitened[int64_t(bh) * D + r] = y;
     }
   }
+  DTL(if (tlr) tlr[3] = DtlNow());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -3121,7 +3143,17 @@ void LaunchDecodeCombine(const LaunchArgs& a, cudaStream_t stream) {
 template <typename DType>
 void LaunchDecodeWhiten(const LaunchArgs& a, cudaStream_t stream) {
   const int D = a.group * a.head_dim;
-  const dim3 grid(unsigned((D + 31) / 32), unsigned(a.batch * a.hkv));
+  // Blocks of 32 rows up to the widest served width (a view of another width is not served),
+  // and the largest shared-memory carveout, as the lookup and attention kernels ask for, so
+  // that their CTAs can start beside the whitening CTAs. H200, LLaMA-8B keys of 64 dims,
+  // T = 1K, op us, mean of two runs (session 46) against G d / 32 blocks and the default
+  // carveout: B = 64 -5.9 .. -13.1, B = 32 K = 16384 -3.6 (hierarchical) / -6.7 (linear),
+  // the other B = 32 cells -1.5 .. +0.2, B = 8 K = 16384 -1.9 / -2.3, B = 8 K <= 4096 +0.4
+  // .. +1.1 (the cut grid without the carveout: B = 8 and 32 up to +2.9).
+  const int rows = a.key_dims == 0u ? D : std::min(int(DecodeWidestKeyDim(a.key_dims)), D);
+  const dim3 grid(unsigned((rows + 31) / 32), unsigned(a.batch * a.hkv));
+  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(DecodeWhitenKernel<DType>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        int(cudaSharedmemCarveoutMaxShared)));
   DecodeWhitenKernel<DType><<<grid, kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
 }

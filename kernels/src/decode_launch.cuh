@@ -90,16 +90,17 @@ struct LaunchArgs {
 // Diagnostic builds (CMake -DASMEM_DECODE_TIMELINE=ON; DecodeTimelineDump in asmem/decode.h):
 // thread 0 of each of the first kTlCtas CTAs of every decode kernel records %globaltimer
 // stamps of the step, in one device buffer of kTlHeader words, then kTlWords words per CTA
-// of each grid (lookup, attention, combine). Header: the three grids' CTA counts and the
-// combine's kind (kTlCombine*), written by their CTA 0 after the launcher zeroes it. Off by
-// default: no stamp is compiled in.
+// of each grid (lookup, attention, combine, the picks, whitening). Header: the three grids'
+// CTA counts, the combine's kind (kTlCombine*) and the whitening grid's CTA count, written
+// by their CTA 0 after the launcher zeroes it. Off by default: no stamp is compiled in.
 constexpr int kTlCtas = 8192;
 constexpr int kTlWords = 8;
 constexpr int kTlHeader = 8;
 constexpr int kTlLookup = 0, kTlAttn = 1, kTlCombine = 2;  // grids
 constexpr int kTlPick = 3;  // the attention CTAs' DictEntryPick, a record per CTA as a grid's
+constexpr int kTlWhiten = 4;  // the whitening grid (header word 4: its CTA count)
 constexpr unsigned long long kTlCombineDict = 1, kTlCombineSplits = 2;
-constexpr size_t kTlBytes = (size_t(kTlHeader) + 4 * size_t(kTlCtas) * kTlWords) * 8;
+constexpr size_t kTlBytes = (size_t(kTlHeader) + 5 * size_t(kTlCtas) * kTlWords) * 8;
 // Words per CTA record: four stamps, the SM, then
 // - lookup: start, ids and first flags read, loop done, end (done counted); SM; blocks
 //   scanned, raised the flag (1) or not (0); -;
@@ -111,6 +112,8 @@ constexpr size_t kTlBytes = (size_t(kTlHeader) + 4 * size_t(kTlCtas) * kTlWords)
 //   parents' pieces known, lookup waited, then (hierarchical) the parent scores and first
 //   pieces' bests landed, the top_m parents selected, the best child of each found; last,
 //   the entry chosen (the warp's argmax).
+// - whitening (kTlWhiten; CTAs in linear order of the 2-D grid): start, q_pre - mean in
+//   shared memory, row sums done, end; SM.
 #endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB

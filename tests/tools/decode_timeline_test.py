@@ -66,6 +66,20 @@ EXPECTED2 = [
     "step: first CTA start to last CTA end 7.0",
 ]
 
+# A step with projected lookup keys: three whitening CTAs before the lookup (the third had no
+# rows to project and returned before its stamps).
+STEP3 = dict(STEP, label="projected keys",
+             # start, key loaded, loop done, end, SM
+             whiten=[[-6.0, -4.0, -1.0, -0.5, 3], [-5.0, -3.5, -2.5, -2.0, 4], [-5.5, None, None, None, 4]])
+
+EXPECTED3 = [
+    "== projected keys",
+    # starts -6, -5.5, -5; the two that ran: key loaded -4 and -3.5, loops 3 and 1, ends -0.5, -2
+    "whitening: 3 CTAs on 2 SMs, start -6.0 / p50 -5.5 / last -5.0; key loaded p50 -3.5; "
+    "loop 1.0 / 3.0 / 3.0; end p50 -0.5 / last -0.5",
+    "lookup: 3 CTAs (2 scanned a block), start 0.0-1.0",
+]
+
 
 def check(step, expected, absent):
     text = decode_timeline.summarize(step)
@@ -78,7 +92,8 @@ def check(step, expected, absent):
 
 def main():
     check(STEP, EXPECTED, [])
-    check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA"])
+    check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA", "whitening"])
+    check(STEP3, EXPECTED3, [])
     # A line that is not JSON, and a step without "combine" (an older build's, or not this kind).
     old = {k: v for k, v in STEP.items() if k != "combine"}
     check_bad_input(os.path.join(ROOT, "tools", "decode_timeline.py"), STEP, old, "decode timeline step")
