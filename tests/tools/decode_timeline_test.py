@@ -74,7 +74,8 @@ STEP3 = dict(STEP, label="projected keys",
 
 EXPECTED3 = [
     "== projected keys",
-    # starts -6, -5.5, -5; the two that ran: key loaded -4 and -3.5, loops 3 and 1, ends -0.5, -2
+    # starts -6, -5.5, -5; the two that ran: key loaded -4 and -3.5, loops 3 and 1, ends -0.5
+    # and -2 (the p50 of two values is the upper one: quantile rounds half up)
     "whitening: 3 CTAs on 2 SMs, start -6.0 / p50 -5.5 / last -5.0; key loaded p50 -3.5; "
     "loop 1.0 / 3.0 / 3.0; end p50 -0.5 / last -0.5",
     "lookup: 3 CTAs (2 scanned a block), start 0.0-1.0",

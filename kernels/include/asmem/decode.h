@@ -329,8 +329,7 @@ void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
 // and one split; decode_launch.cuh kTlPick); "whiten" [start, key loaded, loop done, end,
 // SM] per CTA of the whitening grid (steps with whitened lookup keys; negative times, as it
 // runs before the lookup); "combine_kind" "dictionary" / "splits" / "none". A stamp the CTA
-// did not reach is null. At most 8192 CTAs per grid. Synchronizes
-// the device.
+// did not reach is null. At most 8192 CTAs per grid. Synchronizes the device.
 // tools/decode_timeline.py summarizes a file of such lines (asmem_bench_decode --timeline).
 void DecodeTimelineDump(const char* label, std::FILE* out);
 #endif
