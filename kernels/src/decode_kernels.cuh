@@ -498,9 +498,11 @@ __device__ __forceinline__ unsigned long long DtlNow() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// The CTA's index in its grid, in linear order (the whitening grid has two dimensions).
+__device__ __forceinline__ unsigned DtlCta() { return (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x; }
 __device__ __forceinline__ unsigned long long* DtlRec(const LaunchArgs& a, int grid) {
-  return blockIdx.x < unsigned(kTlCtas) ? a.tl + kTlHeader + (size_t(grid) * kTlCtas + blockIdx.x) * kTlWords
-                                        : nullptr;
+  const unsigned cta = DtlCta();
+  return cta < unsigned(kTlCtas) ? a.tl + kTlHeader + (size_t(grid) * kTlCtas + cta) * kTlWords : nullptr;
 }
 // Thread 0 starts this CTA's record (stamps of earlier steps cleared) and CTA 0 the grid's
 // header word; returns the record for thread 0, null for the others.
@@ -509,7 +511,7 @@ __device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int
   const unsigned long long t = DtlNow();
   unsigned sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  if (blockIdx.x == 0) a.tl[grid] = gridDim.x;
+  if (DtlCta() == 0) a.tl[grid] = gridDim.x * gridDim.y * gridDim.z;
   unsigned long long* r = DtlRec(a, grid);
   if (r != nullptr) {
 #pragma unroll
@@ -2467,27 +2469,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeMainKernel(const __grid_con
 // (W: [R, D], R the view's key width).
 // ---------------------------------------------------------------------------------------
 
-#ifdef ASMEM_DECODE_TIMELINE
-// The whitening grid's records (kTlWhiten; its CTAs in linear order).
-__device__ __forceinline__ unsigned long long* DtlWhitenStart(const LaunchArgs& a) {
-  if (threadIdx.x != 0) return nullptr;
-  const unsigned long long t0 = DtlNow();
-  const unsigned wi = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  if (wi == 0) a.tl[kTlWhiten] = gridDim.x * gridDim.y * gridDim.z;
-  if (wi >= unsigned(kTlCtas)) return nullptr;
-  unsigned long long* r = a.tl + kTlHeader + (size_t(kTlWhiten) * kTlCtas + wi) * kTlWords;
-  for (int i = 1; i < kTlWords; ++i) r[i] = 0;
-  r[0] = t0;
-  r[4] = sm;
-  return r;
-}
-#endif
-
 template <typename DType>
 __global__ void __launch_bounds__(kThreads) DecodeWhitenKernel(const LaunchArgs a) {
-  DTL(unsigned long long* const tlr = DtlWhitenStart(a));
+  DTL(unsigned long long* const tlr = DtlStart(a, kTlWhiten));
   GridLaunchDependents();  // the lookup starts at once and waits before it reads the keys
   __shared__ __align__(16) float xm[kMaxKeyDim];
   const int bh = int(blockIdx.y);
@@ -3152,8 +3136,7 @@ void LaunchDecodeWhiten(const LaunchArgs& a, cudaStream_t stream) {
   // .. +1.1 (the cut grid without the carveout: B = 8 and 32 up to +2.9).
   const int rows = a.key_dims == 0u ? D : std::min(int(DecodeWidestKeyDim(a.key_dims)), D);
   const dim3 grid(unsigned((rows + 31) / 32), unsigned(a.batch * a.hkv));
-  ASMEM_CUDA_CHECK(cudaFuncSetAttribute(DecodeWhitenKernel<DType>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        int(cudaSharedmemCarveoutMaxShared)));
+  AllowDynamicSmem(DecodeWhitenKernel<DType>, 0, true);
   DecodeWhitenKernel<DType><<<grid, kThreads, 0, stream>>>(a);
   ASMEM_CUDA_CHECK_LAUNCH();
 }
