@@ -52,6 +52,20 @@ def summarize(step):
             out.append(f"    working CTAs: loop done p10 / p50 / p90 {spread(reached(working, 2))}, "
                        f"last {max(reached(working, 2)):.1f}; ids read to loop done p50 "
                        f"{quantile([r[2] - r[1] for r in working], 0.5):.1f}")
+        # Warp 1's unit of each working CTA: view loaded, first segment found, members
+        # listed, member keys and first chunks landed, three segments scanned, scan done; the
+        # time from the CTA's ids read (or the stamp before) to each stamp reached.
+        units = [(r, u) for r, u in zip(lookup, step.get("unit", [])) if r[5] > 0 and u[0] is not None]
+        if units:
+            names = ["view", "first segment", "members", "keys landed", "segment 1", "segment 2",
+                     "segment 3", "scan done"]
+            parts = []
+            for k in range(8):
+                d = [u[k] - max([r[1]] + [x for x in u[:k] if x is not None]) for r, u in units
+                     if u[k] is not None and r[1] is not None]
+                if d:
+                    parts.append(f"{names[k]} {quantile(d, 0.5):.2f}")
+            out.append(f"    warp 1 (n = {len(units)}), p50 us per stage from ids read: " + ", ".join(parts))
         flag = [r for r in lookup if r[6] == 1]
         if flag:
             out.append(f"    flag raised at {flag[0][3]:.1f}")

@@ -324,6 +324,17 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
     }
     std::fprintf(out, ", %llu]", r[4]);
   }
+  // The lookup CTAs' unit records (warp 1): eight stamps each (decode_launch.cuh kTlUnit).
+  std::fputs("], \"unit\": [", out);
+  for (int i = 0; i < n[kTlLookup]; ++i) {
+    const unsigned long long* r = rec(kTlUnit, i);
+    std::fputs(i ? ", [" : "[", out);
+    for (int k = 0; k < kTlWords; ++k) {
+      if (k) std::fputs(", ", out);
+      stamp(r[k]);
+    }
+    std::fputs("]", out);
+  }
   std::fprintf(out, "], \"combine_kind\": \"%s\"}\n",
                kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");
 }

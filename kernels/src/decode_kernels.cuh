@@ -518,8 +518,10 @@ __device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int
     for (int i = 1; i < kTlWords; ++i) r[i] = 0;
     r[0] = t;
     r[4] = sm;
-    if (grid == kTlAttn) {  // and the CTA's pick record (a step without a pick leaves it empty)
-      unsigned long long* pr = DtlRec(a, kTlPick);
+    // And the CTA's second record: the attention's pick, the lookup's unit (a step without
+    // either leaves it empty; its stamps come after the CTA's first barrier).
+    if (grid == kTlAttn || grid == kTlLookup) {
+      unsigned long long* pr = DtlRec(a, grid == kTlAttn ? kTlPick : kTlUnit);
       for (int i = 0; i < kTlWords; ++i) pr[i] = 0;
     }
   }
@@ -1022,6 +1024,10 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
 
   SegList it = segs;
   Seg sg;
+  // Timeline builds: lane 0 of warp 1 stamps the ends of its first three child or linear
+  // segments (the unit record, kTlUnit; written again by a later block of the step).
+  DTL(unsigned long long* const tlu = threadIdx.x == 32 ? DtlRec(a, kTlUnit) : nullptr);
+  DTL(int tl_segs = 0);
   while (it.Next(sg)) {
     const int lo = sg.lo, hi = sg.hi;
     const bool parents = sg.parents;
@@ -1128,6 +1134,7 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
         }
       }
     }
+    DTL(if (tlu && tl_segs < 3) tlu[4 + tl_segs++] = DtlNow());
   }
   CpAsyncWait<0>();  // only empty groups are left; the ring is rewritten by the next block
 }
@@ -1937,6 +1944,8 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       if (__syncthreads_or(dup)) continue;
     }
     const DictLayerView v = p.dict_views[int64_t(id) * a.hkv + h];
+    DTL(unsigned long long* const tlu = tid == 32 && tl_blocks == 0 ? DtlRec(a, kTlUnit) : nullptr);
+    DTL(if (tlu) tlu[0] = DtlNowAfter(uint32_t(v.K)));
     if (!LookupViewOk(v, a)) continue;                        // the combine flags it
     if (ViewKeyDim(v, a.group * a.head_dim) != KEY_DIM) continue;  // another grid's width
     // Whitened keys come from this grid's CTAs (a.project: wait for their count) or from the
@@ -1955,6 +1964,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       SegList first(v, kLookupUnits * s, U);  // a small view: nothing for this CTA when its
       Seg unused;                            // first unit has no segment
       if (!first.Next(unused)) continue;
+      DTL(if (tlu) tlu[1] = DtlNowAfter(uint32_t(unused.hi)));
     }
     // Tensor cores for bf16 / f16 keys when the member keys fit (whitened keys only from
     // the whitening launch); CUDA cores otherwise.
@@ -1997,6 +2007,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
       const int n = sm.misc[0];
       cursor = sm.misc[1];
       if (n == 0) break;
+      DTL(if (tlu && tl_blocks == 0) tlu[2] = DtlNow());
       DTL(++tl_blocks);
       if (PROBE && probe) {  // keys of the op's type or int8, unwhitened; n <= batch <= kProbeMembers
         LookupBlockProbe<DType, KEY_DIM>(a, id, n, s, U, h);
@@ -2011,7 +2022,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         kr.Start();
         CpAsyncWait<L::kRingStages - 1>();
         __syncthreads();
+        DTL(if (tlu && tl_blocks == 1) tlu[3] = DtlNow());
         WarpSegScanTc<DType, KEY_DIM, 1, true>(a, sm, mine, kr, n, MB, h);
+        DTL(if (tlu && tl_blocks == 1) tlu[7] = DtlNow());
       } else {
         LookupBlockOther<DType, KEY_DIM>(a, id, n, MB, terms, tc, s, U, h);
       }

@@ -99,8 +99,9 @@ constexpr int kTlHeader = 8;
 constexpr int kTlLookup = 0, kTlAttn = 1, kTlCombine = 2;  // grids
 constexpr int kTlPick = 3;  // the attention CTAs' DictEntryPick, a record per CTA as a grid's
 constexpr int kTlWhiten = 4;  // the whitening grid (header word 4: its CTA count)
+constexpr int kTlUnit = 5;    // warp 1 of each lookup CTA, a record per CTA as the lookup's
 constexpr unsigned long long kTlCombineDict = 1, kTlCombineSplits = 2;
-constexpr size_t kTlBytes = (size_t(kTlHeader) + 5 * size_t(kTlCtas) * kTlWords) * 8;
+constexpr size_t kTlBytes = (size_t(kTlHeader) + 6 * size_t(kTlCtas) * kTlWords) * 8;
 // Words per CTA record: four stamps, the SM, then
 // - lookup: start, ids and first flags read, loop done, end (done counted); SM; blocks
 //   scanned, raised the flag (1) or not (0); -;
@@ -114,6 +115,9 @@ constexpr size_t kTlBytes = (size_t(kTlHeader) + 5 * size_t(kTlCtas) * kTlWords)
 //   the entry chosen (the warp's argmax).
 // - whitening (kTlWhiten; CTAs in linear order of the 2-D grid): start, q_pre - mean in
 //   shared memory, row sums done, end; SM.
+// - unit (kTlUnit; lane 0 of warp 1 of a lookup CTA, the step's first scanned block): view
+//   loaded, first segment found (child offsets), members listed, member keys and first key
+//   chunks landed, the unit's first three child or linear segments scanned, scan done.
 #endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB

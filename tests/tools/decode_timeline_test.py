@@ -81,6 +81,21 @@ EXPECTED3 = [
     "lookup: 3 CTAs (2 scanned a block), start 0.0-1.0",
 ]
 
+# The lookup CTAs' unit records (warp 1): the two working CTAs' stamps, the idle one's none.
+STEP4 = dict(STEP, label="units",
+             # view, first segment, members, keys landed, segments 1-3, scan done
+             unit=[[2.0, 3.0, 3.5, 5.0, 9.0, None, None, 10.0],
+                   [2.5, 4.5, 5.0, 6.0, 8.0, 12.0, None, 13.0],
+                   [None] * 8])
+
+EXPECTED4 = [
+    # from ids read (1.0 and 1.5) or the stamp before: view 1 and 1, first segment 1 and 2,
+    # members 0.5 and 0.5, keys 1.5 and 1, segment 1 4 and 2, segment 2 (the second CTA's
+    # alone) 4, scan done 1 and 1 (after the last stamp reached)
+    "warp 1 (n = 2), p50 us per stage from ids read: view 1.00, first segment 2.00, members 0.50, "
+    "keys landed 1.50, segment 1 4.00, segment 2 4.00, scan done 1.00",
+]
+
 
 def check(step, expected, absent):
     text = decode_timeline.summarize(step)
@@ -95,6 +110,8 @@ def main():
     check(STEP, EXPECTED, [])
     check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA", "whitening"])
     check(STEP3, EXPECTED3, [])
+    check(STEP4, EXPECTED4, ["segment 3"])
+    check(STEP, [], ["warp 1"])
     # A line that is not JSON, and a step without "combine" (an older build's, or not this kind).
     old = {k: v for k, v in STEP.items() if k != "combine"}
     check_bad_input(os.path.join(ROOT, "tools", "decode_timeline.py"), STEP, old, "decode timeline step")
