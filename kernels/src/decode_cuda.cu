@@ -301,19 +301,24 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
     std::fprintf(out, ", %llu]", r[4]);
   }
   std::fputs("]", out);
-  // The attention CTAs' picks: eight stamps each (decode_launch.cuh kTlPick).
-  std::fputs(", \"pick\": [", out);
-  for (int i = 0; i < n[kTlAttn]; ++i) {
-    const unsigned long long* r = rec(kTlPick, i);
-    std::fputs(i ? ", [" : "[", out);
-    for (int k = 0; k < kTlWords; ++k) {
-      if (k) std::fputs(", ", out);
-      stamp(r[k]);
+  // Records of eight stamps, one per CTA of another grid (`count`): the attention CTAs'
+  // picks (kTlPick) and the lookup CTAs' units (kTlUnit).
+  auto stamps = [&](const char* name, int g, int count) {
+    std::fprintf(out, ", \"%s\": [", name);
+    for (int i = 0; i < count; ++i) {
+      const unsigned long long* r = rec(g, i);
+      std::fputs(i ? ", [" : "[", out);
+      for (int k = 0; k < kTlWords; ++k) {
+        if (k) std::fputs(", ", out);
+        stamp(r[k]);
+      }
+      std::fputs("]", out);
     }
     std::fputs("]", out);
-  }
+  };
+  stamps("pick", kTlPick, n[kTlAttn]);
   // The whitening CTAs: start, key loaded, loop done, end, SM.
-  std::fputs("], \"whiten\": [", out);
+  std::fputs(", \"whiten\": [", out);
   const int nw = int(std::min<unsigned long long>(h[4], kTlCtas));
   for (int i = 0; i < nw; ++i) {
     const unsigned long long* r = rec(kTlWhiten, i);
@@ -324,18 +329,9 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
     }
     std::fprintf(out, ", %llu]", r[4]);
   }
-  // The lookup CTAs' unit records (warp 1): eight stamps each (decode_launch.cuh kTlUnit).
-  std::fputs("], \"unit\": [", out);
-  for (int i = 0; i < n[kTlLookup]; ++i) {
-    const unsigned long long* r = rec(kTlUnit, i);
-    std::fputs(i ? ", [" : "[", out);
-    for (int k = 0; k < kTlWords; ++k) {
-      if (k) std::fputs(", ", out);
-      stamp(r[k]);
-    }
-    std::fputs("]", out);
-  }
-  std::fprintf(out, "], \"combine_kind\": \"%s\"}\n",
+  std::fputs("]", out);
+  stamps("unit", kTlUnit, n[kTlLookup]);
+  std::fprintf(out, ", \"combine_kind\": \"%s\"}\n",
                kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");
 }
 #endif
