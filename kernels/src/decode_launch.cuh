@@ -90,9 +90,10 @@ struct LaunchArgs {
 // Diagnostic builds (CMake -DASMEM_DECODE_TIMELINE=ON; DecodeTimelineDump in asmem/decode.h):
 // thread 0 of each of the first kTlCtas CTAs of every decode kernel records %globaltimer
 // stamps of the step, in one device buffer of kTlHeader words, then kTlWords words per CTA
-// of each grid (lookup, attention, combine, the picks, whitening). Header: the three grids'
-// CTA counts, the combine's kind (kTlCombine*) and the whitening grid's CTA count, written
-// by their CTA 0 after the launcher zeroes it. Off by default: no stamp is compiled in.
+// of each grid (lookup, attention, combine, the picks, whitening, the lookup's units).
+// Header: the three grids' CTA counts, the combine's kind (kTlCombine*) and the whitening
+// grid's CTA count, written by their CTA 0 after the launcher zeroes it. Off by default: no
+// stamp is compiled in.
 constexpr int kTlCtas = 8192;
 constexpr int kTlWords = 8;
 constexpr int kTlHeader = 8;
@@ -115,9 +116,10 @@ constexpr size_t kTlBytes = (size_t(kTlHeader) + 6 * size_t(kTlCtas) * kTlWords)
 //   the entry chosen (the warp's argmax).
 // - whitening (kTlWhiten; CTAs in linear order of the 2-D grid): start, q_pre - mean in
 //   shared memory, row sums done, end; SM.
-// - unit (kTlUnit; lane 0 of warp 1 of a lookup CTA, the step's first scanned block): view
-//   loaded, first segment found (child offsets), members listed, member keys and first key
-//   chunks landed, the unit's first three child or linear segments scanned, scan done.
+// - unit (kTlUnit; lane 0 of warp 1 of a lookup CTA): of the step's first scanned block,
+//   view loaded, first segment found (child offsets), members listed, member keys and first
+//   key chunks landed; the unit's first three child or linear segments scanned (of the
+//   latest block that scanned any); scan done (the first block).
 #endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB
