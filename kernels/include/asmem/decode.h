@@ -328,7 +328,8 @@ void DecodeAttentionCpu(const DecodeConfig& config, const DecodeParams& params);
 // split combine); "pick", per attention CTA, the stages of its own pick (with a dictionary
 // and one split; decode_launch.cuh kTlPick); "whiten" [start, key loaded, loop done, end,
 // SM] per CTA of the whitening grid (steps with whitened lookup keys; negative times, as it
-// runs before the lookup); "combine_kind" "dictionary" / "splits" / "none". A stamp the CTA
+// runs before the lookup); "unit", per lookup CTA, the stages of its warp 1 (decode_launch.cuh
+// kTlUnit); "combine_kind" "dictionary" / "splits" / "none". A stamp the CTA
 // did not reach is null. At most 8192 CTAs per grid. Synchronizes the device.
 // tools/decode_timeline.py summarizes a file of such lines (asmem_bench_decode --timeline).
 void DecodeTimelineDump(const char* label, std::FILE* out);
