@@ -23,6 +23,17 @@ def reached(rows, i):
     return [r[i] for r in rows if r[i] is not None]
 
 
+def stage_p50s(rows, names):
+    """'name p50, ...' of records whose item 0 is a start stamp and items 1.. the stamps named
+    by `names`: each stamp reached less the latest stamp reached before it."""
+    parts = []
+    for k, name in enumerate(names, 1):
+        d = [r[k] - max(x for x in r[:k] if x is not None) for r in rows if r[k] is not None]
+        if d:
+            parts.append(f"{name} {quantile(d, 0.5):.2f}")
+    return ", ".join(parts)
+
+
 def summarize(step):
     out = [f"== {step['label']}"]
     lookup, attn, combine = step["lookup"], step["attention"], step["combine"]
@@ -55,17 +66,13 @@ def summarize(step):
         # Warp 1's unit of each working CTA: view loaded, first segment found, members
         # listed, member keys and first chunks landed, three segments scanned, scan done; the
         # time from the CTA's ids read (or the stamp before) to each stamp reached.
-        units = [(r, u) for r, u in zip(lookup, step.get("unit", [])) if r[5] > 0 and u[0] is not None]
+        units = [[r[1]] + u for r, u in zip(lookup, step.get("unit", []))
+                 if r[5] > 0 and r[1] is not None and u[0] is not None]
         if units:
             names = ["view", "first segment", "members", "keys landed", "segment 1", "segment 2",
                      "segment 3", "scan done"]
-            parts = []
-            for k in range(8):
-                d = [u[k] - max([r[1]] + [x for x in u[:k] if x is not None]) for r, u in units
-                     if u[k] is not None and r[1] is not None]
-                if d:
-                    parts.append(f"{names[k]} {quantile(d, 0.5):.2f}")
-            out.append(f"    warp 1 (n = {len(units)}), p50 us per stage from ids read: " + ", ".join(parts))
+            out.append(f"    warp 1 (n = {len(units)}), p50 us per stage from ids read: " +
+                       stage_p50s(units, names))
         flag = [r for r in lookup if r[6] == 1]
         if flag:
             out.append(f"    flag raised at {flag[0][3]:.1f}")
@@ -103,12 +110,7 @@ def summarize(step):
         picks = [r for r in step.get("pick", []) if r[0] is not None and r[7] is not None]
         if picks:
             names = ["view", "pieces", "wait", "scores landed", "selection", "children", "entry"]
-            parts = []
-            for k in range(1, 8):
-                d = [r[k] - max(x for x in r[:k] if x is not None) for r in picks if r[k] is not None]
-                if d:
-                    parts.append(f"{names[k - 1]} {quantile(d, 0.5):.2f}")
-            out.append(f"    pick (n = {len(picks)}), p50 us per stage: " + ", ".join(parts) +
+            out.append(f"    pick (n = {len(picks)}), p50 us per stage: " + stage_p50s(picks, names) +
                        f"; entered to returned {quantile([r[7] - r[0] for r in picks], 0.5):.2f}")
         last = sorted(attn, key=lambda r: -r[3])[:3]
         out.append("  last attention CTAs to end: " + "; ".join(
