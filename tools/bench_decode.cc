@@ -7,8 +7,8 @@
 //
 // Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16,
 // paged KV (page 16, HND layout), random data, normalized random dictionary keys.
-// Timing: our op is captured once in a CUDA graph per input set; torch runs eagerly (as a
-// serving stack calls it). After warm-up each timed call or replay follows an untimed read
+// Timing: our op is captured once in a CUDA graph per input set (`--launch eager` calls it
+// on the stream instead); torch runs eagerly (as a serving stack calls it). After warm-up each timed call or replay follows an untimed read
 // of a 256 MB buffer (--flush read, the default: the L2 then holds nothing of the step and
 // no dirty line, as after a layer's projections in a serving step, where the other layers'
 // dictionaries and KV have long pushed this layer's out) and sits between two CUDA events;
@@ -89,6 +89,7 @@ struct Options {
   std::vector<std::string> shapes = {"llama-3.1-8b", "gqa-8"};
   std::string flush = "read";  // before each timed call: read, or write (memset), a 256 MB buffer; none
   std::string timeline;  // ASMEM_DECODE_TIMELINE builds: per-CTA stamps, one JSON line per config
+  std::string launch = "graph";  // our op: "graph" (captured once, replayed) or "eager" (as torch)
 };
 
 // ASMEM_DECODE_TIMELINE builds with --timeline: appends the stamps of the latest step (the
@@ -299,8 +300,10 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
               const Options& opt, cudaStream_t stream, DevMem& workspace, DevMem& spin, const DevMem& flush) {
   const size_t ws = DecodeWorkspaceBytes(config);
   if (workspace.n < ws) workspace = DevMem(ws);
+  const bool eager = opt.launch == "eager";
   std::vector<cudaGraphExec_t> execs;
   for (const DecodeParams& p : rotations) {
+    if (eager) break;
     cudaGraph_t g;
     cudaGraphExec_t e;
     ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -310,23 +313,33 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
     ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
     execs.push_back(e);
   }
-  const int R = int(execs.size());
-  // Warm-up: --warmup replays, and more until about 20 ms of GPU time has passed.
+  const int R = int(rotations.size());
+  // One call of the op: a replay of its graph, or (eager) DecodeAttention itself, launched
+  // as the torch baselines are.
+  auto call = [&](int i) {
+    if (eager) {
+      DecodeAttention(config, rotations[i % R], workspace.p, workspace.n, stream);
+    } else {
+      ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+    }
+  };
+  // Warm-up: --warmup calls, and more until about 20 ms of GPU time has passed.
   {
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < opt.warmup; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+    for (int i = 0; i < opt.warmup; ++i) call(i);
     ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const int more = ms >= 20.0 ? 0 : int(std::min(2000.0, opt.warmup * (20.0 - ms) / std::max(ms, 0.05)));
-    for (int i = 0; i < more; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+    for (int i = 0; i < more; ++i) call(i);
   }
   std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
   for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
-  ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
+  // Host head start (eager calls take the host longer, as torch's: four memsets, as there).
+  for (int k = 0; k < (eager ? 4 : 1); ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
   for (int i = 0; i < opt.iters; ++i) {
     bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    ASMEM_CUDA_CHECK(cudaGraphLaunch(execs[i % R], stream));
+    call(i);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -538,7 +551,8 @@ int Run(const Options& opt) {
                      {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
                      {"probe_max_batch", opt.probe_max_batch},
                      {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype},
-                     {"flush", opt.flush}};
+                     {"flush", opt.flush},
+                     {"launch", opt.launch}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -818,6 +832,10 @@ int main(int argc, char** argv) {
                  "before each timed call: read (default) or write a 256 MB buffer, emptying the L2; "
                  "none: back to back, rotating inputs where they fit in L2")
       ->check(CLI::IsMember({"read", "write", "none"}));
+  app.add_option("--launch", opt.launch,
+                 "our op: graph (captured once per input set, replayed; default) or eager (DecodeAttention "
+                 "called on the stream, as the torch baselines are)")
+      ->check(CLI::IsMember({"graph", "eager"}));
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")

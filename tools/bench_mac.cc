@@ -12,7 +12,8 @@
 // "clustered": round(rate * B * Hkv) KV groups with every head hit, the others all-miss.
 // The realized hit rate and the fraction of the KV read (MacGroupTokens) come from the op's
 // own hit_pos output.
-// Timing: each op is captured once in a CUDA graph; after warm-up, every timed replay follows
+// Timing: each op is captured once in a CUDA graph (`--launch eager`: called on the stream
+// instead); after warm-up, every timed replay follows
 // an untimed read of a 256 MB buffer (L2 then holds nothing of the step, and no dirty line)
 // and sits between two CUDA events; median of --iters replays (mean and min too). A large
 // memset enqueued first keeps the host ahead of the GPU. `--flush write` empties the L2 by a
@@ -78,6 +79,7 @@ struct Options {
   int max_offset = -1;  // -1: W - 2
   size_t flush_mb = 256;
   std::string flush = "read";  // how the L2 is emptied before a timed replay: read, or write (memset)
+  std::string launch = "graph";  // each op: "graph" (captured once, replayed) or "eager" (called)
   std::vector<int> batches = {1, 16, 32, 64};
   std::vector<int> contexts = {32768, 65536, 131072};
   std::vector<double> hit_rates = {0.0, 0.5, 0.9, 0.99, 1.0};
@@ -137,30 +139,42 @@ struct Timing {
 };
 
 
-// Captures `enqueue` once in a graph, then times replays (see the file comment).
+// Captures `enqueue` once in a graph, then times replays (see the file comment); with
+// `--launch eager`, times calls of `enqueue` itself.
 Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options& opt, cudaStream_t stream,
                  const DevMem& flush, const DevMem& spin) {
-  cudaGraph_t g;
-  cudaGraphExec_t e;
-  ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue(stream);
-  ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-  ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-  ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
-  for (int i = 0; i < opt.warmup; ++i) ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
+  const bool eager = opt.launch == "eager";
+  cudaGraphExec_t e = nullptr;
+  if (!eager) {
+    cudaGraph_t g;
+    ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue(stream);
+    ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  auto call = [&] {
+    if (eager) {
+      enqueue(stream);
+    } else {
+      ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
+    }
+  };
+  for (int i = 0; i < opt.warmup; ++i) call();
   std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
   for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&x));
-  ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));  // host head start
+  // Host head start (eager calls take the host longer).
+  for (int k = 0; k < (eager ? 4 : 1); ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
   for (int i = 0; i < opt.iters; ++i) {
     bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    ASMEM_CUDA_CHECK(cudaGraphLaunch(e, stream));
+    call();
     ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
   ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<double> us = ElapsedUs(ev, opt.iters);
   for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(x));
-  ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
+  if (e != nullptr) ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
   Timing t;
   t.median_us = Median(us);
   t.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
@@ -344,7 +358,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   out["date"] = Now();
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize}, {"dtype", "bf16"},
-                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
   out["trace"] = {{"file", opt.queries}, {"model", tr.model}, {"layers", tr.layers}, {"q_heads", Hq},
                   {"kv_heads", Hkv}, {"head_dim", d}, {"first_position", tr.first_position},
                   {"positions", tr.positions}, {"first_decode", tr.first_decode}, {"steps", samples.size()}};
@@ -493,7 +507,7 @@ int Run(const Options& opt) {
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
-                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
                      {"mac", MacSettingsJson(mc)}};
   out["full"] = json::array();
   out["results"] = json::array();
@@ -726,6 +740,9 @@ int main(int argc, char** argv) {
   app.add_option("--flush-mb", opt.flush_mb, "L2 flush buffer between timed replays, MB");
   app.add_option("--flush", opt.flush, "empty the L2 by reading the buffer (default) or writing it (memset)")
       ->check(CLI::IsMember({"write", "read"}));
+  app.add_option("--launch", opt.launch,
+                 "each op: graph (captured once, replayed; default) or eager (called on the stream)")
+      ->check(CLI::IsMember({"graph", "eager"}));
   app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
   app.add_option("--queries", opt.queries,
                  "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "
