@@ -90,6 +90,7 @@ struct Options {
   std::string flush = "read";  // before each timed call: read, or write (memset), a 256 MB buffer; none
   std::string timeline;  // ASMEM_DECODE_TIMELINE builds: per-CTA stamps, one JSON line per config
   std::string launch = "graph";  // our op: "graph" (captured once, replayed) or "eager" (as torch)
+  bool caller_keys = false;  // with key_rank: DecodeParams::lookup_keys (projected beforehand)
 };
 
 // ASMEM_DECODE_TIMELINE builds with --timeline: appends the stamps of the latest step (the
@@ -185,6 +186,7 @@ struct DeviceDict {
   std::vector<DictLayerView> linear_views, hier_views;  // [copies, Hkv]
   DevMem linear_dev, hier_dev;
   int64_t bytes_per_copy = 0;
+  std::vector<float> proj;  // with a key rank: the [R, G d] projection of every view (mean 0)
 };
 
 // Bytes of one key row: bf16, or int8 with its f32 scale.
@@ -239,6 +241,7 @@ DeviceDict MakeDict(const Shape& s, int64_t K, int top_m, double child_skew, boo
       for (int64_t j = 0; j < GD; ++j) proj[i * GD + j] *= float(1.0 / std::sqrt(ss));
     }
     mean.assign(size_t(GD), 0.f);
+    dd.proj = proj;
   }
   for (int c = 0; c < copies; ++c) {
     for (int h = 0; h < s.hkv; ++h) {
@@ -552,7 +555,8 @@ int Run(const Options& opt) {
                      {"probe_max_batch", opt.probe_max_batch},
                      {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype},
                      {"flush", opt.flush},
-                     {"launch", opt.launch}};
+                     {"launch", opt.launch},
+                     {"caller_keys", opt.caller_keys}};
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -593,7 +597,8 @@ int Run(const Options& opt) {
 
     for (int B : opt.batches) {
       DevMem q = Upload(RandomBF16(size_t(B) * s.hq * kHeadDim, rng));
-      DevMem q_pre = Upload(RandomBF16(size_t(B) * s.hq * kHeadDim, rng));
+      const std::vector<uint16_t> q_pre_host = RandomBF16(size_t(B) * s.hq * kHeadDim, rng);
+      DevMem q_pre = Upload(q_pre_host);
       DevMem o(size_t(B) * s.hq * kHeadDim * 2), lse(size_t(B) * s.hq * 4), index(size_t(B) * s.hkv * 4);
 
       // Params for a request length L with `rot` rotations of disjoint pages.
@@ -724,6 +729,25 @@ int Run(const Options& opt) {
         const DeviceDict& dd = dicts[K];
         std::vector<DevMem> ids;
         for (int r = 0; r < R; ++r) ids.push_back(Upload(std::vector<int32_t>(B, r)));
+        // --caller-keys: the lookup keys projected here, as an engine would hand them over
+        // ([B, Hkv, R] bf16 of proj q_pre, the mean being 0), and no whitening in the op.
+        DevMem caller_keys;
+        if (opt.caller_keys) {
+          const int64_t GD = int64_t(G) * kHeadDim;
+          std::vector<uint16_t> keys(size_t(B) * s.hkv * D);
+          std::vector<float> x(GD);
+          for (int64_t b = 0; b < B; ++b) {
+            for (int64_t h = 0; h < s.hkv; ++h) {
+              for (int64_t j = 0; j < GD; ++j) x[j] = BF16BitsToFloat(q_pre_host[(b * s.hq + h * G) * kHeadDim + j]);
+              for (int64_t i = 0; i < D; ++i) {
+                float y = 0.f;
+                for (int64_t j = 0; j < GD; ++j) y += dd.proj[i * GD + j] * x[j];
+                keys[(b * s.hkv + h) * D + i] = FloatToBF16Bits(y);
+              }
+            }
+          }
+          caller_keys = Upload(keys);
+        }
         for (const std::string& mode : opt.modes) {
           const bool hier = mode == "hier";
           DecodeConfig c;
@@ -749,6 +773,13 @@ int Run(const Options& opt) {
           std::vector<DecodeParams> rot;
           const DictLayerView* views = hier ? dd.hier_dev.as<DictLayerView>() : dd.linear_dev.as<DictLayerView>();
           for (int r = 0; r < R; ++r) rot.push_back(make_params(c, T, r, ids[r].as<int32_t>(), views, R));
+          if (opt.caller_keys) {
+            for (DecodeParams& p : rot) {
+              p.lookup_keys = caller_keys.p;
+              p.lookup_keys_stride_h = D;
+              p.lookup_keys_stride_b = int64_t(s.hkv) * D;
+            }
+          }
           CheckOutputs(c, rot[0], workspace, stream, s.name + " op " + mode);
           const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin, flush);
           AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " K=" +
@@ -836,6 +867,10 @@ int main(int argc, char** argv) {
                  "our op: graph (captured once per input set, replayed; default) or eager (DecodeAttention "
                  "called on the stream, as the torch baselines are)")
       ->check(CLI::IsMember({"graph", "eager"}));
+  app.add_flag("--caller-keys", opt.caller_keys,
+               "with --key-rank: the op reads lookup keys projected beforehand (DecodeParams::lookup_keys, as "
+               "an engine that folds the projection into its query projection hands them over) and launches no "
+               "whitening; that projection's own time is not in the op's");
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
@@ -862,6 +897,7 @@ int main(int argc, char** argv) {
       if (app.count("--ks") == 0) opt.ks = {4096};
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
+    if (opt.caller_keys && opt.key_rank == 0) throw asmem::InvalidArgument("--caller-keys needs --key-rank");
     if (opt.key_rank > 0 && (opt.key_dtype == "i8" || !asmem::DecodeKeyDimSupported(opt.key_rank))) {
       throw asmem::InvalidArgument("--key-rank " + std::to_string(opt.key_rank) +
                                    ": needs bf16 keys and a multiple of 64 up to 512 or of 128 up to 1024");

@@ -217,6 +217,18 @@ void CheckParams(const DecodeConfig& c, const DecodeParams& p, const char* fn) {
     CheckStride(p.q_pre_stride_b, "q_pre_stride_b", fn);
     CheckStride(p.q_pre_stride_h, "q_pre_stride_h", fn);
   }
+  if (p.lookup_keys != nullptr) {
+    if (p.dict_ids == nullptr) Fail(fn, "lookup_keys given without dict_ids");
+    if (!Aligned16(p.lookup_keys)) Fail(fn, "lookup_keys is not 16-byte aligned");
+    CheckStride(p.lookup_keys_stride_b, "lookup_keys_stride_b", fn);
+    CheckStride(p.lookup_keys_stride_h, "lookup_keys_stride_h", fn);
+    const int64_t widest = c.key_dims != 0 ? DecodeWidestKeyDim(c.key_dims)
+                                           : int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim;
+    if (p.lookup_keys_stride_h < widest) {
+      Fail(fn, "lookup_keys_stride_h " + std::to_string(p.lookup_keys_stride_h) +
+                   " is below the widest served key width " + std::to_string(widest));
+    }
+  }
 }
 
 WorkspaceLayout LayoutWorkspace(const DecodeConfig& c, const DecodePlan& plan) {
@@ -430,7 +442,16 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
         } else {
           const int64_t R = DictKeyDim(*view, D);  // validated: R == D without whitening
           std::vector<float> y(R);
-          if (view->whitening && R < D) {  // projected: as the CUDA op, in the op's type
+          if (view->whitening && p.lookup_keys) {  // the caller's keys, as given
+            if (R > p.lookup_keys_stride_h) {
+              throw InvalidArgument(std::string(fn) + ": dictionary " + std::to_string(id) + " kv head " +
+                                    std::to_string(h) + " has key_dim " + std::to_string(R) +
+                                    " above lookup_keys_stride_h " + std::to_string(p.lookup_keys_stride_h));
+            }
+            for (int64_t i = 0; i < R; ++i) {
+              y[i] = LoadAsFloat(p.lookup_keys, dt, b * p.lookup_keys_stride_b + h * p.lookup_keys_stride_h + i);
+            }
+          } else if (view->whitening && R < D) {  // projected: as the CUDA op, in the op's type
             ProjectLookupKeyCpu(view->whitening, view->whitening_mean, R, D, key.data(), y.data());
             for (float& v : y) v = RoundToKernelDType(v, dt);
           } else if (view->whitening) {

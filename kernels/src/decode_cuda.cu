@@ -205,7 +205,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
       // K = 16 linear 98.0 -> 113.1).
       constexpr int32_t kProjectMaxBatch = 2;
       bool project = false;
-      if (a.whitened != nullptr && !whiten_grid && p.batch <= kProjectMaxBatch) {
+      if (a.whitened != nullptr && p.lookup_keys == nullptr && !whiten_grid && p.batch <= kProjectMaxBatch) {
         bool narrow = true, first = true;
         ForEachKeyDim(a.key_dims, [&](auto r) {
           constexpr int R = decltype(r)::value;
@@ -227,13 +227,15 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
       // first starts beside the whitening (programmatic dependent launch), the others in
       // stream order (the attention kernel waits for the last, which starts once the one
       // before has ended).
-      if (a.whitened && !project) LaunchDecodeWhiten<DType>(a, stream);
+      // The caller's lookup keys (params.lookup_keys) stand in for the whitening launch's.
+      const bool whiten = a.whitened != nullptr && !project && p.lookup_keys == nullptr;
+      if (whiten) LaunchDecodeWhiten<DType>(a, stream);
       bool first = true;
       ForEachKeyDim(a.key_dims, [&](auto r) {
         LaunchArgs la = a;
         la.project = first && project;
         LaunchDecodeLookup<DType, decltype(r)::value>(
-            la, first && a.whitened != nullptr && !project && !no_pdl, stream);
+            la, first && whiten && !no_pdl, stream);
         first = false;
       });
     }

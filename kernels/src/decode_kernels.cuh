@@ -321,7 +321,11 @@ __device__ void PrepareKey(const LaunchArgs& a, const DictLayerView& v, int b, i
                            float* xm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int D = a.group * a.head_dim;  // W: [KEY_DIM, D]
-  if (v.whitening && a.whitened) {
+  if (v.whitening && a.p.lookup_keys) {  // the caller's keys
+    const DType* w = static_cast<const DType*>(a.p.lookup_keys) + b * a.p.lookup_keys_stride_b +
+                     h * a.p.lookup_keys_stride_h;
+    for (int i = tid; i < KEY_DIM; i += kThreads) q[i] = float(w[i]);
+  } else if (v.whitening && a.whitened) {
     const float* w = a.whitened + (int64_t(b) * a.hkv + h) * D;
     for (int i = tid; i < KEY_DIM; i += kThreads) q[i] = w[i];
   } else if (v.whitening) {  // no whitening launch: each lookup CTA whitens alone
@@ -792,8 +796,13 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
     int head_dim = a.head_dim, head0 = h * a.group;
     if (v.whitening != nullptr) {  // projected keys (the only whitened ones of one term)
       const int D = a.group * a.head_dim;
-      q_pre = static_cast<const DType*>(a.whitened16) + int64_t(h) * D;
-      stride_b = int64_t(a.hkv) * D;
+      if (p.lookup_keys != nullptr) {  // the caller's
+        q_pre = static_cast<const DType*>(p.lookup_keys) + h * p.lookup_keys_stride_h;
+        stride_b = p.lookup_keys_stride_b;
+      } else {  // the whitening launch's
+        q_pre = static_cast<const DType*>(a.whitened16) + int64_t(h) * D;
+        stride_b = int64_t(a.hkv) * D;
+      }
       stride_h = 0;
       head_dim = KEY_DIM;
       head0 = 0;
@@ -810,7 +819,11 @@ __device__ void StageMemberKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm,
     for (int c = tid; c < rows * kQRC; c += kThreads) {
       const int i = c / kQRC, ch = c % kQRC;
       float x[8];
-      if (i < n && v.whitening != nullptr) {
+      if (i < n && v.whitening != nullptr && p.lookup_keys != nullptr) {  // the caller's keys
+        const DType* src = static_cast<const DType*>(p.lookup_keys) + sm.mem[i] * p.lookup_keys_stride_b +
+                           h * p.lookup_keys_stride_h + ch * 8;
+        Pack<DType>::ToFloat(__ldg(reinterpret_cast<const uint4*>(src)), x);
+      } else if (i < n && v.whitening != nullptr) {
         const float4* src = reinterpret_cast<const float4*>(
             a.whitened + (int64_t(sm.mem[i]) * a.hkv + h) * (a.group * a.head_dim) + ch * 8);
         const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);

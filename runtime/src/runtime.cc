@@ -657,9 +657,18 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   p.lookup_index = a.lookup_index;
   p.sm_scale = a.sm_scale;
 
+  // The caller's lookup keys: rows of G d (the widest a key can be) by default.
+  auto set_lookup_keys = [&] {
+    if (a.lookup_keys == nullptr) return;
+    const int64_t w = int64_t(s.G) * d;
+    p.lookup_keys = a.lookup_keys;
+    p.lookup_keys_stride_h = a.lookup_keys_stride_h ? a.lookup_keys_stride_h : w;
+    p.lookup_keys_stride_b = a.lookup_keys_stride_b ? a.lookup_keys_stride_b : s.Hkv * p.lookup_keys_stride_h;
+  };
   if (!s.cuda) {
     const DecodeConfig c = s.config(step, 0, false, 0u);
     SetKvStrides(c, a, n_kv == 0, &p);
+    set_lookup_keys();
     // The snapshot keeps every dictionary this call may read mapped until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
     if (a.dict_ids) {
@@ -685,6 +694,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
       s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load(), s.plan_keys.load(),
                s.plan_key_dims.load());
   SetKvStrides(c, a, n_kv == 0, &p);
+  set_lookup_keys();
   if (a.dict_ids) {
     p.dict_ids = a.dict_ids;
     p.num_dicts = s.max_dicts;

@@ -98,6 +98,7 @@ struct DeviceProblem {
     params = pb.params;
     params.q = Up(pb.q.data(), pb.q.nbytes());
     params.q_pre = Up(pb.q_pre.data(), pb.q_pre.nbytes());
+    if (pb.params.lookup_keys != nullptr) params.lookup_keys = Up(pb.lookup_keys.data(), pb.lookup_keys.nbytes());
     params.k_cache = Up(pb.k_cache.data(), pb.k_cache.nbytes());
     params.v_cache = Up(pb.v_cache.data(), pb.v_cache.nbytes());
     params.block_table = UpVec(pb.block_table);
@@ -753,6 +754,90 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       EXPECT_EQ(std::isnan(out.lse[size_t(b) * s.Hq]), pb.dict_ids[b] >= 0) << "b=" << b;
     }
   }
+}
+
+// DecodeParams::lookup_keys: keys the caller computed (here another request's, so that the
+// lookups differ from the op's own) in place of the whitening launch, in the steps of
+// ProjectedLookupKeys: mixed widths with a whitened view of all D dims and a plain one (also
+// without the whitening pass: the CUDA-core path), steps of one and two requests (whose
+// lookup grid would otherwise project), and the one-wave plan at B = 32.
+TEST(DecodeGpu, CallerLookupKeys) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(222);
+  SCOPED_TRACE(test::seed_trace(seed));
+  uint64_t n = 0;
+  int64_t changed = 0;
+  auto check = [&](Problem& pb, const DecodeConfig& config, int64_t stride_h, const char* tag) {
+    pb.params.lookup_keys = nullptr;
+    DecodeAttentionCpu(pb.config, pb.params);
+    const std::vector<int32_t> own = pb.lookup_index;
+    test::SetCallerLookupKeys(pb, 1, stride_h);
+    CheckAgainstReference(pb, config, tag);  // pb.lookup_index: the reference with the keys
+    for (size_t i = 0; i < own.size(); ++i) changed += pb.lookup_index[i] != own[i];
+  };
+  for (int d : {64, 128}) {
+    for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
+      CaseSpec s;
+      s.dtype = dt;
+      s.Hq = 16;
+      s.Hkv = 4;  // D = 4 d
+      s.d = d;
+      s.T = {9, 0, 31, 613, 1, 77};
+      s.dicts = {DictSpec{300, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{200, 12, 2}, DictSpec{77, 0, 0}};
+      for (DictSpec& ds : s.dicts) ds.keys_dtype = dt;
+      s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[2].whitening = true;
+      s.dicts[0].key_dim = 64;
+      s.dicts[1].key_dim = 128;
+      s.dict_ids = {0, 1, 2, 3, -1, 1};
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      check(pb, pb.config, 4 * d + 8, "caller keys");
+      DecodeConfig no_pass = pb.config;
+      no_pass.whitening = false;
+      check(pb, no_pass, 4 * d, "caller keys, no whitening pass");
+    }
+  }
+  for (int32_t hkv : {8, 4}) {
+    for (int32_t batch : {1, 2}) {
+      SCOPED_TRACE("Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
+      CaseSpec s;
+      s.Hq = 32;
+      s.Hkv = hkv;
+      s.d = 128;
+      s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
+      s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
+      s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+      const int32_t narrow = hkv == 8 ? 64 : 128;
+      for (DictSpec& ds : s.dicts) ds.whitening = true;
+      s.dicts[0].key_dim = narrow;
+      s.dicts[1].key_dim = 2 * narrow;
+      Problem pb;
+      BuildProblem(s, seed + n++, &pb);
+      check(pb, pb.config, 2 * narrow, "caller keys, small steps");
+    }
+  }
+  {
+    CaseSpec s;
+    s.Hq = 32;
+    s.Hkv = 8;
+    s.d = 128;
+    const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
+    s.T.clear();
+    for (int32_t b = 0; b < 32; ++b) {
+      s.T.push_back(T[b % 8]);
+      s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
+    }
+    s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+    for (DictSpec& ds : s.dicts) {
+      ds.whitening = true;
+      ds.key_dim = 64;
+    }
+    Problem pb;
+    BuildProblem(s, seed + n++, &pb);
+    ASSERT_EQ(PlanDecode(pb.config).kv_splits, 1);
+    check(pb, pb.config, 64, "caller keys, one wave");
+  }
+  EXPECT_GT(changed, 0) << "the caller's keys changed no lookup";
 }
 
 TEST(DecodeGpu, SmallKAndInfiniteLse) {

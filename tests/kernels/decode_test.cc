@@ -366,6 +366,72 @@ TEST(DecodeCpu, ProjectedLookupKeysOfFewerDims) {
   }
 }
 
+// DecodeParams::lookup_keys: the caller's keys replace W (x - mean) for whitened views (of
+// fewer dims and of all of them) and leave plain views alone.
+TEST(DecodeCpu, CallerLookupKeysAreUsedAsGiven) {
+  const uint64_t seed = test::test_seed(121);
+  SCOPED_TRACE(test::seed_trace(seed));
+  CaseSpec s;
+  s.Hq = 4;
+  s.Hkv = 2;
+  s.d = 64;  // D = 128
+  s.T = {9, 0, 31, 4, 17, 5};
+  s.dicts = {DictSpec{50, 0, 0}, DictSpec{40, 0, 0}, DictSpec{30, 0, 0}, DictSpec{60, 8, 3}};
+  s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[3].whitening = true;
+  s.dicts[0].key_dim = 64;  // projected; 1: whitened, all 128 dims; 2: plain keys
+  s.dicts[3].key_dim = 32;  // projected, hierarchical
+  s.dict_ids = {0, 1, 0, 2, 3, 1};
+  Problem pb;
+  BuildProblem(s, seed, &pb);
+  DecodeAttentionCpu(pb.config, pb.params);
+  const std::vector<int32_t> own = pb.lookup_index;
+  const test::Buffer own_o = pb.o;
+  const int64_t B = pb.B(), Hkv = s.Hkv;
+
+  // The keys the op makes itself, given back: the same lookups and outputs.
+  test::SetCallerLookupKeys(pb, 0, 128 + 8);
+  DecodeAttentionCpu(pb.config, pb.params);
+  EXPECT_EQ(pb.lookup_index, own);
+  EXPECT_EQ(pb.o.bytes, own_o.bytes);
+
+  // Another request's keys: the lookups follow them (DirectLinearLookup reads them too).
+  test::SetCallerLookupKeys(pb, 1, 128);
+  ExpectMatchesDense(pb);
+  int changed = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int32_t id = pb.dict_ids[b];
+      if (id == 2) {
+        EXPECT_EQ(pb.lookup_index[b * Hkv + h], own[b * Hkv + h]) << "plain view, b=" << b;
+      }
+      changed += pb.lookup_index[b * Hkv + h] != own[b * Hkv + h];
+    }
+  }
+  EXPECT_GT(changed, 0);
+
+  // Bad input: one line naming the field.
+  auto message = [&](DecodeParams p) {
+    try {
+      DecodeAttentionCpu(pb.config, p);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  DecodeParams p = pb.params;
+  p.lookup_keys = static_cast<const char*>(pb.params.lookup_keys) + 2;
+  EXPECT_NE(message(p).find("lookup_keys is not 16-byte aligned"), std::string::npos) << message(p);
+  p = pb.params;
+  p.lookup_keys_stride_h = 132;
+  EXPECT_NE(message(p).find("lookup_keys_stride_h = 132 must be"), std::string::npos) << message(p);
+  p = pb.params;
+  p.lookup_keys_stride_h = 64;  // below the widest served width, 128
+  EXPECT_NE(message(p).find("below the widest served key width 128"), std::string::npos) << message(p);
+  p = pb.params;
+  p.dict_ids = nullptr;
+  EXPECT_NE(message(p).find("lookup_keys given without dict_ids"), std::string::npos) << message(p);
+}
+
 TEST(DecodeCpu, InfiniteLse) {
   const uint64_t seed = test::test_seed(109);
   SCOPED_TRACE(test::seed_trace(seed));

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "asmem/decode.h"
@@ -84,6 +85,7 @@ struct Problem {
   DecodeConfig config;
   DecodeParams params;  // host pointers
   Buffer q, q_pre, k_cache, v_cache, o;
+  Buffer lookup_keys;  // SetCallerLookupKeys: params.lookup_keys
   std::vector<float> lse;
   std::vector<int32_t> lookup_index, block_table, seq_lens, dict_ids;
   std::vector<HostDict> dicts;
@@ -345,8 +347,18 @@ inline void BuildProblem(const CaseSpec& spec, uint64_t seed, Problem* out) {
 // ---------------------------------------------------------------------------------------
 
 // The lookup key of (b, h) as the kernels define it (whitened when the view says so).
+// With params.lookup_keys (the caller's keys) a whitened view's key is the caller's row.
 inline std::vector<double> LookupKey(const Problem& pb, int64_t b, int64_t h, const HostDict& hd) {
   const int64_t G = pb.G(), d = pb.spec.d, D = G * d, Hq = pb.spec.Hq;
+  if (hd.spec.whitening && pb.params.lookup_keys != nullptr) {
+    const int64_t R = hd.spec.key_dim > 0 ? hd.spec.key_dim : D;
+    std::vector<double> y(R);
+    for (int64_t i = 0; i < R; ++i) {
+      y[i] = LoadAsFloat(pb.params.lookup_keys, pb.spec.dtype,
+                         b * pb.params.lookup_keys_stride_b + h * pb.params.lookup_keys_stride_h + i);
+    }
+    return y;
+  }
   std::vector<double> x(D);
   for (int64_t j = 0; j < D; ++j) x[j] = pb.q_pre.get(b * Hq * d + (h * G + j / d) * d + j % d);
   if (!hd.spec.whitening) return x;
@@ -358,6 +370,30 @@ inline std::vector<double> LookupKey(const Problem& pb, int64_t b, int64_t h, co
     if (R < D) y[i] = RoundToKernelDType(float(y[i]), pb.spec.dtype);
   }
   return y;
+}
+
+// Caller lookup keys (DecodeParams::lookup_keys) for the requests whose view has whitening:
+// under request b's view, the key that request (b + shift) % B's q_pre gives, in the op's
+// type, rows of `stride_h` elements (stride_b = Hkv stride_h + 8); the rest of the buffer
+// NaN (a read past a row shows). Sets pb.params.lookup_keys and its strides.
+inline void SetCallerLookupKeys(Problem& pb, int64_t shift, int64_t stride_h) {
+  const int64_t B = pb.B(), Hkv = pb.spec.Hkv, stride_b = Hkv * stride_h + 8;
+  pb.params.lookup_keys = nullptr;  // LookupKey below: the keys the op would make
+  Buffer keys;
+  keys.resize(pb.spec.dtype, B * stride_b);
+  for (int64_t i = 0; i < B * stride_b; ++i) keys.set(i, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t id = pb.dict_ids.empty() ? -1 : pb.dict_ids[b];
+    if (id < 0 || !pb.dicts[id].spec.whitening) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const std::vector<double> y = LookupKey(pb, (b + shift) % B, h, pb.dicts[id]);
+      for (size_t i = 0; i < y.size(); ++i) keys.set(b * stride_b + h * stride_h + int64_t(i), float(y[i]));
+    }
+  }
+  pb.lookup_keys = std::move(keys);
+  pb.params.lookup_keys = pb.lookup_keys.data();
+  pb.params.lookup_keys_stride_b = stride_b;
+  pb.params.lookup_keys_stride_h = stride_h;
 }
 
 inline double KeyScore(const Buffer& keys, int64_t k, const std::vector<double>& x) {

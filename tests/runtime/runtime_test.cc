@@ -258,6 +258,30 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   HostStep plain = st;
   plain.dict_ids.clear();
   EXPECT_TRUE(RunRuntime(rt, plain, 1) == RunReference(plain, 1, slots));
+
+  // Lookup keys from the caller (DecodeArgs::lookup_keys, default strides: rows of G d): the
+  // whitened dictionary (slot 3) looks up with them, the others with q_pre.
+  HostStep keyed = st;
+  {
+    std::mt19937_64 rng(seed_ + 7);
+    std::normal_distribution<float> nd;
+    const int64_t n = int64_t(st.B) * st.Hq * st.d;  // B Hkv (G d)
+    keyed.lookup_keys.assign(size_t(n * st.elem()), 0);
+    for (int64_t i = 0; i < n; ++i) StoreFromFloat(keyed.lookup_keys.data(), st.dtype, i, nd(rng));
+  }
+  for (int32_t layer = 0; layer < base.L; ++layer) {
+    SCOPED_TRACE("caller keys, layer " + std::to_string(layer));
+    const StepOutputs got = RunRuntime(rt, keyed, layer);
+    EXPECT_TRUE(got == RunReference(keyed, layer, slots)) << "runtime output differs from DecodeAttentionCpu";
+    const StepOutputs own = RunRuntime(rt, st, layer);
+    for (int32_t b = 0; b < st.B; ++b) {
+      if (st.dict_ids[size_t(b)] == 3) continue;
+      for (int32_t h = 0; h < st.Hkv; ++h) {
+        EXPECT_EQ(got.index[size_t(b * st.Hkv + h)], own.index[size_t(b * st.Hkv + h)]) << "b=" << b;
+      }
+    }
+    EXPECT_TRUE(got.index != own.index) << "the caller's keys changed no lookup of slot 3";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RuntimeMixedBatch,

@@ -184,6 +184,7 @@ struct HostStep {
   bool nhd = false;  // KV in [num_pages, page_size, Hkv, d]
   int64_t num_pages = 0, bt_stride = 0;
   std::vector<uint8_t> q, q_pre, k, v;
+  std::vector<uint8_t> lookup_keys;  // optional [B, Hkv, G d]: DecodeArgs::lookup_keys
   std::vector<int32_t> block_table, seq_lens, dict_ids;
 
   int64_t elem() const { return KernelDTypeSize(dtype); }
@@ -204,6 +205,7 @@ struct HostStep {
     a.batch = B;
     a.q = q.data();
     a.q_pre = q_pre.data();
+    if (!lookup_keys.empty()) a.lookup_keys = lookup_keys.data();  // default strides
     a.k_cache = k.data();
     a.v_cache = v.data();
     if (nhd) {
@@ -331,6 +333,11 @@ inline StepOutputs RunReference(const HostStep& s, int32_t layer,
   p.q_pre = a.q_pre;
   p.q_pre_stride_b = int64_t(s.Hq) * s.d;
   p.q_pre_stride_h = s.d;
+  if (a.lookup_keys != nullptr) {
+    p.lookup_keys = a.lookup_keys;
+    p.lookup_keys_stride_h = int64_t(s.Hq / s.Hkv) * s.d;
+    p.lookup_keys_stride_b = int64_t(s.Hkv) * p.lookup_keys_stride_h;
+  }
   p.k_cache = a.k_cache;
   p.v_cache = a.v_cache;
   if (s.nhd) {

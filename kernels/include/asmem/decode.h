@@ -25,6 +25,17 @@
 //                             the d values of a head are contiguous and 16-byte aligned.
 //   q_pre        [B, Hq, d]   DType (pre-RoPE lookup key); same rules; may be null when
 //                             dict_ids is null (no request has a dictionary).
+//   lookup_keys  optional, DType: the lookup keys of requests whose view has whitening,
+//                             computed by the caller, for instance by folding W into its
+//                             query projection (W (Wq x + bq - mean)): the key of (b, h) is
+//                             the R values (R: the view's key_dim) at lookup_keys +
+//                             b*lookup_keys_stride_b + h*lookup_keys_stride_h (elements;
+//                             multiples of 8, stride_h at least the widest served key width,
+//                             base 16-byte aligned), used as given in place of W (x - mean).
+//                             With config.whitening the op then launches no whitening (on
+//                             the H200 that kernel took 7.5 us of a 55 us step at LLaMA-8B
+//                             B = 32, K = 4096, R = 64). Views without whitening still read
+//                             q_pre. Null: the op whitens q_pre itself.
 //   k_cache, v_cache          DType, paged. Element (page p, kv head h, slot i, dim c) lives at
 //                             p*kv_stride_page + h*kv_stride_head + i*kv_stride_token + c
 //                             (elements; the same strides for K and V). Default layout
@@ -246,6 +257,8 @@ struct DecodeParams {
   int64_t q_stride_b = 0, q_stride_h = 0;
   const void* q_pre = nullptr;
   int64_t q_pre_stride_b = 0, q_pre_stride_h = 0;
+  const void* lookup_keys = nullptr;  // optional: whitened lookup keys the caller computed
+  int64_t lookup_keys_stride_b = 0, lookup_keys_stride_h = 0;  // (see the contract above)
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;

@@ -218,6 +218,11 @@ struct DecodeArgs {
   const void* q_pre = nullptr;                     // [B, Hq, d] pre-RoPE queries (lookup keys);
                                                    // may be null when dict_ids is null
   int64_t q_pre_stride_b = 0, q_pre_stride_h = 0;  // 0: Hq*d and d
+  const void* lookup_keys = nullptr;  // optional [B, Hkv, G*d] lookup keys of the requests
+                                      // whose dictionary has whitening, computed by the
+                                      // caller (DecodeParams::lookup_keys: a view's R values
+                                      // first in its row), in the step dtype
+  int64_t lookup_keys_stride_b = 0, lookup_keys_stride_h = 0;  // 0: Hkv*G*d and G*d
   const void* k_cache = nullptr;                   // paged KV of the layer (see the top)
   const void* v_cache = nullptr;
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;  // all 0: HND
