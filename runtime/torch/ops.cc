@@ -24,14 +24,19 @@
 //       (sections with int8 keys); "" for an empty slot.
 //   decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table,
 //          Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0.,
-//          int max_seq_len=0, str kv_layout="HND") -> (Tensor o, Tensor lse)
+//          int max_seq_len=0, str kv_layout="HND", Tensor? lookup_keys=None)
+//          -> (Tensor o, Tensor lse)
 //       q, q_pre [B, Hq, d] bf16/f16 (CPU also f32), last dim contiguous; k_cache, v_cache
 //       [num_pages, Hkv, page_size, d] ("HND") or [num_pages, page_size, Hkv, d] ("NHD"),
 //       same dtype, shape and strides; block_table [B, max_pages] int32 (rows contiguous);
 //       seq_lens [B] int32 (non-prefix tokens); dict_ids [B] int32 slot or -1, or None.
 //       o [B, Hq, d] in q's dtype; lse [B, Hq] f32. max_seq_len <= 0: max_pages * page_size
 //       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
-//       caching allocator).
+//       caching allocator). lookup_keys [B, Hkv, W] in q's dtype, last dim contiguous
+//       (strides multiples of 8, W at least the widest key width the dictionaries use): the
+//       lookup keys of requests whose dictionary has whitening, computed by the caller
+//       (DecodeArgs::lookup_keys; e.g. W folded into the query projection), so that the op
+//       does not whiten q_pre.
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
 // The plugin carries its own (static) copy of the asmem runtime: a process should not also
 // link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
@@ -312,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
                                           const OptionalTensor& dict_ids, int64_t layer,
                                           double sm_scale, int64_t max_seq_len,
-                                          std::string kv_layout) {
+                                          std::string kv_layout, const OptionalTensor& lookup_keys) {
   const std::string op = "decode";
   const Device dev = DeviceOf(op, q);
   std::shared_ptr<DecodeRuntime> rt = Require(op, dev);
@@ -380,6 +385,16 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
       Fail(op, "dict_ids must be [" + std::to_string(B) + "], got " + ShapeText(*dict_ids));
     if (!q_pre) Fail(op, "dict_ids given without q_pre (the lookup keys)");
   }
+  if (lookup_keys) {
+    CheckLike(op, *lookup_keys, "lookup_keys", q, "q");
+    if (lookup_keys->scalar_type() != q.scalar_type()) Fail(op, "lookup_keys must have q's dtype");
+    if (lookup_keys->dim() != 3 || lookup_keys->size(0) != B || lookup_keys->size(1) != Hkv) {
+      Fail(op, "lookup_keys must be [" + std::to_string(B) + ", " + std::to_string(Hkv) + ", W], got " +
+                   ShapeText(*lookup_keys));
+    }
+    if (lookup_keys->stride(2) != 1) Fail(op, "lookup_keys must be contiguous in its last dim");
+    if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
+  }
   if (layer < 0 || layer >= ro.num_layers) {
     Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
                  ")");
@@ -404,6 +419,11 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     a.q_pre = q_pre->data_ptr();
     a.q_pre_stride_b = q_pre->stride(0);
     a.q_pre_stride_h = q_pre->stride(1);
+  }
+  if (lookup_keys) {
+    a.lookup_keys = lookup_keys->data_ptr();
+    a.lookup_keys_stride_b = lookup_keys->stride(0);
+    a.lookup_keys_stride_h = lookup_keys->stride(1);
   }
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
@@ -461,7 +481,7 @@ TORCH_LIBRARY(asmem, m) {
   m.def(
       "decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
-      "str kv_layout=\"HND\") -> (Tensor o, Tensor lse)");
+      "str kv_layout=\"HND\", Tensor? lookup_keys=None) -> (Tensor o, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(asmem, CPU, m) { m.impl("decode", &asmem::torch_ops::decode); }

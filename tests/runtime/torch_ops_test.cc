@@ -40,7 +40,7 @@ using DecodeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const Opt
                                                     const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&,
                                                     const OptionalTensor&, int64_t, double, int64_t,
-                                                    std::string);
+                                                    std::string, const OptionalTensor&);
 using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool, bool);
 using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool, bool);
 using UnloadFn = void(int64_t, std::string);
@@ -112,7 +112,7 @@ class TorchOpsTest : public ::testing::Test {
     return Op<DecodeFn>("asmem::decode")
         .call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens,
               with_ids && x.dict_ids.defined() ? OptionalTensor(x.dict_ids) : OptionalTensor(),
-              layer, 0.0, 0, nhd ? "NHD" : "HND");
+              layer, 0.0, 0, nhd ? "NHD" : "HND", OptionalTensor());
   }
   static bool SameAs(const std::tuple<at::Tensor, at::Tensor>& got, const StepOutputs& want) {
     const at::Tensor o = std::get<0>(got).contiguous(), lse = std::get<1>(got).contiguous();
@@ -162,7 +162,7 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
   plain.dict_ids.clear();
   const auto none = Op<DecodeFn>("asmem::decode")
                         .call(x.q, OptionalTensor(), x.k, x.v, x.block_table, x.seq_lens,
-                              OptionalTensor(), 1, 0.0, 0, c.nhd ? "NHD" : "HND");
+                              OptionalTensor(), 1, 0.0, 0, c.nhd ? "NHD" : "HND", OptionalTensor());
   EXPECT_TRUE(SameAs(none, RunReference(plain, 1, slots)));
 }
 
@@ -247,8 +247,9 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
   const StepTensors x = ToTensors(st);
   auto call = [&](const at::Tensor& q, const OptionalTensor& q_pre, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& bt, const at::Tensor& sl,
-                  const OptionalTensor& ids, int64_t layer, const char* layout = "HND") {
-    Op<DecodeFn>("asmem::decode").call(q, q_pre, k, v, bt, sl, ids, layer, 0.0, 0, layout);
+                  const OptionalTensor& ids, int64_t layer, const char* layout = "HND",
+                  const OptionalTensor& lookup_keys = OptionalTensor()) {
+    Op<DecodeFn>("asmem::decode").call(q, q_pre, k, v, bt, sl, ids, layer, 0.0, 0, layout, lookup_keys);
   };
   expect_error<InvalidArgument>(
       [&] {
@@ -288,6 +289,18 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
   expect_error<InvalidArgument>(
       [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 7); },
       {"asmem.decode: layer 7 is outside [0, 2)"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "HND",
+             at::zeros({2, 3, 24}, x.q.options()));
+      },
+      {"asmem.decode: lookup_keys must be [2, 2, W], got [2, 3, 24]"});
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, "HND",
+             at::zeros({2, 2, 24}, x.q.options()));
+      },
+      {"asmem.decode: lookup_keys given without dict_ids"});
   expect_error<InvalidArgument>(
       [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true, false); },
       {"asmem.load_dictionary: device 'tpu:0'"});
