@@ -658,6 +658,66 @@ TEST(DecodeGpu, WhiteningPassAndInCtaFallbackAgree) {
 // key widths in one step (one lookup grid each), linear and hierarchical, with the whitening
 // pass and with each lookup CTA projecting alone; the one-wave plan at B = 32; a view whose
 // width the config does not name gives NaN.
+// The steps of lookup keys projected onto fewer dims (ProjectedLookupKeys, CallerLookupKeys):
+// mixed widths over four dictionaries (64 and 128 dims, a whitened view of all D = 4 d dims,
+// plain keys) and a request without one.
+CaseSpec ProjectedMixedCase(int d, KernelDType dt) {
+  CaseSpec s;
+  s.dtype = dt;
+  s.Hq = 16;
+  s.Hkv = 4;  // D = 4 d
+  s.d = d;
+  s.T = {9, 0, 31, 613, 1, 77};
+  s.dicts = {DictSpec{300, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{200, 12, 2}, DictSpec{77, 0, 0}};
+  for (DictSpec& ds : s.dicts) ds.keys_dtype = dt;
+  s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[2].whitening = true;
+  s.dicts[0].key_dim = 64;
+  s.dicts[1].key_dim = 128;
+  // dictionary 2: whitened, all D dims; 3: plain keys
+  s.dict_ids = {0, 1, 2, 3, -1, 1};
+  return s;
+}
+
+// Steps of one and two requests: LLaMA-8B heads (hkv 8, G d = 512) with keys of 64 and 128
+// dims, GQA-8 heads (hkv 4, G d = 1024) with 128 and 256; the first dictionary
+// hierarchical, the second linear (two lookup grids).
+CaseSpec ProjectedSmallStepCase(int32_t hkv, int32_t batch) {
+  CaseSpec s;
+  s.Hq = 32;
+  s.Hkv = hkv;
+  s.d = 128;
+  s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
+  s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
+  s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+  const int32_t narrow = hkv == 8 ? 64 : 128;
+  for (DictSpec& ds : s.dicts) ds.whitening = true;
+  s.dicts[0].key_dim = narrow;
+  s.dicts[1].key_dim = 2 * narrow;
+  return s;
+}
+
+// The one-wave plan: LLaMA-8B heads, B = 32, one lookup rep; keys of 128 dims, then of
+// `second_dim`.
+CaseSpec ProjectedOneWaveCase(int32_t second_dim) {
+  CaseSpec s;
+  s.Hq = 32;
+  s.Hkv = 8;
+  s.d = 128;
+  const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
+  s.T.clear();
+  for (int32_t b = 0; b < 32; ++b) {
+    s.T.push_back(T[b % 8]);
+    s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
+  }
+  s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+  for (DictSpec& ds : s.dicts) {
+    ds.whitening = true;
+    ds.key_dim = 128;
+  }
+  s.dicts[1].key_dim = second_dim;
+  return s;
+}
+
 TEST(DecodeGpu, ProjectedLookupKeys) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(214);
@@ -665,19 +725,7 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
   uint64_t n = 0;
   for (int d : {64, 128}) {
     for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
-      CaseSpec s;
-      s.dtype = dt;
-      s.Hq = 16;
-      s.Hkv = 4;  // D = 4 d
-      s.d = d;
-      s.T = {9, 0, 31, 613, 1, 77};
-      s.dicts = {DictSpec{300, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{200, 12, 2}, DictSpec{77, 0, 0}};
-      for (DictSpec& ds : s.dicts) ds.keys_dtype = dt;
-      s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[2].whitening = true;
-      s.dicts[0].key_dim = 64;
-      s.dicts[1].key_dim = 128;
-      // dictionary 2: whitened, all D dims; 3: plain keys
-      s.dict_ids = {0, 1, 2, 3, -1, 1};
+      const CaseSpec s = ProjectedMixedCase(d, dt);
       Problem pb;
       BuildProblem(s, seed + n++, &pb);
       ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(64) | DecodeKeyDimBit(128) | DecodeKeyDimBit(4 * d));
@@ -689,24 +737,13 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
   }
   // Steps of one and two requests, whose first lookup grid projects the keys itself on a
   // device that holds all its CTAs at once (by the occupancy rule an H200 does: 136 CTAs
-  // for LLaMA-8B heads at B = 1, 264 for GQA-8 heads at B = 2): LLaMA-8B heads (G d = 512)
-  // with keys of 64 and 128 dims, GQA-8 heads (G d = 1024) with 128 and 256; the first
-  // dictionary hierarchical, the second linear (two lookup grids, the first projecting for
-  // both).
+  // for LLaMA-8B heads at B = 1, 264 for GQA-8 heads at B = 2; the first grid projects for
+  // both widths).
   for (int32_t hkv : {8, 4}) {
     for (int32_t batch : {1, 2}) {
       SCOPED_TRACE("Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
-      CaseSpec s;
-      s.Hq = 32;
-      s.Hkv = hkv;
-      s.d = 128;
-      s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
-      s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
-      s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+      const CaseSpec s = ProjectedSmallStepCase(hkv, batch);
       const int32_t narrow = hkv == 8 ? 64 : 128;
-      for (DictSpec& ds : s.dicts) ds.whitening = true;
-      s.dicts[0].key_dim = narrow;
-      s.dicts[1].key_dim = 2 * narrow;
       Problem pb;
       BuildProblem(s, seed + n++, &pb);
       ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(narrow) | DecodeKeyDimBit(2 * narrow));
@@ -718,22 +755,7 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
   // lookup grids).
   for (int32_t second_dim : {128, 64}) {
     SCOPED_TRACE("second dictionary's width " + std::to_string(second_dim));
-    CaseSpec s;
-    s.Hq = 32;
-    s.Hkv = 8;
-    s.d = 128;
-    const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
-    s.T.clear();
-    for (int32_t b = 0; b < 32; ++b) {
-      s.T.push_back(T[b % 8]);
-      s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
-    }
-    s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
-    for (DictSpec& ds : s.dicts) {
-      ds.whitening = true;
-      ds.key_dim = 128;
-    }
-    s.dicts[1].key_dim = second_dim;
+    const CaseSpec s = ProjectedOneWaveCase(second_dim);
     Problem pb;
     BuildProblem(s, seed + n++, &pb);
     ASSERT_EQ(pb.config.key_dims, DecodeKeyDimBit(128) | DecodeKeyDimBit(second_dim));
@@ -777,20 +799,8 @@ TEST(DecodeGpu, CallerLookupKeys) {
   };
   for (int d : {64, 128}) {
     for (KernelDType dt : {KernelDType::kBF16, KernelDType::kF16}) {
-      CaseSpec s;
-      s.dtype = dt;
-      s.Hq = 16;
-      s.Hkv = 4;  // D = 4 d
-      s.d = d;
-      s.T = {9, 0, 31, 613, 1, 77};
-      s.dicts = {DictSpec{300, 0, 0}, DictSpec{1000, 31, 4}, DictSpec{200, 12, 2}, DictSpec{77, 0, 0}};
-      for (DictSpec& ds : s.dicts) ds.keys_dtype = dt;
-      s.dicts[0].whitening = s.dicts[1].whitening = s.dicts[2].whitening = true;
-      s.dicts[0].key_dim = 64;
-      s.dicts[1].key_dim = 128;
-      s.dict_ids = {0, 1, 2, 3, -1, 1};
       Problem pb;
-      BuildProblem(s, seed + n++, &pb);
+      BuildProblem(ProjectedMixedCase(d, dt), seed + n++, &pb);
       check(pb, pb.config, 4 * d + 8, "caller keys");
       DecodeConfig no_pass = pb.config;
       no_pass.whitening = false;
@@ -800,42 +810,16 @@ TEST(DecodeGpu, CallerLookupKeys) {
   for (int32_t hkv : {8, 4}) {
     for (int32_t batch : {1, 2}) {
       SCOPED_TRACE("Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
-      CaseSpec s;
-      s.Hq = 32;
-      s.Hkv = hkv;
-      s.d = 128;
-      s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
-      s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
-      s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
-      const int32_t narrow = hkv == 8 ? 64 : 128;
-      for (DictSpec& ds : s.dicts) ds.whitening = true;
-      s.dicts[0].key_dim = narrow;
-      s.dicts[1].key_dim = 2 * narrow;
       Problem pb;
-      BuildProblem(s, seed + n++, &pb);
-      check(pb, pb.config, 2 * narrow, "caller keys, small steps");
+      BuildProblem(ProjectedSmallStepCase(hkv, batch), seed + n++, &pb);
+      check(pb, pb.config, hkv == 8 ? 128 : 256, "caller keys, small steps");
     }
   }
   {
-    CaseSpec s;
-    s.Hq = 32;
-    s.Hkv = 8;
-    s.d = 128;
-    const int32_t T[] = {1, 77, 613, 1024, 0, 300, 3, 2000};
-    s.T.clear();
-    for (int32_t b = 0; b < 32; ++b) {
-      s.T.push_back(T[b % 8]);
-      s.dict_ids.push_back(b % 5 == 3 ? -1 : b % 2);
-    }
-    s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
-    for (DictSpec& ds : s.dicts) {
-      ds.whitening = true;
-      ds.key_dim = 64;
-    }
     Problem pb;
-    BuildProblem(s, seed + n++, &pb);
+    BuildProblem(ProjectedOneWaveCase(64), seed + n++, &pb);
     ASSERT_EQ(PlanDecode(pb.config).kv_splits, 1);
-    check(pb, pb.config, 64, "caller keys, one wave");
+    check(pb, pb.config, 128, "caller keys, one wave");
   }
   EXPECT_GT(changed, 0) << "the caller's keys changed no lookup";
 }
