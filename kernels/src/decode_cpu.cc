@@ -222,8 +222,7 @@ void CheckParams(const DecodeConfig& c, const DecodeParams& p, const char* fn) {
     if (!Aligned16(p.lookup_keys)) Fail(fn, "lookup_keys is not 16-byte aligned");
     CheckStride(p.lookup_keys_stride_b, "lookup_keys_stride_b", fn);
     CheckStride(p.lookup_keys_stride_h, "lookup_keys_stride_h", fn);
-    const int64_t widest = c.key_dims != 0 ? DecodeWidestKeyDim(c.key_dims)
-                                           : int64_t(c.num_q_heads / c.num_kv_heads) * c.head_dim;
+    const int64_t widest = MaxKeyDim(c);
     if (p.lookup_keys_stride_h < widest) {
       Fail(fn, "lookup_keys_stride_h " + std::to_string(p.lookup_keys_stride_h) +
                    " is below the widest served key width " + std::to_string(widest));

@@ -666,7 +666,8 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     p.lookup_keys_stride_b = a.lookup_keys_stride_b ? a.lookup_keys_stride_b : s.Hkv * p.lookup_keys_stride_h;
   };
   if (!s.cuda) {
-    const DecodeConfig c = s.config(step, 0, false, 0u);
+    // key_dims: the resident widths, as on CUDA (lookup_keys rows must hold the widest).
+    const DecodeConfig c = s.config(step, 0, false, 0u, 0, s.plan_key_dims.load());
     SetKvStrides(c, a, n_kv == 0, &p);
     set_lookup_keys();
     // The snapshot keeps every dictionary this call may read mapped until it returns.

@@ -221,7 +221,9 @@ struct DecodeArgs {
   const void* lookup_keys = nullptr;  // optional [B, Hkv, G*d] lookup keys of the requests
                                       // whose dictionary has whitening, computed by the
                                       // caller (DecodeParams::lookup_keys: a view's R values
-                                      // first in its row), in the step dtype
+                                      // first in its row), in the step dtype, with the
+                                      // whitening of the file now in the request's slot
+                                      // (after a replace: the new file's)
   int64_t lookup_keys_stride_b = 0, lookup_keys_stride_h = 0;  // 0: Hkv*G*d and G*d
   const void* k_cache = nullptr;                   // paged KV of the layer (see the top)
   const void* v_cache = nullptr;
