@@ -781,6 +781,21 @@ int Run(const Options& opt) {
             }
           }
           CheckOutputs(c, rot[0], workspace, stream, s.name + " op " + mode);
+          // --caller-keys: how many lookups the host's projection gives as the op's own
+          // whitening does (they may differ only where a key rounds otherwise to bf16).
+          int64_t same_lookups = -1;
+          if (opt.caller_keys) {
+            const size_t n = size_t(B) * s.hkv;
+            std::vector<int32_t> with(n), own(n);
+            ASMEM_CUDA_CHECK(cudaMemcpy(with.data(), index.p, n * 4, cudaMemcpyDeviceToHost));
+            DecodeParams p = rot[0];
+            p.lookup_keys = nullptr;
+            DecodeAttention(c, p, workspace.p, workspace.n, stream);
+            ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+            ASMEM_CUDA_CHECK(cudaMemcpy(own.data(), index.p, n * 4, cudaMemcpyDeviceToHost));
+            same_lookups = 0;
+            for (size_t i = 0; i < n; ++i) same_lookups += with[i] == own[i];
+          }
           const Timing t = opt.check_only ? Timing{} : TimeOp(c, rot, opt, stream, workspace, spin, flush);
           AppendTimeline(opt, s.name + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " K=" +
                                   std::to_string(K) + " " + mode + " " + opt.key_dtype +
@@ -798,6 +813,10 @@ int Run(const Options& opt) {
                     {"bytes", bytes}, {"roofline_fraction", roof}, {"kv_splits", plan.kv_splits},
                     {"lookup_splits", plan.lookup_splits}};
           if (hier) j["child_max_over_mean"] = dd.child_max_over_mean;
+          if (same_lookups >= 0) {
+            j["caller_keys_lookups_as_op"] = same_lookups;
+            j["lookups"] = int64_t(B) * s.hkv;
+          }
           j.update(TimingJson(t));
           out["op"].push_back(j);
           std::string line;
@@ -815,6 +834,12 @@ int Run(const Options& opt) {
             }
             line += buf;
             out["speedups"].push_back(sp);
+          }
+          if (same_lookups >= 0) {
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " | lookups as the op's whitening %lld/%lld", (long long)same_lookups,
+                          (long long)B * s.hkv);
+            line += buf;
           }
           std::printf("%-13s B=%-3d K=%-5d %-6s | op %9.1f us %4.0f%% of roofline (%.0f MB) |%s\n",
                       s.name.c_str(), B, K, mode.c_str(), t.median_us, 100 * roof, bytes / 1e6,
@@ -865,7 +890,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"read", "write", "none"}));
   app.add_option("--launch", opt.launch,
                  "our op: graph (captured once per input set, replayed; default) or eager (DecodeAttention "
-                 "called on the stream, as the torch baselines are)")
+                 "called on the stream, as the torch baselines are; with --flush none small steps may time "
+                 "the host's launches)")
       ->check(CLI::IsMember({"graph", "eager"}));
   app.add_flag("--caller-keys", opt.caller_keys,
                "with --key-rank: the op reads lookup keys projected beforehand (DecodeParams::lookup_keys, as "

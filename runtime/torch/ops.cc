@@ -32,8 +32,9 @@
 //       seq_lens [B] int32 (non-prefix tokens); dict_ids [B] int32 slot or -1, or None.
 //       o [B, Hq, d] in q's dtype; lse [B, Hq] f32. max_seq_len <= 0: max_pages * page_size
 //       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
-//       caching allocator). lookup_keys [B, Hkv, W] in q's dtype, last dim contiguous
-//       (strides multiples of 8, W at least the widest key width the dictionaries use): the
+//       caching allocator). lookup_keys [B, Hkv, W] in q's dtype, contiguous in its last two
+//       dims (W a multiple of 8, at least the widest key width of the resident dictionaries,
+//       G*d when a plain one is resident; rows of G*d always pass): the
 //       lookup keys of requests whose dictionary has whitening, computed by the caller
 //       (DecodeArgs::lookup_keys; e.g. W folded into the query projection), so that the op
 //       does not whiten q_pre.
@@ -392,7 +393,10 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
       Fail(op, "lookup_keys must be [" + std::to_string(B) + ", " + std::to_string(Hkv) + ", W], got " +
                    ShapeText(*lookup_keys));
     }
-    if (lookup_keys->stride(2) != 1) Fail(op, "lookup_keys must be contiguous in its last dim");
+    if (lookup_keys->stride(2) != 1 || lookup_keys->stride(1) != lookup_keys->size(2) ||
+        lookup_keys->stride(0) < Hkv * lookup_keys->size(2)) {
+      Fail(op, "lookup_keys must be contiguous in its last two dims (rows of W values, no broadcast)");
+    }
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
   }
   if (layer < 0 || layer >= ro.num_layers) {

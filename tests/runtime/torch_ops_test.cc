@@ -218,6 +218,45 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
                                 {"slot 0 is empty"});
 }
 
+// lookup_keys=: the caller's keys reach the reference's lookups (rows of G d, default strides).
+TEST_F(TorchOpsTest, CallerLookupKeysReachTheLookup) {
+  SynthSpec s;
+  s.Hq = 4;
+  s.Hkv = 2;
+  s.d = 64;  // G d = 128
+  s.K = 40;
+  s.whitening = true;
+  s.key_rank = 64;
+  const std::string a = write("w.asmd", s);
+  EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(a, "cpu", -1, 0, true, false), 0);
+  HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20, 3}, {0, -1, 0}, seed_ + 5);
+  {
+    std::mt19937_64 rng(seed_ + 6);
+    std::normal_distribution<float> nd;
+    const int64_t n = int64_t(st.B) * st.Hkv * 128;
+    st.lookup_keys.assign(size_t(n * st.elem()), 0);
+    for (int64_t i = 0; i < n; ++i) StoreFromFloat(st.lookup_keys.data(), st.dtype, i, nd(rng));
+  }
+  const StepTensors x = ToTensors(st);
+  const at::Tensor keys =
+      torch::from_blob(st.lookup_keys.data(), {st.B, st.Hkv, 128}, torch::dtype(TorchType(st.dtype))).clone();
+  auto fa = DictionaryFile::open(a);
+  auto call = [&](const at::Tensor& k) {
+    return Op<DecodeFn>("asmem::decode")
+        .call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(x.dict_ids), 1, 0.0, 0,
+              "HND", OptionalTensor(k));
+  };
+  const auto got = call(keys);
+  EXPECT_TRUE(SameAs(got, RunReference(st, 1, {fa.get()})));
+  HostStep own = st;
+  own.lookup_keys.clear();
+  EXPECT_FALSE(SameAs(got, RunReference(own, 1, {fa.get()}))) << "the caller's keys changed nothing";
+  // Rows the tensor does not lay out as [B, Hkv, W] (a slice of wider rows) are refused.
+  expect_error<InvalidArgument>(
+      [&] { call(at::zeros({st.B, st.Hkv, 256}, x.q.options()).narrow(2, 0, 128)); },
+      {"asmem.decode: lookup_keys must be contiguous in its last two dims"});
+}
+
 TEST_F(TorchOpsTest, Int8KeysOnLoadAndReplace) {
   SynthSpec s;
   s.Hq = 4;

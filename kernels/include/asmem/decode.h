@@ -30,8 +30,9 @@
 //                             query projection (W (Wq x + bq - mean)): the key of (b, h) is
 //                             the R values (R: the view's key_dim) at lookup_keys +
 //                             b*lookup_keys_stride_b + h*lookup_keys_stride_h (elements;
-//                             multiples of 8, stride_h at least the widest served key width,
-//                             base 16-byte aligned), used as given in place of W (x - mean).
+//                             multiples of 8, stride_h at least the widest width the config
+//                             serves, G*d where key_dims names it or is 0; base 16-byte
+//                             aligned), used as given in place of W (x - mean).
 //                             With config.whitening the op then launches no whitening (on
 //                             the H200 that kernel took 7.5-8.5 us of a 55 us step at LLaMA-8B
 //                             B = 32, K = 4096, R = 64). Views without whitening still read

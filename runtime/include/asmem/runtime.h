@@ -224,7 +224,9 @@ struct DecodeArgs {
                                       // first in its row), in the step dtype, with the
                                       // whitening of the file now in the request's slot
                                       // (after a replace: the new file's)
-  int64_t lookup_keys_stride_b = 0, lookup_keys_stride_h = 0;  // 0: Hkv*G*d and G*d
+  int64_t lookup_keys_stride_b = 0, lookup_keys_stride_h = 0;  // 0: Hkv*stride_h and G*d
+                                      // (stride_h at least the widest key width of the
+                                      // resident dictionaries, G*d when a plain one is)
   const void* k_cache = nullptr;                   // paged KV of the layer (see the top)
   const void* v_cache = nullptr;
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;  // all 0: HND
