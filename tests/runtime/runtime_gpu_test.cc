@@ -212,6 +212,51 @@ TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
   }
 }
 
+// DecodeArgs::lookup_keys (rows of G d by default) on both runtimes: the CUDA one matches the
+// CPU one given the same keys, which reach the lookups of the whitened dictionary (keys of 64
+// dims, hierarchical) while a plain one stays resident.
+TEST_P(RuntimeGpuShapes, CallerLookupKeysMatchTheCpuRuntime) {
+  const GpuCase& c = GetParam();
+  SCOPED_TRACE(test::seed_trace(seed_));
+  const SynthSpec base = test::ShapeSpec(c, 2);
+  SynthSpec s0 = base, s1 = base;
+  s0.K = 301;
+  s1.K = 200;
+  s1.parents = 9;
+  s1.top_m = 3;
+  s1.whitening = true;
+  s1.key_rank = 64;
+  s1.seed = 4;
+  const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1);
+  HostStep st = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 613, 77, 130, 3},
+                         {1, -1, 1, 0, 1, -1}, seed_ + 11, c.nhd);
+  {
+    std::mt19937_64 rng(seed_ + 12);
+    std::normal_distribution<float> nd;
+    const int64_t n = int64_t(st.B) * st.Hq * st.d;  // B Hkv (G d)
+    st.lookup_keys.assign(size_t(n * st.elem()), 0);
+    for (int64_t i = 0; i < n; ++i) StoreFromFloat(st.lookup_keys.data(), st.dtype, i, nd(rng));
+  }
+  DecodeRuntime cpu(Options(base, Device::Cpu(), st));
+  DecodeRuntime gpu(Options(base, Device::Cuda(0), st));
+  for (const std::string& p : {p0, p1}) {
+    EXPECT_EQ(cpu.load(p), gpu.load(p));
+  }
+  const DeviceStep dev(st);
+  const DeviceBuffer keys(st.lookup_keys.data(), st.lookup_keys.size());
+  HostStep own = st;
+  own.lookup_keys.clear();
+  for (int32_t layer = 0; layer < base.L; ++layer) {
+    const StepOutputs want = test::RunRuntime(cpu, st, layer);
+    EXPECT_NE(want.index, test::RunRuntime(cpu, own, layer).index) << "the caller's keys changed no lookup";
+    DeviceOutputs out(st);
+    DecodeArgs a = Args(dev, out);
+    a.lookup_keys = keys.p;
+    gpu.decode(layer, a, nullptr);
+    ExpectClose(out.Download(), want, st, "caller keys, layer " + std::to_string(layer));
+  }
+}
+
 // LoadOptions::int8_keys on both runtimes: the same sections are int8 (not the whitened
 // dictionary's), lookups pick the same entries, and the device holds fewer bytes than with
 // the file's (f32) keys.
