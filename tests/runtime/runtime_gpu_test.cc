@@ -230,13 +230,7 @@ TEST_P(RuntimeGpuShapes, CallerLookupKeysMatchTheCpuRuntime) {
   const std::string p0 = write("d0.asmd", s0), p1 = write("d1.asmd", s1);
   HostStep st = MakeStep(c.Hq, c.Hkv, c.d, c.page_size, c.dtype, {1, 0, 613, 77, 130, 3},
                          {1, -1, 1, 0, 1, -1}, seed_ + 11, c.nhd);
-  {
-    std::mt19937_64 rng(seed_ + 12);
-    std::normal_distribution<float> nd;
-    const int64_t n = int64_t(st.B) * st.Hq * st.d;  // B Hkv (G d)
-    st.lookup_keys.assign(size_t(n * st.elem()), 0);
-    for (int64_t i = 0; i < n; ++i) StoreFromFloat(st.lookup_keys.data(), st.dtype, i, nd(rng));
-  }
+  test::FillRandomLookupKeys(st, seed_ + 12);
   DecodeRuntime cpu(Options(base, Device::Cpu(), st));
   DecodeRuntime gpu(Options(base, Device::Cuda(0), st));
   for (const std::string& p : {p0, p1}) {

@@ -262,13 +262,7 @@ TEST_P(RuntimeMixedBatch, EqualsReferenceWithHandBuiltViews) {
   // Lookup keys from the caller (DecodeArgs::lookup_keys, default strides: rows of G d): the
   // whitened dictionary (slot 3) looks up with them, the others with q_pre.
   HostStep keyed = st;
-  {
-    std::mt19937_64 rng(seed_ + 7);
-    std::normal_distribution<float> nd;
-    const int64_t n = int64_t(st.B) * st.Hq * st.d;  // B Hkv (G d)
-    keyed.lookup_keys.assign(size_t(n * st.elem()), 0);
-    for (int64_t i = 0; i < n; ++i) StoreFromFloat(keyed.lookup_keys.data(), st.dtype, i, nd(rng));
-  }
+  test::FillRandomLookupKeys(keyed, seed_ + 7);
   for (int32_t layer = 0; layer < base.L; ++layer) {
     SCOPED_TRACE("caller keys, layer " + std::to_string(layer));
     const StepOutputs got = RunRuntime(rt, keyed, layer);

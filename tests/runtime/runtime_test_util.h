@@ -266,6 +266,16 @@ inline HostStep MakeStep(int32_t Hq, int32_t Hkv, int32_t d, int32_t page_size, 
   return s;
 }
 
+// Random N(0, 1) lookup keys for `s` (DecodeArgs::lookup_keys): rows of G d per request and
+// KV head, the default layout.
+inline void FillRandomLookupKeys(HostStep& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  const int64_t n = int64_t(s.B) * s.Hq * s.d;  // B Hkv (G d)
+  s.lookup_keys.assign(size_t(n * s.elem()), 0);
+  for (int64_t i = 0; i < n; ++i) StoreFromFloat(s.lookup_keys.data(), s.dtype, i, nd(rng));
+}
+
 // What a step produced.
 struct StepOutputs {
   std::vector<uint8_t> o;

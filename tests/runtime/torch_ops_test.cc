@@ -230,13 +230,7 @@ TEST_F(TorchOpsTest, CallerLookupKeysReachTheLookup) {
   const std::string a = write("w.asmd", s);
   EXPECT_EQ(Op<LoadFn>("asmem::load_dictionary").call(a, "cpu", -1, 0, true, false), 0);
   HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20, 3}, {0, -1, 0}, seed_ + 5);
-  {
-    std::mt19937_64 rng(seed_ + 6);
-    std::normal_distribution<float> nd;
-    const int64_t n = int64_t(st.B) * st.Hkv * 128;
-    st.lookup_keys.assign(size_t(n * st.elem()), 0);
-    for (int64_t i = 0; i < n; ++i) StoreFromFloat(st.lookup_keys.data(), st.dtype, i, nd(rng));
-  }
+  test::FillRandomLookupKeys(st, seed_ + 6);  // rows of G d = 128
   const StepTensors x = ToTensors(st);
   const at::Tensor keys =
       torch::from_blob(st.lookup_keys.data(), {st.B, st.Hkv, 128}, torch::dtype(TorchType(st.dtype))).clone();
