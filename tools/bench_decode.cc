@@ -8,10 +8,11 @@
 // Shapes: LLaMA-3.1-8B attention (Hq 32, Hkv 8, d 128) and GQA-8 (Hq 32, Hkv 4), bf16,
 // paged KV (page 16, HND layout), random data, normalized random dictionary keys.
 // Timing: our op is captured once in a CUDA graph per input set (`--launch eager` calls it
-// on the stream instead); torch runs eagerly (as a serving stack calls it). After warm-up each timed call or replay follows an untimed read
-// of a 256 MB buffer (--flush read, the default: the L2 then holds nothing of the step and
-// no dirty line, as after a layer's projections in a serving step, where the other layers'
-// dictionaries and KV have long pushed this layer's out) and sits between two CUDA events;
+// on the stream instead); torch runs eagerly (as a serving stack calls it). After warm-up
+// each timed call or replay follows an untimed read of a 256 MB buffer (--flush read, the
+// default: the L2 then holds nothing of the step and no dirty line, as after a layer's
+// projections in a serving step, where the other layers' dictionaries and KV have long
+// pushed this layer's out) and sits between two CUDA events;
 // the median of --iters is reported (and the mean, min). `--flush none` times back-to-back
 // replays instead: then, when a config's working set would fit in L2 several times, calls
 // rotate over several disjoint input sets, and what the working set leaves in L2 (the

@@ -358,7 +358,8 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
   out["date"] = Now();
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize}, {"dtype", "bf16"},
-                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch}, {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch},
+                     {"programmatic_launch", opt.pdl}, {"mac", MacSettingsJson(mc)}};
   out["trace"] = {{"file", opt.queries}, {"model", tr.model}, {"layers", tr.layers}, {"q_heads", Hq},
                   {"kv_heads", Hkv}, {"head_dim", d}, {"first_position", tr.first_position},
                   {"positions", tr.positions}, {"first_decode", tr.first_decode}, {"steps", samples.size()}};
@@ -507,7 +508,8 @@ int Run(const Options& opt) {
   out["commit"] = commit;
   out["settings"] = {{"iters", opt.iters}, {"warmup", opt.warmup}, {"page_size", kPageSize},
                      {"head_dim", kHeadDim}, {"dtype", "bf16"}, {"quick", opt.quick},
-                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch}, {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
+                     {"flush_mb", opt.flush_mb}, {"flush", opt.flush}, {"launch", opt.launch},
+                     {"max_offset", max_off}, {"programmatic_launch", opt.pdl},
                      {"mac", MacSettingsJson(mc)}};
   out["full"] = json::array();
   out["results"] = json::array();
