@@ -110,7 +110,6 @@ void AppendTimeline(const Options& opt, const std::string& label) {
 }
 
 using bench::DevMem;
-using bench::ElapsedUs;
 using bench::Median;
 using bench::Upload;
 
@@ -306,8 +305,7 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
   if (workspace.n < ws) workspace = DevMem(ws);
   const bool eager = opt.launch == "eager";
   std::vector<cudaGraphExec_t> execs;
-  for (const DecodeParams& p : rotations) {
-    if (eager) break;
+  for (const DecodeParams& p : eager ? std::vector<DecodeParams>{} : rotations) {
     cudaGraph_t g;
     cudaGraphExec_t e;
     ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -336,19 +334,8 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
     const int more = ms >= 20.0 ? 0 : int(std::min(2000.0, opt.warmup * (20.0 - ms) / std::max(ms, 0.05)));
     for (int i = 0; i < more; ++i) call(i);
   }
-  std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
-  for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
-  // Host head start (eager calls take the host longer, as torch's: four memsets, as there).
-  for (int k = 0; k < (eager ? 4 : 1); ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
-  for (int i = 0; i < opt.iters; ++i) {
-    bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
-    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    call(i);
-    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
-  }
-  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<double> us = ElapsedUs(ev, opt.iters);
-  for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
+  // Host head start: eager calls take the host longer (four memsets, as torch gets).
+  const std::vector<double> us = bench::TimeCalls(call, opt.iters, opt.flush, flush, spin, eager ? 4 : 1, stream);
   for (auto& e : execs) ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
   Timing t;
   t.median_us = Median(us);
@@ -436,18 +423,8 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
       };
       for (int i = 0; i < opt.warmup; ++i) call(i);
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
-      for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
-      for (int k = 0; k < 4; ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
-      for (int i = 0; i < opt.iters; ++i) {
-        bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
-        ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-        call(i);
-        ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
-      }
-      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<double> us = ElapsedUs(ev, opt.iters);
-      for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
+      const std::vector<double> us =
+          bench::TimeCalls([&](int i) { call(i); }, opt.iters, opt.flush, flush, spin, 4, stream);
       res.ok = true;
       res.t.median_us = Median(us);
       res.t.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();

@@ -91,7 +91,6 @@ struct Options {
 };
 
 using bench::DevMem;
-using bench::ElapsedUs;
 using bench::Median;
 using bench::Upload;
 
@@ -161,19 +160,10 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
     }
   };
   for (int i = 0; i < opt.warmup; ++i) call();
-  std::vector<cudaEvent_t> ev(2 * size_t(opt.iters));
-  for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&x));
-  // Host head start (eager calls take the host longer).
-  for (int k = 0; k < (eager ? 4 : 1); ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
-  for (int i = 0; i < opt.iters; ++i) {
-    bench::EmptyL2(opt.flush, flush.p, flush.n, spin.p, i, stream);
-    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    call();
-    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
-  }
-  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<double> us = ElapsedUs(ev, opt.iters);
-  for (auto& x : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(x));
+  // Host head start: eager calls take the host longer.
+  const std::vector<double> us =
+      bench::TimeCalls([&](int) { call(); }, opt.iters, opt.flush, flush, spin,
+                       eager ? 4 : 1, stream);
   if (e != nullptr) ASMEM_CUDA_CHECK(cudaGraphExecDestroy(e));
   Timing t;
   t.median_us = Median(us);

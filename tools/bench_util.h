@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "asmem/cuda_check.cuh"
+#include "l2_flush.h"
 
 namespace asmem::bench {
 
@@ -55,6 +58,27 @@ inline std::vector<double> ElapsedUs(const std::vector<cudaEvent_t>& ev, int ite
     ASMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * size_t(i)], ev[2 * size_t(i) + 1]));
     us[size_t(i)] = 1e3 * ms;
   }
+  return us;
+}
+
+// The timed loop of every benchmark: `head_starts` memsets of `spin` first (they keep the
+// host's launches ahead of the GPU), then per call i < iters the L2 emptied as `flush_mode`
+// says (EmptyL2 of `flush`), an event, call(i), an event. Returns each call's microseconds.
+inline std::vector<double> TimeCalls(const std::function<void(int)>& call, int iters,
+                                     const std::string& flush_mode, const DevMem& flush, const DevMem& spin,
+                                     int head_starts, cudaStream_t stream) {
+  std::vector<cudaEvent_t> ev(2 * size_t(iters));
+  for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventCreate(&e));
+  for (int k = 0; k < head_starts; ++k) ASMEM_CUDA_CHECK(cudaMemsetAsync(spin.p, 0, spin.n, stream));
+  for (int i = 0; i < iters; ++i) {
+    EmptyL2(flush_mode, flush.p, flush.n, spin.p, i, stream);
+    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i)], stream));
+    call(i);
+    ASMEM_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i) + 1], stream));
+  }
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> us = ElapsedUs(ev, iters);
+  for (auto& e : ev) ASMEM_CUDA_CHECK(cudaEventDestroy(e));
   return us;
 }
 

@@ -34,7 +34,7 @@
 //                             serves, G*d where key_dims names it or is 0; base 16-byte
 //                             aligned), used as given in place of W (x - mean).
 //                             With config.whitening the op then launches no whitening (on
-//                             the H200 that kernel took 7.5-8.5 us of a 55 us step at LLaMA-8B
+//                             the H200 that kernel took 7.3-8.6 us of a 55 us step at LLaMA-8B
 //                             B = 32, K = 4096, R = 64). Views without whitening still read
 //                             q_pre. Null: the op whitens q_pre itself.
 //   k_cache, v_cache          DType, paged. Element (page p, kv head h, slot i, dim c) lives at
