@@ -20,11 +20,14 @@
 // `--flush write` empties the L2 by a memset (every line dirty). A large memset enqueued
 // first keeps the host ahead of the GPU, so host launch time is not measured. Bytes: the
 // fewest HBM bytes the step must read (each KV row once, each dictionary row the lookups
-// touch once); roofline = bytes / time / --hbm-tbps.
+// touch once); roofline = bytes / time / --hbm-tbps. With --caller-keys the op reads lookup
+// keys of --key-rank dims projected beforehand; what that projection costs an engine (its QKV
+// projection grown by R Hkv rows and a bias, torch's GEMM) is timed per batch size and added in
+// `speedup_with_projection`.
 //
 //   asmem_bench_decode [--quick] [--out FILE] [--commit SHA] [--batches ..] [--prefixes ..]
 //                      [--ks ..] [--modes linear hier] [--shapes ..] [--key-dtype bf16|i8] [--key-rank R] [--no-torch]
-//                      [--flush read|write|none]
+//                      [--flush read|write|none] [--caller-keys]
 #include <cuda_runtime_api.h>
 
 #include <CLI/CLI.hpp>
@@ -36,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <ctime>
 #include <map>
 #include <numeric>
@@ -383,6 +387,16 @@ struct TorchResult {
   Timing t;
 };
 
+// --caller-keys: what the engine pays for the keys it projects. Its fused QKV projection of
+// one layer ([B, hidden] x [(Hq + 2 Hkv) d, hidden]^T, hidden = Hq d, bf16, no bias, as
+// LLaMA's) against the same with R Hkv more output rows (W folded into the query rows) and a
+// bias (the W mean term), timed as torch's SDPA is (eager, L2 emptied before each call).
+struct ProjectionCost {
+  bool ok = false;
+  std::string error;
+  double qkv_us = NAN, with_keys_us = NAN;
+};
+
 #ifdef ASMEM_TORCH_CUDA
 void EnableOnlySdpBackend(const std::string& b) {
   at::Context& ctx = at::globalContext();
@@ -448,8 +462,41 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
   ctx.setSDPUseMath(true);
   return results;
 }
+
+ProjectionCost TimeProjection(const Shape& s, int B, int R, const Options& opt, cudaStream_t stream,
+                              DevMem& spin, const DevMem& flush) {
+  ProjectionCost res;
+  int dev = 0;
+  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto topt = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev);
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream, c10::DeviceIndex(dev)));
+  try {
+    const int64_t hidden = int64_t(s.hq) * kHeadDim, qkv = int64_t(s.hq + 2 * s.hkv) * kHeadDim;
+    const at::Tensor x = at::randn({B, hidden}, topt);
+    const at::Tensor w = at::randn({qkv + int64_t(R) * s.hkv, hidden}, topt).mul_(0.02);
+    const at::Tensor w_qkv = w.narrow(0, 0, qkv);  // a prefix of the rows: contiguous
+    const at::Tensor bias = at::randn({qkv + int64_t(R) * s.hkv}, topt);
+    auto time = [&](const std::function<void()>& call) {
+      for (int i = 0; i < opt.warmup; ++i) call();
+      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return Median(bench::TimeCalls([&](int) { call(); }, opt.iters, opt.flush, flush, spin, 4, stream));
+    };
+    res.qkv_us = time([&] { (void)at::linear(x, w_qkv); });
+    res.with_keys_us = time([&] { (void)at::linear(x, w, bias); });
+    res.ok = true;
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    res.error = msg.substr(0, msg.find('\n')).substr(0, 300);
+    cudaGetLastError();
+    ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  return res;
+}
 constexpr bool kHaveTorch = true;
 #else
+ProjectionCost TimeProjection(const Shape&, int, int, const Options&, cudaStream_t, DevMem&, const DevMem&) {
+  return {};
+}
 std::vector<TorchResult> TimeTorch(const Shape&, int, int, int, const DevMem&, const DevMem&,
                                    const DevMem&, const Options&, cudaStream_t, DevMem&, const DevMem&) {
   return {};
@@ -538,6 +585,7 @@ int Run(const Options& opt) {
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
+  out["projection"] = json::array();
 
   for (const Shape& s : shapes) {
     const int G = s.hq / s.hkv;
@@ -699,6 +747,27 @@ int Run(const Options& opt) {
         std::fflush(stdout);
       }
 
+      // --caller-keys: the engine's cost of projecting the keys (its QKV projection's growth).
+      double projection_extra_us = NAN;
+      if (opt.caller_keys && use_torch && !opt.check_only) {
+        const ProjectionCost pc = TimeProjection(s, B, opt.key_rank, opt, stream, spin, flush);
+        json pj = {{"shape", s.name}, {"B", B}, {"key_rank", opt.key_rank}, {"hidden", s.hq * kHeadDim},
+                   {"extra_rows", int64_t(opt.key_rank) * s.hkv}, {"ok", pc.ok}};
+        if (pc.ok) {
+          projection_extra_us = pc.with_keys_us - pc.qkv_us;
+          pj["qkv_us"] = pc.qkv_us;
+          pj["qkv_with_keys_us"] = pc.with_keys_us;
+          pj["extra_us"] = projection_extra_us;
+          std::printf("%-13s B=%-3d engine's QKV projection %.1f us, with %d key rows and a bias %.1f us "
+                      "(+%.1f us)\n", s.name.c_str(), B, pc.qkv_us, opt.key_rank * s.hkv, pc.with_keys_us,
+                      projection_extra_us);
+        } else {
+          pj["error"] = pc.error;
+          std::printf("%-13s B=%-3d engine's QKV projection n/a: %s\n", s.name.c_str(), B, pc.error.c_str());
+        }
+        out["projection"].push_back(pj);
+      }
+
       // (a) the op: dictionary lookup + attention over T.
       for (int K : opt.ks) {
         const double dict_bytes = double(s.hkv) * (double(K) * KeyRowBytes(D, i8) + double(K) * G * kHeadDim * 2);
@@ -807,6 +876,13 @@ int Run(const Options& opt) {
               sp["baseline_kernel"] = baseline_kernel[P];
               sp["speedup"] = baseline_us[P] / t.median_us;
               std::snprintf(buf, sizeof buf, " P=%dK %.2fx", P / 1024, baseline_us[P] / t.median_us);
+              if (std::isfinite(projection_extra_us)) {
+                // The step's cost to the engine: the op plus its projection's growth.
+                sp["op_plus_projection_us"] = t.median_us + projection_extra_us;
+                sp["speedup_with_projection"] = baseline_us[P] / (t.median_us + projection_extra_us);
+                const size_t n = std::strlen(buf);
+                std::snprintf(buf + n, sizeof buf - n, " (%.2fx)", baseline_us[P] / (t.median_us + projection_extra_us));
+              }
             } else {
               std::snprintf(buf, sizeof buf, " P=%dK n/a", P / 1024);
             }
@@ -874,7 +950,8 @@ int main(int argc, char** argv) {
   app.add_flag("--caller-keys", opt.caller_keys,
                "with --key-rank: the op reads lookup keys projected beforehand (DecodeParams::lookup_keys, as "
                "an engine that folds the projection into its query projection hands them over) and launches no "
-               "whitening; that projection's own time is not in the op's");
+               "whitening; that projection's own time is not in the op's (with torch, the growth of the engine's QKV "
+               "projection by R Hkv rows is timed beside it and the speedups are also given with it added)");
   app.add_option("--hbm-tbps", opt.hbm_tbps, "HBM roofline in TB/s");
   app.add_option("--plan-ctas", opt.plan_ctas, "DecodeConfig::plan_ctas (0: the default plan)");
   app.add_option("--lookup-ctas", opt.lookup_ctas, "DecodeConfig::lookup_ctas per KV head (0: default)")
