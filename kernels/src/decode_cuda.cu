@@ -105,12 +105,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_SPLIT_COMBINE");
     return e != nullptr && e[0] == '1';
   }();
-  // A cluster's two CTAs claim the middle tiles as they go (AttentionBlock's pair stealing);
-  // ASMEM_DECODE_PAIR_STEAL=0 gives each its half.
-  static const bool pair_steal = [] {
-    const char* e = std::getenv("ASMEM_DECODE_PAIR_STEAL");
-    return e == nullptr || e[0] != '0';
-  }();
   // With a dictionary and one split the attention CTAs pick the entry and write the output
   // (kSplitOutDict); ASMEM_DECODE_DICT_COMBINE=1 keeps the partials and the combine kernel.
   static const bool dict_combine = [] {
@@ -193,7 +187,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     a.split_out = split_combine || plan.kv_splits > kMaxClusterSplits ? kSplitOutPartials
                   : plan.kv_splits == 1                              ? kSplitOutDirect
                                                                      : kSplitOutCluster;
-    a.pair_steal = pair_steal;
   }
   kernel_dispatch::Dispatch("decode attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;

@@ -2124,73 +2124,47 @@ __device__ __forceinline__ void StoreOutput4(const LaunchArgs& a, int b, int hq,
   if (c == 0 && p.lse != nullptr) p.lse[int64_t(b) * a.hq + hq] = lse;
 }
 
-// The two splits of one (request, KV head) without a dictionary run as one thread block
-// cluster (CTA rank = split). Rank 1 pushes its normalized state and lse into rank 0's
-// mailbox (ClusterMailbox: shared memory past the tiles, so the push may land while rank 0
-// still streams), arrives at the cluster barrier with release semantics and leaves; rank 0
-// leaves its own state in sm_res, waits at the barrier and writes the merged output from
-// its shared memory alone. No partials go through global memory and no combine kernel runs;
-// one barrier phase for the merge (after the phase of the CTAs' start), and neither CTA
-// reads the other's shared memory.
-// H200, GQA-8 B = 32 P = 8K (timeline, session 49): with both ranks merging half the
-// columns each from both CTAs' shared memory between two cluster barriers, a pair ended
-// 3.3 us (p50) after its later CTA's tile loop.
-template <int HEAD_DIM, int GROUP>
-struct ClusterMailbox {
-  static constexpr size_t kBytes = size_t(GROUP) * HEAD_DIM * 4 + 64 * 4;  // o, lse, merge weights, claims
-  static_assert(2 * (AttnTile<HEAD_DIM>::kBytes + GROUP * HEAD_DIM * 4 + 64 * 4 + 1024) <= 228 * 1024,
-                "two attention CTAs and their mailboxes per SM");
-  static __device__ float* Of(char* smem, int stages) {
-    return reinterpret_cast<float*>(smem + size_t(stages) * 2 * AttnTile<HEAD_DIM>::kBlockN * HEAD_DIM * 2);
-  }
-  // Words past the merge's: the pair's claim counter (rank 0's is the one used), then the
-  // CTA's ring of claim results (kClaimRing tiles ahead).
-  static __device__ int* Claims(char* smem, int stages) {
-    return reinterpret_cast<int*>(Of(smem, stages) + GROUP * HEAD_DIM + 48);
-  }
-};
-constexpr int kClaimRing = 8;
-
-template <int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void ClusterPush(float* mailbox, int e, float4 o, bool lse_lane, float lse) {
+// The splits of one (request, KV head) without a dictionary run as one thread block cluster
+// (CTA rank = split): each CTA leaves its state in shared memory (sm_res, and the lse per
+// head beside the merge tables), and after the cluster barrier every CTA merges its share of
+// the output columns from all the CTAs' shared memory. No partials go through global memory
+// and no combine kernel runs.
+template <typename DType, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, int rank,
+                                             float* sm_res, float* sm_lse) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  float* peer = cluster.map_shared_rank(mailbox, 0);
-  *reinterpret_cast<float4*>(peer + e) = o;
-  if (lse_lane) peer[GROUP * HEAD_DIM + e / HEAD_DIM] = lse;
-}
-
-template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void ClusterMerge(const LaunchArgs& a, int b, int h, int rank, const float* sm_res,
-                                             const float* sm_lse, float* mailbox) {
-  static_assert(kMaxClusterSplits == 2, "the mailbox holds one peer's state");
+  const int S = a.kv_splits;  // the cluster size
   const int tid = threadIdx.x;
-  if (rank != 0) {
-    // The pushes are ordered before the arrival; rank 0, waiting at the barrier, outlives them.
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    return;
-  }
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-  const float* peer_lse = mailbox + GROUP * HEAD_DIM;
-  float* sm_cw = mailbox + GROUP * HEAD_DIM + 2 * GROUP;  // [GROUP][2] weights, then the lse
+  float* sm_cw = sm_res + GROUP * HEAD_DIM;  // [GROUP][kMaxClusterSplits] merge weights
+  float* sm_clse = sm_cw + GROUP * kMaxClusterSplits;  // [GROUP] merged lse
+  cluster.sync();  // every split's state is in its shared memory
   if (tid < GROUP) {
-    const float l0 = sm_lse[tid], l1 = peer_lse[tid];
-    const LseSum sum = lse_sum_add(lse_sum_add(lse_sum_empty(), l0), l1);
-    sm_cw[2 * tid] = lse_sum_weight(sum, l0);
-    sm_cw[2 * tid + 1] = lse_sum_weight(sum, l1);
-    sm_cw[2 * GROUP + tid] = lse_sum_lse(sum);
+    LseSum sum = lse_sum_empty();
+    for (int r = 0; r < S; ++r) sum = lse_sum_add(sum, *cluster.map_shared_rank(sm_lse + tid, r));
+    for (int r = 0; r < S; ++r) {
+      sm_cw[tid * kMaxClusterSplits + r] = lse_sum_weight(sum, *cluster.map_shared_rank(sm_lse + tid, r));
+    }
+    sm_clse[tid] = lse_sum_lse(sum);
   }
   __syncthreads();
-  for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
-    const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
-    const float w0 = sm_cw[2 * hh], w1 = sm_cw[2 * hh + 1];
-    const float4 x = *reinterpret_cast<const float4*>(sm_res + e);
-    const float4 y = *reinterpret_cast<const float4*>(mailbox + e);
-    const float4 o = make_float4(fmaf(w1, y.x, w0 * x.x), fmaf(w1, y.y, w0 * x.y), fmaf(w1, y.z, w0 * x.z),
-                                 fmaf(w1, y.w, w0 * x.w));
-    StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, sm_cw[2 * GROUP + hh]);
+  constexpr int kQuads = GROUP * HEAD_DIM / 4;
+  const int share = (kQuads + S - 1) / S;
+  const int q_end = min(kQuads, (rank + 1) * share);
+  for (int q = rank * share + tid; q < q_end; q += kThreads) {
+    const int hh = 4 * q / HEAD_DIM, c = 4 * q % HEAD_DIM;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = 0; r < S; ++r) {
+      const float w = sm_cw[hh * kMaxClusterSplits + r];
+      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(sm_res + 4 * q, r));
+      o.x = fmaf(w, x.x, o.x);
+      o.y = fmaf(w, x.y, o.y);
+      o.z = fmaf(w, x.z, o.z);
+      o.w = fmaf(w, x.w, o.w);
+    }
+    StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, sm_clse[hh]);
   }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
 // The launch's fields DictEntryPick reads, passed by value.
@@ -2264,17 +2238,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   if (empty && a.split_out == kSplitOutPartials) return;
   const int t0 = empty ? 0 : split * per;
   const int t1 = empty ? 0 : min(T, t0 + per);
-  // A cluster's CTAs say they have started: rank 1 writes into rank 0's shared memory (the
-  // claims below, the merge's push) only after the wait for this phase. Rank 0 zeroes its
-  // claim counter first.
-  const bool cluster_out = a.split_out == kSplitOutCluster;
-  const bool steal = cluster_out && a.pair_steal;
-  int* const claims = cluster_out ? ClusterMailbox<HEAD_DIM, GROUP>::Claims(smem, a.attn_stages) : nullptr;
-  if (cluster_out) {
-    if (split == 0 && threadIdx.x == 0) *claims = 0;
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-  }
-  bool cluster_waited = false;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -2308,44 +2271,17 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const DType* vb = static_cast<const DType*>(p.v_cache) + h * p.kv_stride_head;
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
+  const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
   const int stages = a.attn_stages;  // 2 or 3 (the launch's shared memory holds them)
-  // Pair stealing (kSplitOutCluster with a.pair_steal): the cluster's two CTAs share the
-  // request's tiles, rank 0 from the front and rank 1 from the back. Each takes its first
-  // `quota` tiles as its own; the others it claims one at a time (thread 0, an atomic on rank
-  // 0's counter, stages + 1 tiles ahead of their use; the results reach the other threads
-  // through the claim ring and the loop's barrier), so a CTA on a slower SM leaves more of
-  // the middle to its partner. n_tiles: this CTA's tiles known so far (a prefix).
-  const int n_pair = T > 0 ? (T + kBlockN - 1) / kBlockN : 0;
-  const int quota = n_pair / 4;
-  int* const claim_ring = steal ? claims + 1 : nullptr;
-  int* const claim_counter = steal ? cooperative_groups::this_cluster().map_shared_rank(claims, 0) : nullptr;
-  bool claims_over = false;  // thread 0: a claim failed (so will every later one)
-  // Thread 0, local tile j >= quota: the claim's ticket (the atomic's result, n_pair if none
-  // was taken), then its publication in the ring (after the tile's math, which the atomic's
-  // round trip overlaps).
-  auto claim_ticket = [&]() { return claims_over ? n_pair : atomicAdd(claim_counter, 1); };
-  auto claim_publish = [&](int j, int ticket) {
-    const int ok = ticket < n_pair - 2 * quota ? 1 : 0;
-    claims_over = ok == 0;
-    claim_ring[j % kClaimRing] = ok;
-  };
-  auto claim = [&](int j) { claim_publish(j, claim_ticket()); };
-  int n_tiles = steal ? quota : (t1 - t0 + kBlockN - 1) / kBlockN;
-  const int t_end = steal ? T : t1;
-  // The first token of local tile `tile`.
-  auto tile_base = [&](int tile) {
-    return steal ? (split == 0 ? tile : n_pair - 1 - tile) * kBlockN : t0 + tile * kBlockN;
-  };
   const uint64_t kv_pol = KvCopyPolicy(a.kv_evict_first);
   // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
   // ahead so the block-table round trip never sits between a barrier and the copies.
   int32_t pages[kLoads];
   auto load_pages = [&](int tile) {
-    if (steal && tile >= quota && tile == n_tiles && claim_ring[tile % kClaimRing] != 0) n_tiles = tile + 1;
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int t = tile_base(tile) + (tid + i * kThreads) / kRowChunks;
-      pages[i] = (tile < n_tiles && t < t_end) ? __ldg(bt + (t >> shift)) : 0;
+      const int t = t0 + tile * kBlockN + (tid + i * kThreads) / kRowChunks;
+      pages[i] = (tile < n_tiles && t < t1) ? __ldg(bt + (t >> shift)) : 0;
     }
   };
   auto issue_tile = [&](int tile) {
@@ -2356,8 +2292,8 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
       for (int i = 0; i < kLoads; ++i) {
         const int c = tid + i * kThreads;
         const int j = c / kRowChunks, piece = c % kRowChunks;
-        const int t = tile_base(tile) + j;
-        const bool valid = t < t_end;
+        const int t = t0 + tile * kBlockN + j;
+        const bool valid = t < t1;
         int64_t off = 0;
         if (valid) {
           off = int64_t(pages[i]) * p.kv_stride_page + int64_t(t & slot_mask) * p.kv_stride_token +
@@ -2371,14 +2307,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
     load_pages(tile + 1);
   };
-  if (steal && quota <= stages) {  // claims before the loop's (a short request)
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    cluster_waited = true;
-    if (tid == 0) {
-      for (int j = quota; j <= stages; ++j) claim(j);
-    }
-    __syncthreads();
-  }
   load_pages(0);
   for (int i = 0; i < stages - 1; ++i) issue_tile(i);
   if (a.split_out == kSplitOutDict && warp == 0) DictPickWarm(a, b, h);
@@ -2393,16 +2321,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     __syncthreads();  // everyone's have; the buffer of tile-1 is free again
     DTL(if (tlr && tile == 0) tlr[1] = DtlNow());
     issue_tile(tile + stages - 1);
-    // The claim load_pages reads in the next iteration (published after this tile's math).
-    const bool claiming = steal && tile + stages + 1 >= quota;
-    int ticket = 0;
-    if (claiming) {
-      if (!cluster_waited) {  // the first claim: rank 0's counter is zero (start phase)
-        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-        cluster_waited = true;
-      }
-      if (tid == 0) ticket = claim_ticket();
-    }
     const DType* kt = tiles + (tile % stages) * 2 * kTile;
     const DType* vt = kt + kTile;
 #pragma unroll
@@ -2417,11 +2335,11 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
         Ldsm4(af, kt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
         Mma16816<DType>(s, af, qf[ks][0], qf[ks][1]);
       }
-      const int tok = tile_base(tile) + r0 + g;
+      const int tok = t0 + tile * kBlockN + r0 + g;
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] *= a.scale_log2;
-      if (tok >= t_end) s[0] = s[1] = -INFINITY;
-      if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+      if (tok >= t1) s[0] = s[1] = -INFINITY;
+      if (tok + 8 >= t1) s[2] = s[3] = -INFINITY;
       float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
@@ -2463,12 +2381,10 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
         Mma16816<DType>(acc[j], vf, bl0, bl1);
       }
     }
-    if (claiming && tid == 0) claim_publish(tile + stages + 1, ticket);
   }
   CpAsyncWait<0>();
   __syncthreads();  // the tiles' shared memory is reused below
   DTL(if (tlr) tlr[2] = DtlNow());
-  DTL(if (tlr && steal) tlr[5] = unsigned(n_tiles * kBlockN));  // tiles taken, in tokens
 
   // Per-warp normalized state per head, then the one merge across warps.
 #pragma unroll
@@ -2545,7 +2461,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     entry = sm_pick[0];
     bad = sm_pick[1] != 0;
   }
-  if (cluster_out && !cluster_waited) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
     const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -2587,21 +2502,13 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
         lse = nan;
       }
       StoreOutput4<DType>(a, b, h * GROUP + hh, c, o, lse);
-    } else if (split == 0) {
-      *reinterpret_cast<float4*>(&sm_res[e]) = o;
     } else {
-      ClusterPush<HEAD_DIM, GROUP>(ClusterMailbox<HEAD_DIM, GROUP>::Of(smem, stages), e, o, c == 0, sm_lse[hh]);
+      *reinterpret_cast<float4*>(&sm_res[e]) = o;
     }
   }
   if (a.split_out == kSplitOutPartials) return;
-  if (tid == 0 && p.lookup_index != nullptr && split == 0) {
-    p.lookup_index[int64_t(b) * a.hkv + h] = bad ? -1 : entry;
-  }
-  if (a.split_out == kSplitOutCluster) {
-    __syncthreads();  // sm_res is complete
-    ClusterMerge<DType, HEAD_DIM, GROUP>(a, b, h, split, sm_res, sm_lse,
-                                         ClusterMailbox<HEAD_DIM, GROUP>::Of(smem, stages));
-  }
+  if (tid == 0 && p.lookup_index != nullptr) p.lookup_index[int64_t(b) * a.hkv + h] = bad ? -1 : entry;
+  if (a.split_out == kSplitOutCluster) ClusterMerge<DType, HEAD_DIM, GROUP>(a, b, h, split, sm_res, sm_lse);
 }
 
 // 128 threads, two CTAs per SM (96 KB of shared memory each; 64 KB with kAttnLookupStages,
@@ -3217,9 +3124,8 @@ void LaunchDecodeMain(const LaunchArgs& a, size_t smem_bytes, bool after_lookup,
   const int64_t ctas = a.n_attn_ctas;
   if (ctas == 0) return;
   auto kernel = DecodeMainKernel<DType, HEAD_DIM, GROUP>;
-  const unsigned cluster = a.split_out == kSplitOutCluster ? unsigned(a.kv_splits) : 1u;
-  if (cluster > 1) smem_bytes += ClusterMailbox<HEAD_DIM, GROUP>::kBytes;  // past the tiles
   AllowDynamicSmem(kernel, smem_bytes, true);
+  const unsigned cluster = a.split_out == kSplitOutCluster ? unsigned(a.kv_splits) : 1u;
   LaunchMaybePdl(kernel, unsigned(ctas), kThreads, smem_bytes, after_lookup, a, stream, cluster);
 }
 
