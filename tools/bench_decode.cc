@@ -39,8 +39,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <optional>
