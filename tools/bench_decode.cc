@@ -308,12 +308,12 @@ Timing TimeOp(const DecodeConfig& config, const std::vector<DecodeParams>& rotat
   const size_t ws = DecodeWorkspaceBytes(config);
   if (workspace.n < ws) workspace = DevMem(ws);
   const bool eager = opt.launch == "eager";
-  std::vector<cudaGraphExec_t> execs;
-  for (const DecodeParams& p : eager ? std::vector<DecodeParams>{} : rotations) {
+  std::vector<cudaGraphExec_t> execs;  // one per rotation; none for eager calls
+  for (size_t r = 0; !eager && r < rotations.size(); ++r) {
     cudaGraph_t g;
     cudaGraphExec_t e;
     ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    DecodeAttention(config, p, workspace.p, workspace.n, stream);
+    DecodeAttention(config, rotations[r], workspace.p, workspace.n, stream);
     ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
     ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
     ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
@@ -398,6 +398,12 @@ struct ProjectionCost {
 };
 
 #ifdef ASMEM_TORCH_CUDA
+// A torch error's first line, at most 300 characters (its messages carry C++ backtraces).
+std::string FirstLine(const std::exception& e) {
+  const std::string msg = e.what();
+  return msg.substr(0, std::min<size_t>(msg.find('\n'), 300));
+}
+
 void EnableOnlySdpBackend(const std::string& b) {
   at::Context& ctx = at::globalContext();
   ctx.setSDPUseFlash(b == "flash");
@@ -446,9 +452,7 @@ std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const De
       res.t.iters = opt.iters;
       res.t.rotations = R;
     } catch (const std::exception& e) {
-      std::string msg = e.what();
-      msg = msg.substr(0, msg.find('\n'));
-      res.error = msg.substr(0, 300);
+      res.error = FirstLine(e);
       cudaGetLastError();  // a refused backend leaves no sticky error; clear a plain one
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
@@ -485,9 +489,8 @@ ProjectionCost TimeProjection(const Shape& s, int B, int R, const Options& opt, 
     res.with_keys_us = time([&] { (void)at::linear(x, w, bias); });
     res.ok = true;
   } catch (const std::exception& e) {
-    std::string msg = e.what();
-    res.error = msg.substr(0, msg.find('\n')).substr(0, 300);
-    cudaGetLastError();
+    res.error = FirstLine(e);
+    cudaGetLastError();  // as TimeTorch's
     ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   return res;
