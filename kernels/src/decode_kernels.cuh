@@ -2210,183 +2210,189 @@ __device__ __forceinline__ void DictPickWarm(const LaunchArgs& a, int b, int h) 
   }
 }
 
-template <typename DType, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
-  using Cfg = AttnTile<HEAD_DIM>;
-  using P = Pack<DType>;
-  constexpr int kBlockN = Cfg::kBlockN;
-  constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
-  constexpr int kKSteps = HEAD_DIM / 16;    // QK k-steps = PV dim tiles
-  constexpr int kWarpTokens = kBlockN / kWarps;
-  constexpr int kSub = kWarpTokens / 16;
-  constexpr int kTile = kBlockN * HEAD_DIM;  // elements of one K (or V) stage tile
-  constexpr int kLoads = kBlockN * kRowChunks / kThreads;
-  static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile chunks must split evenly");
-  static_assert(GROUP >= 1 && GROUP <= 8, "group size");
-
-  const DecodeParams& p = a.p;
-  const int split = cta % a.kv_splits;
-  const int rest = cta / a.kv_splits;
-  const int h = rest % a.hkv;
-  const int b = rest / a.hkv;
-  const int T = p.seq_lens[b];
-  const int per = SplitTokens(T, a.kv_splits);
-  // An empty split (past the request's end) writes no partial; when the CTA writes the output
-  // itself (kSplitOutDirect / kSplitOutCluster / kSplitOutDict) it runs on with no tokens and
-  // an empty state.
-  const bool empty = T <= 0 || int64_t(split) * per >= T;
-  if (empty && a.split_out == kSplitOutPartials) return;
-  const int t0 = empty ? 0 : split * per;
-  const int t1 = empty ? 0 : min(T, t0 + per);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  DTL(unsigned long long* const tlr = tid == 0 ? DtlRec(a, kTlAttn) : nullptr);
-  DTL(if (tlr) { tlr[5] = unsigned(t1 - t0); tlr[6] = unsigned(split); });
-
-  // Q^T as the B operand: column g = query head h*G + g (zero past the group).
-  uint32_t qf[kKSteps][2];
-  {
-    const DType* qrow = static_cast<const DType*>(p.q) + b * p.q_stride_b +
-                        int64_t(h * GROUP + (g < GROUP ? g : 0)) * p.q_stride_h + 2 * t4;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      qf[ks][0] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks) : 0u;
-      qf[ks][1] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks + 8) : 0u;
-    }
-  }
-  // Heads 2t4, 2t4 + 1 of this lane: running max (base 2), partial sum over its tokens,
-  // and O^T[dims 16j + g (+8)][heads] in acc[j][0, 1] ([2, 3]).
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float acc[kKSteps][4];
-#pragma unroll
-  for (int j = 0; j < kKSteps; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
-  }
-
-  DType* tiles = reinterpret_cast<DType*>(smem);
-  const int32_t* bt = p.block_table + b * p.block_table_stride;
-  const DType* kb = static_cast<const DType*>(p.k_cache) + h * p.kv_stride_head;
-  const DType* vb = static_cast<const DType*>(p.v_cache) + h * p.kv_stride_head;
-  const int shift = a.page_shift;
-  const int slot_mask = (1 << shift) - 1;
-  const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
-  const int stages = a.attn_stages;  // 2 or 3 (the launch's shared memory holds them)
-  const uint64_t kv_pol = KvCopyPolicy(a.kv_evict_first);
-  // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
-  // ahead so the block-table round trip never sits between a barrier and the copies.
-  int32_t pages[kLoads];
-  auto load_pages = [&](int tile) {
+// A thread's share of one K / V stage tile's copies: tokens tok0 .. tok0 + kBlockN - 1 of a
+// (request, KV head), those at or past t_end left out; 16-byte pieces into rows swizzled by
+// row (piece ^ row % 8), K and V evict-first in L2 (KvCopyPolicy) by `pol`.
+template <typename DType, int HEAD_DIM>
+struct KvTileCopy {
+  static constexpr int kBlockN = AttnTile<HEAD_DIM>::kBlockN;
+  static constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte pieces per token row
+  static constexpr int kLoads = kBlockN * kRowChunks / kThreads;
+  static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile pieces must split evenly");
+  // The page ids of this thread's rows (0 past t_end), from the request's block table bt.
+  static __device__ __forceinline__ void Pages(int32_t (&pages)[kLoads], const int32_t* bt, int tok0, int t_end,
+                                               int shift) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int t = t0 + tile * kBlockN + (tid + i * kThreads) / kRowChunks;
-      pages[i] = (tile < n_tiles && t < t1) ? __ldg(bt + (t >> shift)) : 0;
-    }
-  };
-  auto issue_tile = [&](int tile) {
-    if (tile < n_tiles) {
-      DType* kt = tiles + (tile % stages) * 2 * kTile;
-      DType* vt = kt + kTile;
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int c = tid + i * kThreads;
-        const int j = c / kRowChunks, piece = c % kRowChunks;
-        const int t = t0 + tile * kBlockN + j;
-        const bool valid = t < t1;
-        int64_t off = 0;
-        if (valid) {
-          off = int64_t(pages[i]) * p.kv_stride_page + int64_t(t & slot_mask) * p.kv_stride_token +
-                piece * 8;
-        }
-        const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
-        CpAsync16Policy(kt + sw, kb + off, valid, kv_pol);
-        CpAsync16Policy(vt + sw, vb + off, valid, kv_pol);
-      }
-    }
-    CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
-    load_pages(tile + 1);
-  };
-  load_pages(0);
-  for (int i = 0; i < stages - 1; ++i) issue_tile(i);
-  if (a.split_out == kSplitOutDict && warp == 0) DictPickWarm(a, b, h);
-
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    // This thread's copies of `tile` have landed (stages - 2 newer groups may be pending).
-    if (stages == 3) {
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();  // everyone's have; the buffer of tile-1 is free again
-    DTL(if (tlr && tile == 0) tlr[1] = DtlNow());
-    issue_tile(tile + stages - 1);
-    const DType* kt = tiles + (tile % stages) * 2 * kTile;
-    const DType* vt = kt + kTile;
-#pragma unroll
-    for (int sub = 0; sub < kSub; ++sub) {
-      const int r0 = warp * kWarpTokens + sub * 16;
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const int row = r0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int chunk = 2 * ks + (lane >> 4);
-        uint32_t af[4];
-        Ldsm4(af, kt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
-        Mma16816<DType>(s, af, qf[ks][0], qf[ks][1]);
-      }
-      const int tok = t0 + tile * kBlockN + r0 + g;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] *= a.scale_log2;
-      if (tok >= t1) s[0] = s[1] = -INFINITY;
-      if (tok + 8 >= t1) s[2] = s[3] = -INFINITY;
-      float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-      }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
-      const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float c0 = Exp2Approx(m0 - ms0), c1 = Exp2Approx(m1 - ms1);
-      m0 = mn0;
-      m1 = mn1;
-      const float p0 = Exp2Approx(s[0] - ms0), p1 = Exp2Approx(s[1] - ms1);
-      const float p2 = Exp2Approx(s[2] - ms0), p3 = Exp2Approx(s[3] - ms1);
-      l0 = l0 * c0 + p0 + p2;
-      l1 = l1 * c1 + p1 + p3;
-#pragma unroll
-      for (int j = 0; j < kKSteps; ++j) {
-        acc[j][0] *= c0;
-        acc[j][1] *= c1;
-        acc[j][2] *= c0;
-        acc[j][3] *= c1;
-      }
-      // P^T for the PV product: (token g, heads 2t4, 2t4+1) -> transpose -> (head g, tokens).
-      const uint32_t h01 = P::FromFloat2(p0, p1), h23 = P::FromFloat2(p2, p3);
-      float f0, f1, f2, f3;
-      P::ToFloat2(h01, f0, f1);
-      P::ToFloat2(h23, f2, f3);
-      const uint32_t lo01 = P::FromFloat2(p0 - f0, p1 - f1), lo23 = P::FromFloat2(p2 - f2, p3 - f3);
-      const uint32_t bh0 = MovTrans(h01), bh1 = MovTrans(h23);
-      const uint32_t bl0 = MovTrans(lo01), bl1 = MovTrans(lo23);
-#pragma unroll
-      for (int j = 0; j < kKSteps; ++j) {
-        const int row = r0 + (lane & 7) + ((lane >> 4) << 3);
-        const int chunk = 2 * j + ((lane >> 3) & 1);
-        uint32_t vf[4];
-        Ldsm4T(vf, vt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
-        Mma16816<DType>(acc[j], vf, bh0, bh1);
-        Mma16816<DType>(acc[j], vf, bl0, bl1);
-      }
+      const int t = tok0 + (int(threadIdx.x) + i * kThreads) / kRowChunks;
+      pages[i] = t < t_end ? __ldg(bt + (t >> shift)) : 0;
     }
   }
-  CpAsyncWait<0>();
-  __syncthreads();  // the tiles' shared memory is reused below
-  DTL(if (tlr) tlr[2] = DtlNow());
+  // kb, vb: the KV head's first element in the caches.
+  static __device__ __forceinline__ void Issue(DType* kt, DType* vt, const DType* kb, const DType* vb,
+                                               const int32_t (&pages)[kLoads], int tok0, int t_end,
+                                               const DecodeParams& p, int slot_mask, uint64_t pol) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = int(threadIdx.x) + i * kThreads;
+      const int j = c / kRowChunks, piece = c % kRowChunks;
+      const int t = tok0 + j;
+      const bool valid = t < t_end;
+      int64_t off = 0;
+      if (valid) {
+        off = int64_t(pages[i]) * p.kv_stride_page + int64_t(t & slot_mask) * p.kv_stride_token + piece * 8;
+      }
+      const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
+      CpAsync16Policy(kt + sw, kb + off, valid, pol);
+      CpAsync16Policy(vt + sw, vb + off, valid, pol);
+    }
+  }
+};
 
-  // Per-warp normalized state per head, then the one merge across warps.
+// Q^T fragments, the QK product's B operand: column g (g = lane / 4) is query head g of the
+// group whose first head's row is at q (heads stride_h elements apart; zero past the group).
+template <typename DType, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void LoadQFrags(const DType* q, int64_t stride_h, uint32_t (&qf)[HEAD_DIM / 16][2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const DType* qrow = q + int64_t(g < GROUP ? g : 0) * stride_h + 2 * t4;
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+    qf[ks][0] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks) : 0u;
+    qf[ks][1] = g < GROUP ? *reinterpret_cast<const uint32_t*>(qrow + 16 * ks + 8) : 0u;
+  }
+}
+
+// A warp's online-softmax state of heads 2 t4, 2 t4 + 1 (t4 = lane % 4): running max (base
+// 2), partial sum over its tokens, and O^T[dims 16 j + g (+8)][heads] in acc[j][0, 1] ([2, 3]).
+template <int HEAD_DIM>
+struct AttnState {
+  float m0, m1, l0, l1;
+  float acc[HEAD_DIM / 16][4];
+  __device__ __forceinline__ void Reset() {
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 16; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    }
+  }
+};
+
+// One K / V stage tile (swizzled rows of kt, vt) into the warp's state: tokens tok0 + row,
+// those at or past t_end masked out.
+template <typename DType, int HEAD_DIM>
+__device__ __forceinline__ void AttendTile(const DType* kt, const DType* vt, const uint32_t (&qf)[HEAD_DIM / 16][2],
+                                           int tok0, int t_end, float scale_log2, AttnState<HEAD_DIM>& st) {
+  using P = Pack<DType>;
+  constexpr int kBlockN = AttnTile<HEAD_DIM>::kBlockN;
+  constexpr int kKSteps = HEAD_DIM / 16;
+  constexpr int kWarpTokens = kBlockN / kWarps;
+  constexpr int kSub = kWarpTokens / 16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  float& m0 = st.m0;
+  float& m1 = st.m1;
+  float& l0 = st.l0;
+  float& l1 = st.l1;
+  auto& acc = st.acc;
+#pragma unroll
+  for (int sub = 0; sub < kSub; ++sub) {
+    const int r0 = warp * kWarpTokens + sub * 16;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int row = r0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int chunk = 2 * ks + (lane >> 4);
+      uint32_t af[4];
+      Ldsm4(af, kt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+      Mma16816<DType>(s, af, qf[ks][0], qf[ks][1]);
+    }
+    const int tok = tok0 + r0 + g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] *= scale_log2;
+    if (tok >= t_end) s[0] = s[1] = -INFINITY;
+    if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // nothing seen yet: all weights 0
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float c0 = Exp2Approx(m0 - ms0), c1 = Exp2Approx(m1 - ms1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = Exp2Approx(s[0] - ms0), p1 = Exp2Approx(s[1] - ms1);
+    const float p2 = Exp2Approx(s[2] - ms0), p3 = Exp2Approx(s[3] - ms1);
+    l0 = l0 * c0 + p0 + p2;
+    l1 = l1 * c1 + p1 + p3;
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      acc[j][0] *= c0;
+      acc[j][1] *= c1;
+      acc[j][2] *= c0;
+      acc[j][3] *= c1;
+    }
+    // P^T for the PV product: (token g, heads 2t4, 2t4+1) -> transpose -> (head g, tokens).
+    const uint32_t h01 = P::FromFloat2(p0, p1), h23 = P::FromFloat2(p2, p3);
+    float f0, f1, f2, f3;
+    P::ToFloat2(h01, f0, f1);
+    P::ToFloat2(h23, f2, f3);
+    const uint32_t lo01 = P::FromFloat2(p0 - f0, p1 - f1), lo23 = P::FromFloat2(p2 - f2, p3 - f3);
+    const uint32_t bh0 = MovTrans(h01), bh1 = MovTrans(h23);
+    const uint32_t bl0 = MovTrans(lo01), bl1 = MovTrans(lo23);
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int row = r0 + (lane & 7) + ((lane >> 4) << 3);
+      const int chunk = 2 * j + ((lane >> 3) & 1);
+      uint32_t vf[4];
+      Ldsm4T(vf, vt + row * HEAD_DIM + ((chunk ^ (row & 7)) << 3));
+      Mma16816<DType>(acc[j], vf, bh0, bh1);
+      Mma16816<DType>(acc[j], vf, bl0, bl1);
+    }
+  }
+}
+
+// The four warps' states of each head merged: each warp's normalized output rows (sm_o,
+// padded), then the merge weights and lse per head, in shared memory at smem (kFloats floats).
+// MergeWarpStates ends with a barrier; Quad(hh, c) is then the merged output of head hh,
+// columns c .. c + 3.
+template <int HEAD_DIM, int GROUP>
+struct WarpMerge {
+  // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
+  // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
+  // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).
+  static constexpr int kOStride = HEAD_DIM + 4;
+  static constexpr int kFloats = kWarps * GROUP * kOStride + 128;  // sm_o, then the tables
+  const float* o;  // [kWarps][GROUP][kOStride]
+  const float* w;  // [GROUP][kWarps] weights of the n-way merge
+  float* lse;      // [GROUP] merged lse
+  __device__ __forceinline__ float4 Quad(int hh, int c) const {
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) {
+      const float wt = w[hh * kWarps + k];
+      const float4 x = *reinterpret_cast<const float4*>(&o[(k * GROUP + hh) * kOStride + c]);
+      r.x = fmaf(wt, x.x, r.x);
+      r.y = fmaf(wt, x.y, r.y);
+      r.z = fmaf(wt, x.z, r.z);
+      r.w = fmaf(wt, x.w, r.w);
+    }
+    return r;
+  }
+};
+
+template <int HEAD_DIM, int GROUP>
+__device__ __forceinline__ WarpMerge<HEAD_DIM, GROUP> MergeWarpStates(char* smem, const AttnState<HEAD_DIM>& st) {
+  constexpr int kKSteps = HEAD_DIM / 16;
+  constexpr int kOStride = WarpMerge<HEAD_DIM, GROUP>::kOStride;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  float l0 = st.l0, l1 = st.l1;
+  const float m0 = st.m0, m1 = st.m1;
+  const auto& acc = st.acc;
 #pragma unroll
   for (int o = 4; o < 32; o <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, o);
@@ -2395,10 +2401,6 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   const float inv0 = l0 > 0.f ? state_div(1.f, l0) : 0.f, inv1 = l1 > 0.f ? state_div(1.f, l1) : 0.f;
   const float lse0 = l0 > 0.f ? (m0 + Log2Approx(l0)) * kLn2 : -INFINITY;
   const float lse1 = l1 > 0.f ? (m1 + Log2Approx(l1)) * kLn2 : -INFINITY;
-  // A head's row of sm_o is padded by 4 floats: a lane stores dims 16 j + g (+8) of heads
-  // 2 t4 and 2 t4 + 1, so unpadded rows put the four t4 of a store on one bank (2-way bank
-  // conflicts at G = 4, 4-way at G = 8; with the pad, rows 2 t4 start 8 t4 banks apart).
-  constexpr int kOStride = HEAD_DIM + 4;
   float* sm_o = reinterpret_cast<float*>(smem);          // [kWarps][GROUP][kOStride]
   float* sm_l = sm_o + kWarps * GROUP * kOStride;         // [kWarps][GROUP]
   const int hd0 = 2 * t4, hd1 = 2 * t4 + 1;
@@ -2432,8 +2434,89 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     }
   }
   __syncthreads();
+  return WarpMerge<HEAD_DIM, GROUP>{sm_o, sm_w, sm_lse};
+}
+
+template <typename DType, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, char* smem) {
+  using Copy = KvTileCopy<DType, HEAD_DIM>;
+  constexpr int kBlockN = AttnTile<HEAD_DIM>::kBlockN;
+  constexpr int kKSteps = HEAD_DIM / 16;    // QK k-steps = PV dim tiles
+  constexpr int kTile = kBlockN * HEAD_DIM;  // elements of one K (or V) stage tile
+  static_assert(GROUP >= 1 && GROUP <= 8, "group size");
+
+  const DecodeParams& p = a.p;
+  const int split = cta % a.kv_splits;
+  const int rest = cta / a.kv_splits;
+  const int h = rest % a.hkv;
+  const int b = rest / a.hkv;
+  const int T = p.seq_lens[b];
+  const int per = SplitTokens(T, a.kv_splits);
+  // An empty split (past the request's end) writes no partial; when the CTA writes the output
+  // itself (kSplitOutDirect / kSplitOutCluster / kSplitOutDict) it runs on with no tokens and
+  // an empty state.
+  const bool empty = T <= 0 || int64_t(split) * per >= T;
+  if (empty && a.split_out == kSplitOutPartials) return;
+  const int t0 = empty ? 0 : split * per;
+  const int t1 = empty ? 0 : min(T, t0 + per);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  DTL(unsigned long long* const tlr = tid == 0 ? DtlRec(a, kTlAttn) : nullptr);
+  DTL(if (tlr) { tlr[5] = unsigned(t1 - t0); tlr[6] = unsigned(split); });
+
+  uint32_t qf[kKSteps][2];
+  LoadQFrags<DType, HEAD_DIM, GROUP>(static_cast<const DType*>(p.q) + b * p.q_stride_b + int64_t(h * GROUP) * p.q_stride_h,
+                                     p.q_stride_h, qf);
+  AttnState<HEAD_DIM> st;
+  st.Reset();
+
+  DType* tiles = reinterpret_cast<DType*>(smem);
+  const int32_t* bt = p.block_table + b * p.block_table_stride;
+  const DType* kb = static_cast<const DType*>(p.k_cache) + h * p.kv_stride_head;
+  const DType* vb = static_cast<const DType*>(p.v_cache) + h * p.kv_stride_head;
+  const int shift = a.page_shift;
+  const int slot_mask = (1 << shift) - 1;
+  const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
+  const int stages = a.attn_stages;  // 2 or 3 (the launch's shared memory holds them)
+  const uint64_t kv_pol = KvCopyPolicy(a.kv_evict_first);
+  // Page ids of this thread's rows of the next tile to issue, loaded one pipeline step
+  // ahead so the block-table round trip never sits between a barrier and the copies.
+  int32_t pages[Copy::kLoads];
+  auto load_pages = [&](int tile) { Copy::Pages(pages, bt, t0 + tile * kBlockN, t1, shift); };
+  auto issue_tile = [&](int tile) {
+    if (tile < n_tiles) {
+      DType* kt = tiles + (tile % stages) * 2 * kTile;
+      Copy::Issue(kt, kt + kTile, kb, vb, pages, t0 + tile * kBlockN, t1, p, slot_mask, kv_pol);
+    }
+    CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
+    load_pages(tile + 1);
+  };
+  load_pages(0);
+  for (int i = 0; i < stages - 1; ++i) issue_tile(i);
+  if (a.split_out == kSplitOutDict && warp == 0) DictPickWarm(a, b, h);
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    // This thread's copies of `tile` have landed (stages - 2 newer groups may be pending).
+    if (stages == 3) {
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // everyone's have; the buffer of tile-1 is free again
+    DTL(if (tlr && tile == 0) tlr[1] = DtlNow());
+    issue_tile(tile + stages - 1);
+    const DType* kt = tiles + (tile % stages) * 2 * kTile;
+    const DType* vt = kt + kTile;
+    AttendTile<DType, HEAD_DIM>(kt, vt, qf, t0 + tile * kBlockN, t1, a.scale_log2, st);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // the tiles' shared memory is reused below
+  DTL(if (tlr) tlr[2] = DtlNow());
+
+  const WarpMerge<HEAD_DIM, GROUP> wm = MergeWarpStates<HEAD_DIM, GROUP>(smem, st);
+  float* sm_lse = wm.lse;
   // The split's state: [GROUP][HEAD_DIM] f32 beside the merge tables, for the cluster merge.
-  float* sm_res = sm_o + kWarps * GROUP * kOStride + 128;
+  float* sm_res = reinterpret_cast<float*>(smem) + WarpMerge<HEAD_DIM, GROUP>::kFloats;
   // With a dictionary and one split: warp 0 picks the entry (its pick and whether the
   // request's dictionary was unusable go through shared memory past sm_res, then the parent
   // keys' scratch of HierarchicalChoice).
@@ -2463,16 +2546,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   }
   for (int e = tid * 4; e < GROUP * HEAD_DIM; e += kThreads * 4) {
     const int hh = e / HEAD_DIM, c = e % HEAD_DIM;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float wt = sm_w[hh * kWarps + w];
-      const float4 x = *reinterpret_cast<const float4*>(&sm_o[(w * GROUP + hh) * kOStride + c]);
-      o.x = fmaf(wt, x.x, o.x);
-      o.y = fmaf(wt, x.y, o.y);
-      o.z = fmaf(wt, x.z, o.z);
-      o.w = fmaf(wt, x.w, o.w);
-    }
+    float4 o = wm.Quad(hh, c);
     if (a.split_out == kSplitOutPartials) {
       const int64_t row = (int64_t(b) * a.hq + h * GROUP + hh) * a.kv_splits + split;
       *reinterpret_cast<float4*>(&a.part_o[row * HEAD_DIM + c]) = o;
