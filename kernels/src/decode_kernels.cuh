@@ -2212,7 +2212,7 @@ __device__ __forceinline__ void DictPickWarm(const LaunchArgs& a, int b, int h) 
 
 // A thread's share of one K / V stage tile's copies: tokens tok0 .. tok0 + kBlockN - 1 of a
 // (request, KV head), those at or past t_end left out; 16-byte pieces into rows swizzled by
-// row (piece ^ row % 8), K and V evict-first in L2 (KvCopyPolicy) by `pol`.
+// row (piece ^ row % 8), with the L2 policy `pol` (KvCopyPolicy).
 template <typename DType, int HEAD_DIM>
 struct KvTileCopy {
   static constexpr int kBlockN = AttnTile<HEAD_DIM>::kBlockN;
