@@ -104,6 +104,12 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.group_wait = CombineGroupWait(a);
   a.spec = a.pdl && p.state.step_spec != nullptr && int64_t(p.batch) * c.num_q_heads <= kSpecMaxHeads;
   a.step_spec = p.state.step_spec;
+  // ASMEM_MAC_COMBINE_STAGE=0: the small combine grids merge without staging their rows.
+  static const bool combine_stage = [] {
+    const char* e = std::getenv("ASMEM_MAC_COMBINE_STAGE");
+    return e == nullptr || e[0] != '0';
+  }();
+  a.combine_stage = combine_stage;
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

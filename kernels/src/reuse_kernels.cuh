@@ -1967,10 +1967,14 @@ __device__ __forceinline__ LseSum PickSum(const LseSum (&tot)[2], bool second) {
 // all-hit: about a dozen rows per head; a group of one segment: two rows). Grids of one
 // wave take EBATCH = BATCH; grids bounded to 64 registers EBATCH = 1 (groups of up to two
 // segments: at BATCH it spilled).
+// Staged (STAGE > 0, `stage` non-null): a head of more than the eager rows and at most STAGE
+// rows has all of them copied into `stage` (shared memory, STAGE x HEAD_DIM floats) by
+// cp.async, issued with the lse loads: one round trip for every row, then each warp weighs
+// rows warp, warp + kWarps, ... from shared memory (rows of zero weight are skipped).
 static_assert(2 * kMaxGroupChunks <= 2 * kThreads, "two partial rows per thread");
-template <int HEAD_DIM, int kPer, int BATCH, int EBATCH, bool CG>
+template <int HEAD_DIM, int kPer, int BATCH, int EBATCH, bool CG, int STAGE = 0>
 __device__ __forceinline__ void MergePartials(const float* part_o, const float* part_lse, int64_t row0, int n_all,
-                                              int group, int g, LaneState<kPer>* st) {
+                                              int group, int g, LaneState<kPer>* st, float* stage = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c0 = lane * kPer;
   __shared__ float sm_w[2 * kThreads];
@@ -1983,6 +1987,17 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
   const float l1 = tid + kThreads < n_all ? LoadF<CG>(part_lse + (row0 + tid + kThreads) * group + g) : -INFINITY;
   constexpr bool kEager = EBATCH > 0;
   const bool eager = kEager && n_all <= kWarps * EBATCH;  // uniform over the CTA
+  const bool staged = STAGE > 0 && stage != nullptr && !eager && n_all <= STAGE;
+  if constexpr (STAGE > 0) {
+    if (staged) {
+      constexpr int kChunks = HEAD_DIM / 4;  // 16-byte pieces per row
+      for (int i = tid; i < n_all * kChunks; i += kThreads) {
+        const int r = i / kChunks, c = i - r * kChunks;
+        CpAsync16(stage + r * HEAD_DIM + 4 * c, part_o + ((row0 + r) * group + g) * HEAD_DIM + 4 * c, true);
+      }
+      CpAsyncCommit();
+    }
+  }
   float eo[kEager ? EBATCH : 1][kPer];
   float el[kEager ? EBATCH : 1];
   if constexpr (kEager) {
@@ -2035,6 +2050,30 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
         acc[0][e] = odd ? 0.f : x[e];
         acc[1][e] = odd ? x[e] : 0.f;
       }
+    }
+  } else if (STAGE > 0 && staged) {
+    // Row r is of state r & 1; rows tid and tid + kThreads are of state tid & 1.
+    const LseSum t = PickSum(tot, tid & 1);
+    sm_w[tid] = lse_sum_weight(t, l0);
+    sm_w[tid + kThreads] = lse_sum_weight(t, l1);
+    CpAsyncWait<0>();
+    __syncthreads();
+    // kWarps is even: warp w's rows are all of state w & 1. A row of zero weight (an empty
+    // state, possibly never written) is selected away, not multiplied.
+    float x[kPer] = {};
+#pragma unroll 4
+    for (int r = warp; r < n_all; r += kWarps) {
+      const float w = sm_w[r];
+      float o2[kPer];
+      LoadRow<kPer>(stage + r * HEAD_DIM + c0, o2);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) x[e] = w > 0.f ? fmaf(w, o2[e], x[e]) : x[e];
+    }
+    const bool odd = warp & 1;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      acc[0][e] = odd ? 0.f : x[e];
+      acc[1][e] = odd ? x[e] : 0.f;
     }
   } else {
     // Compact the rows of nonzero weight (empty states weigh 0 and are not loaded).
@@ -2102,7 +2141,8 @@ __device__ __forceinline__ void MergePartials(const float* part_o, const float* 
 // previous steps' rings, the inputs), and with programmatic launch this grid starts only
 // once every attend CTA has waited for the plan: so those loads go out before the wait for
 // the attend grid, and only the partials after it.
-template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS>
+// STAGE: partial rows a head may stage in dynamic shared memory (MergePartials; 0: none).
+template <typename DType, int HEAD_DIM, int BATCH, int MIN_BLOCKS, int STAGE = 0>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const LaunchArgs a) {
   constexpr int kPer = HEAD_DIM / 32;
   // Only the bounded grids (past one wave) wait per group (CombineGroupWait); the one-wave
@@ -2199,8 +2239,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) MacCombineKernel(const L
   }
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][1] = TlNow());
   LaneState<kPer> st[2];  // [0]: band (-> entry), [1]: sink and tail (-> output)
-  MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1, kGroupWait>(a.part_o, a.part_lse, int64_t(first_chunk) * 2,
-                                                           2 * n_chunks, a.group, g, st);
+  float* stage = nullptr;
+  if constexpr (STAGE > 0) {
+    extern __shared__ float4 combine_stage[];
+    if (a.combine_stage) stage = reinterpret_cast<float*>(combine_stage);
+  }
+  MergePartials<HEAD_DIM, kPer, BATCH, kEarly ? BATCH : 1, kGroupWait, STAGE>(
+      a.part_o, a.part_lse, int64_t(first_chunk) * 2, 2 * n_chunks, a.group, g, st, stage);
   TL(if (threadIdx.x == 0 && TlCta()) g_tl_combine[blockIdx.x][3] = TlNow());
   if (warp != 0) return;
   if constexpr (!kEarly) {  // written by warp 0 before MergePartials' barriers
@@ -2383,10 +2428,20 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
   }
 }
 
+// Grids of at most two combine CTAs per SM (B Hq <= 264) stage a head's partial rows in
+// shared memory (MergePartials): up to kCombineStageRows of them, the rows of a B = 1 GQA-8
+// step (kTargetChunks portions over 4 groups, and a group's first and last segments may be
+// pieces of portions: 2 x 68 rows at most), 68 KB at d = 128.
+constexpr int kCombineStageRows = 2 * (kTargetChunks / 4 + 2);
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq;
-  if (ctas > kCombineOneWave) {
+  if (ctas <= 2 * kDecodePlanSms) {
+    constexpr size_t kStageBytes = size_t(kCombineStageRows) * HEAD_DIM * sizeof(float);
+    auto kernel = MacCombineKernel<DType, HEAD_DIM, 8, 1, kCombineStageRows>;
+    decode::AllowDynamicSmem(kernel, kStageBytes, false);
+    decode::LaunchMaybePdl(kernel, unsigned(ctas), kThreads, kStageBytes, a.pdl, a, stream);
+  } else if (ctas > kCombineOneWave) {
     decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 4, 8>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);
   } else {
     decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 8, 1>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);

@@ -70,6 +70,7 @@ struct LaunchArgs {
   // tests; attend CTAs that read a guess this step's plan had just written may speculate
   // where it is 0).
   bool spec = false;
+  bool combine_stage = true;  // the combine stages partial rows in shared memory (LaunchCombine)
   uint32_t* step_spec = nullptr;
 };
 

@@ -587,5 +587,34 @@ TEST(MacGpu, OneGroupAtTheMostPartialRows) {
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
 }
 
+// One request of four long groups: the plan's portions fall about 65 to a group, so a combine
+// CTA merges about 130 partial rows (the B = 1 GQA-8 step of asmem_bench_mac), more than the
+// eager batch and at most kCombineStageRows: the rows staged in shared memory (MergePartials),
+// at d = 128 (bf16, G = 8) and d = 64 (fp16, G = 4), all-miss and mixed steps.
+TEST(MacGpu, StagedCombineRows) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed(606);
+  SCOPED_TRACE(test::seed_trace(seed));
+  MacCase c;
+  c.name = "staged-combine-gqa8";
+  c.Hq = 32;
+  c.Hkv = 4;
+  c.d = 128;
+  c.mac = MakeMac(32, 64, 0, 0);
+  c.T0 = {20000};
+  c.steps = 4;
+  c.p_hit = 0.3;
+  MacSeqStats st = RunOnGpu(c, seed);
+  EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+  c.name = "staged-combine-d64-f16";
+  c.Hq = 16;
+  c.d = 64;
+  c.dtype = KernelDType::kF16;
+  c.mac = MakeMac(32, 40, 3, 0);
+  c.T0 = {14000};
+  st = RunOnGpu(c, seed + 1);
+  EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+}
+
 }  // namespace
 }  // namespace asmem
