@@ -39,7 +39,9 @@
 //    normalized partial states per segment and head.
 //  * Combine, one CTA per (request, query head): band partials + the reused entry -> the
 //    new entry; sink and tail partials + the new entry + the prefix state -> the output;
-//    then the ring writes (query, entry, tag). Every merge is state.cuh's.
+//    then the ring writes (query, entry, tag). Every merge is state.cuh's. Grids of at most
+//    two CTAs per SM copy a head's partial rows into shared memory in one round trip
+//    (kCombineStageRows; session 51: B = 1 all-miss 0.5-1.3 us faster).
 // With programmatic launch (MacDecodeConfig::programmatic_launch, on by default since
 // session 14), attend and combine start while their predecessor drains and wait
 // (griddepcontrol.wait) before reading anything it wrote; the combine loads its other
@@ -2431,7 +2433,13 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
 // Grids of at most two combine CTAs per SM (B Hq <= 264) stage a head's partial rows in
 // shared memory (MergePartials): up to kCombineStageRows of them, the rows of a B = 1 GQA-8
 // step (kTargetChunks portions over 4 groups, and a group's first and last segments may be
-// pieces of portions: 2 x 68 rows at most), 68 KB at d = 128.
+// pieces of portions: 2 x 68 rows at most), 68 KB at d = 128. Before, the merge of 130 rows
+// took 4.6 us at p50 after the combine's wait (timeline, GQA-8 B = 1 all-miss 32K): the lse,
+// then three rounds of 32 compacted rows. Session 51, one machine, asmem_bench_mac, 32K unless
+// said, two runs each, us, without -> with (ASMEM_MAC_COMBINE_STAGE=0 / 1): GQA-8 B = 1
+// all-miss 34.5, 34.2 -> 33.3, 34.2, 64K 49.3, 49.7 -> 48.5, 48.6, 128K 79.1, 79.2 -> 77.8,
+// 78.1; LLaMA-8B 47.9, 48.2 -> 47.4, 47.8, 128K 137.8, 137.8 -> 137.1, 136.9; all-hit and
+// B = 2-16 within 0.5.
 constexpr int kCombineStageRows = 2 * (kTargetChunks / 4 + 2);
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
