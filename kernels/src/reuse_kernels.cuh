@@ -2439,7 +2439,7 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
 // said, two runs each, us, without -> with (ASMEM_MAC_COMBINE_STAGE=0 / 1): GQA-8 B = 1
 // all-miss 34.5, 34.2 -> 33.3, 34.2, 64K 49.3, 49.7 -> 48.5, 48.6, 128K 79.1, 79.2 -> 77.8,
 // 78.1; LLaMA-8B 47.9, 48.2 -> 47.4, 47.8, 128K 137.8, 137.8 -> 137.1, 136.9; all-hit and
-// B = 2-16 within 0.5.
+// B = 2-8 within 0.5.
 constexpr int kCombineStageRows = 2 * (kTargetChunks / 4 + 2);
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
