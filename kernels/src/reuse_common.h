@@ -152,6 +152,13 @@ constexpr int32_t kMinChunk = 64;  // MacFill's smallest split
 constexpr int32_t kChunkAlign = 64;
 constexpr int32_t kMaxGroupChunks = 128;
 constexpr int32_t kSegmentFixedBlocks = 1;
+// The combine's partial rows per head (two per segment of its group): up to
+// kCombineEagerRows load into registers (the one-wave combine: 4 warps of 8 rows); grids of
+// at most two combine CTAs per SM stage up to kCombineStageRows in shared memory
+// (reuse_kernels.cuh LaunchCombine): the rows of a B = 1 GQA-8 step (kTargetChunks portions
+// over 4 groups, a group's first and last segments possibly pieces of portions: 2 x 68).
+constexpr int32_t kCombineEagerRows = 32;
+constexpr int32_t kCombineStageRows = 2 * (kTargetChunks / 4 + 2);
 // The plan CTA runs its code once without effect (no key load, no write) while the
 // match's last CTAs run, where B Hq is at least this, so that the real pass finds its
 // instructions cached. Timeline (session 19, LLaMA-8B 32K, us from the first match CTA):

@@ -2431,28 +2431,29 @@ void LaunchAttend(const LaunchArgs& a, int32_t ctas, cudaStream_t stream) {
 }
 
 // Grids of at most two combine CTAs per SM (B Hq <= 264) stage a head's partial rows in
-// shared memory (MergePartials): up to kCombineStageRows of them, the rows of a B = 1 GQA-8
-// step (kTargetChunks portions over 4 groups, and a group's first and last segments may be
-// pieces of portions: 2 x 68 rows at most), 68 KB at d = 128. Before, the merge of 130 rows
+// shared memory (MergePartials): up to kCombineStageRows of them (reuse_common.h), 68 KB at
+// d = 128. Before, the merge of 130 rows
 // took 4.6 us at p50 after the combine's wait (timeline, GQA-8 B = 1 all-miss 32K): the lse,
 // then three rounds of 32 compacted rows. Session 51, one machine, asmem_bench_mac, 32K unless
 // said, two runs each, us, without -> with (ASMEM_MAC_COMBINE_STAGE=0 / 1): GQA-8 B = 1
 // all-miss 34.5, 34.2 -> 33.3, 34.2, 64K 49.3, 49.7 -> 48.5, 48.6, 128K 79.1, 79.2 -> 77.8,
 // 78.1; LLaMA-8B 47.9, 48.2 -> 47.4, 47.8, 128K 137.8, 137.8 -> 137.1, 136.9; all-hit and
 // B = 2-8 within 0.5.
-constexpr int kCombineStageRows = 2 * (kTargetChunks / 4 + 2);
+constexpr int kOneWaveCombineBatch = 8;
+static_assert(kWarps * kOneWaveCombineBatch == kCombineEagerRows, "the one-wave combine's eager rows");
 template <typename DType, int HEAD_DIM>
 void LaunchCombine(const LaunchArgs& a, cudaStream_t stream) {
   const int64_t ctas = int64_t(a.batch) * a.hq;
   if (ctas <= 2 * kDecodePlanSms) {
     constexpr size_t kStageBytes = size_t(kCombineStageRows) * HEAD_DIM * sizeof(float);
-    auto kernel = MacCombineKernel<DType, HEAD_DIM, 8, 1, kCombineStageRows>;
+    auto kernel = MacCombineKernel<DType, HEAD_DIM, kOneWaveCombineBatch, 1, kCombineStageRows>;
     decode::AllowDynamicSmem(kernel, kStageBytes, false);
     decode::LaunchMaybePdl(kernel, unsigned(ctas), kThreads, kStageBytes, a.pdl, a, stream);
   } else if (ctas > kCombineOneWave) {
     decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 4, 8>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);
   } else {
-    decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, 8, 1>, unsigned(ctas), kThreads, 0, a.pdl, a, stream);
+    decode::LaunchMaybePdl(MacCombineKernel<DType, HEAD_DIM, kOneWaveCombineBatch, 1>, unsigned(ctas), kThreads, 0,
+                           a.pdl, a, stream);
   }
 }
 

@@ -587,10 +587,11 @@ TEST(MacGpu, OneGroupAtTheMostPartialRows) {
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
 }
 
-// One request of four long groups: the plan's portions fall about 65 to a group, so a combine
-// CTA merges about 130 partial rows (the B = 1 GQA-8 step of asmem_bench_mac), more than the
-// eager batch and at most kCombineStageRows: the rows staged in shared memory (MergePartials),
-// at d = 128 (bf16, G = 8) and d = 64 (fp16, G = 4), all-miss and mixed steps.
+// One request of four long groups (the B = 1 GQA-8 step of asmem_bench_mac, shorter): where
+// every group holds a miss (each then streams all T tokens) a combine CTA merges more partial rows than the eager batch and at most
+// kCombineStageRows (reuse_test.cc MacPlan.StagedCombineCasesFitTheStagedRows pins it), so the
+// rows are staged in shared memory (MergePartials); at d = 128 (bf16, G = 8) and d = 64 (fp16,
+// G = 4), all-miss and mixed steps.
 TEST(MacGpu, StagedCombineRows) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(606);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "asmem/decode.h"
@@ -1047,6 +1048,26 @@ TEST(MacPlan, PortionsCoverEveryGroupOnce) {
   CheckWorkPlan({64, 0, 100, 1});
   CheckWorkPlan({0, 0});
   CheckWorkPlan({});
+}
+
+// reuse_gpu_test.cc's StagedCombineRows: at its steps where every group holds a miss (each
+// streams all T tokens; four groups, one request) every combine CTA merges more partial rows than the eager batch and at most the
+// staged rows, so the staged merge runs (two rows per segment of the head's group).
+TEST(MacPlan, StagedCombineCasesFitTheStagedRows) {
+  for (const int32_t T0 : {20000, 14000}) {
+    for (int32_t T = T0 + 1; T <= T0 + 4; ++T) {
+      SCOPED_TRACE("4 groups of " + std::to_string(T) + " tokens");
+      const mac::WorkPlanRef p = mac::PlanWorkRef(std::vector<int32_t>(4, T));
+      for (const int32_t n : p.group_segments) {
+        EXPECT_GT(2 * n, mac::kCombineEagerRows);
+        EXPECT_LE(2 * n, mac::kCombineStageRows);
+      }
+    }
+  }
+  // The bench's GQA-8 B = 1 32K step (130 rows) too.
+  for (const int32_t n : mac::PlanWorkRef(std::vector<int32_t>(4, 32769)).group_segments) {
+    EXPECT_EQ(2 * n, 130);
+  }
 }
 
 // The aligned line (reuse_common.h AlignedPortionBlocks): where the groups with work have one
