@@ -101,6 +101,7 @@ ASMEM_HOST_DEVICE int32_t NumActiveSplits(int32_t T, int32_t splits) {
 // CPU reference (defined in decode_cpu.cc).
 // ---------------------------------------------------------------------------------------
 #include <cstddef>
+#include <string>
 
 #include "asmem/decode.h"
 
@@ -111,6 +112,9 @@ namespace decode {
 void CheckConfig(const DecodeConfig& config, const char* fn);
 // Throws InvalidArgument naming `fn` and the field unless params fit the contract.
 void CheckParams(const DecodeConfig& config, const DecodeParams& params, const char* fn);
+// Empty when the KV strides fit the kernels' 32-bit copy addresses (kv_stride_page below
+// 2^32, page_size * kv_stride_token below 2^31, in elements); else what is out of range.
+std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, int32_t page_size);
 
 struct LookupPartial {
   float score;    // best dot product in the split (-inf: none)

@@ -168,6 +168,17 @@ void CheckStride(int64_t s, const char* name, const char* fn) {
 
 }  // namespace
 
+std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, int32_t page_size) {
+  if (kv_stride_page >= (int64_t(1) << 32)) {
+    return "kv_stride_page " + std::to_string(kv_stride_page) + " must be below 2^32 elements";
+  }
+  if (int64_t(page_size) * kv_stride_token >= (int64_t(1) << 31)) {
+    return "page_size * kv_stride_token = " + std::to_string(int64_t(page_size) * kv_stride_token) +
+           " must be below 2^31 elements";
+  }
+  return "";
+}
+
 void CheckConfig(const DecodeConfig& config, const char* fn) {
   bool invalid = false;
   const std::string why = WhyUnsupported(config, &invalid);
@@ -205,6 +216,8 @@ void CheckParams(const DecodeConfig& c, const DecodeParams& p, const char* fn) {
   if (p.kv_stride_token < c.head_dim) {
     Fail(fn, "kv_stride_token " + std::to_string(p.kv_stride_token) + " must be >= head_dim");
   }
+  const std::string range = KvStrideRangeError(p.kv_stride_page, p.kv_stride_token, c.page_size);
+  if (!range.empty()) Fail(fn, range);
   if (p.block_table_stride < 1) Fail(fn, "block_table_stride must be >= 1");
   if (!std::isfinite(p.sm_scale)) Fail(fn, "sm_scale is not finite");
   if (p.dict_ids != nullptr) {

@@ -2238,10 +2238,10 @@ struct KvTileCopy {
       const int j = c / kRowChunks, piece = c % kRowChunks;
       const int t = tok0 + j;
       const bool valid = t < t_end;
-      int64_t off = 0;
-      if (valid) {
-        off = int64_t(pages[i]) * p.kv_stride_page + int64_t(t & slot_mask) * p.kv_stride_token + piece * 8;
-      }
+      // 32-bit products (CheckParams: kv_stride_page < 2^32, page_size * kv_stride_token
+      // < 2^31) and no branch: past t_end the page id is 0 (Pages) and the copy reads nothing.
+      const uint64_t off = uint64_t(uint32_t(pages[i])) * uint32_t(p.kv_stride_page) +
+                           (uint32_t(t & slot_mask) * uint32_t(p.kv_stride_token) + uint32_t(piece * 8));
       const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
       CpAsync16Policy(kt + sw, kb + off, valid, pol);
       CpAsync16Policy(vt + sw, vb + off, valid, pol);
@@ -2485,7 +2485,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   auto load_pages = [&](int tile) { Copy::Pages(pages, bt, t0 + tile * kBlockN, t1, shift); };
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
-      DType* kt = tiles + (tile % stages) * 2 * kTile;
+      DType* kt = tiles + (stages == 3 ? tile % 3 : tile & 1) * 2 * kTile;
       Copy::Issue(kt, kt + kTile, kb, vb, pages, t0 + tile * kBlockN, t1, p, slot_mask, kv_pol);
     }
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
@@ -2505,7 +2505,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
     __syncthreads();  // everyone's have; the buffer of tile-1 is free again
     DTL(if (tlr && tile == 0) tlr[1] = DtlNow());
     issue_tile(tile + stages - 1);
-    const DType* kt = tiles + (tile % stages) * 2 * kTile;
+    const DType* kt = tiles + (stages == 3 ? tile % 3 : tile & 1) * 2 * kTile;
     const DType* vt = kt + kTile;
     AttendTile<DType, HEAD_DIM>(kt, vt, qf, t0 + tile * kBlockN, t1, a.scale_log2, st);
   }

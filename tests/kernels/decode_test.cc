@@ -803,6 +803,15 @@ TEST(DecodeCpu, BadArgumentsThrow) {
   p = pb.params;
   p.kv_stride_token = 12;
   EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);
+  // The kernels address the KV with 32-bit products: strides past that are refused.
+  p = pb.params;
+  p.kv_stride_page = int64_t(1) << 32;
+  test::expect_error<InvalidArgument>([&] { DecodeAttentionCpu(pb.config, p); },
+                                      {"kv_stride_page 4294967296 must be below 2^32"});
+  p = pb.params;
+  p.kv_stride_token = (int64_t(1) << 31) / pb.config.page_size;
+  test::expect_error<InvalidArgument>([&] { DecodeAttentionCpu(pb.config, p); },
+                                      {"page_size * kv_stride_token", "below 2^31"});
   p = pb.params;
   p.batch = 2;
   EXPECT_THROW(DecodeAttentionCpu(pb.config, p), InvalidArgument);

@@ -47,7 +47,9 @@
 //                             each warp load covering 512 contiguous bytes. The
 //                             [num_pages, page_size, Hkv, d] layout ("NHD") works too through
 //                             the strides (256-byte runs). Strides must be multiples of 8 and
-//                             the bases 16-byte aligned.
+//                             the bases 16-byte aligned; kv_stride_page below 2^32 and
+//                             page_size*kv_stride_token below 2^31 (the kernels form the
+//                             addresses with 32-bit products).
 //   block_table  [B, block_table_stride] int32: token t of request b is in page
 //                             block_table[b*block_table_stride + t / page_size], slot
 //                             t % page_size. Entries past ceil(T/page_size) are not read.

@@ -86,8 +86,9 @@
 // p*kv_stride_page + h*kv_stride_head + i*kv_stride_token + c. With all three KV strides 0
 // the layout is [num_pages, Hkv, page_size, d] ("HND"); vLLM's [num_blocks, block_size, Hkv,
 // d] ("NHD") is kv_stride_page = block_size*Hkv*d, kv_stride_head = d, kv_stride_token =
-// Hkv*d. Strides are in elements, multiples of 8; the d values of a head are contiguous and
-// 16-byte aligned. seq_lens[b] counts the request's non-prefix tokens only (the prefix
+// Hkv*d. Strides are in elements, multiples of 8, with kv_stride_page below 2^32 and
+// page_size*kv_stride_token below 2^31; the d values of a head are contiguous and 16-byte
+// aligned. seq_lens[b] counts the request's non-prefix tokens only (the prefix
 // lives in the dictionary; its KV is never read).
 //
 // This header shows no torch, protobuf or device code; the one CUDA type is cudaStream_t.
