@@ -2210,41 +2210,86 @@ __device__ __forceinline__ void DictPickWarm(const LaunchArgs& a, int b, int h) 
   }
 }
 
+// p, opaque to the compiler from here on: kept in registers as it is, not rebuilt at each use
+// from the kernel parameters it came from (for pointers a loop addresses through).
+template <typename T>
+__device__ __forceinline__ T* OpaquePtr(T* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 // A thread's share of one K / V stage tile's copies: tokens tok0 .. tok0 + kBlockN - 1 of a
 // (request, KV head), those at or past t_end left out; 16-byte pieces into rows swizzled by
-// row (piece ^ row % 8), with the L2 policy `pol` (KvCopyPolicy).
+// row (piece ^ row % 8), with the L2 policy `pol` (KvCopyPolicy). Thread x copies piece
+// x % kRowChunks of rows r0 + i kRowStep (r0 = x / kRowChunks, i < kLoads). tok0 is a
+// multiple of 64 (kSplitAlign, kBlockN), so with pages of 16 tokens or more each 16-token run
+// of the tile lies in one page: its kRun rows of the thread share one page id and one address
+// product (the run path); smaller pages take one page id per row.
 template <typename DType, int HEAD_DIM>
 struct KvTileCopy {
   static constexpr int kBlockN = AttnTile<HEAD_DIM>::kBlockN;
   static constexpr int kRowChunks = HEAD_DIM / 8;  // 16-byte pieces per token row
   static constexpr int kLoads = kBlockN * kRowChunks / kThreads;
+  static constexpr int kRowStep = kThreads / kRowChunks;  // 8 (d 128), 16 (d 64)
+  static constexpr int kRun = 16 / kRowStep;              // a thread's rows per 16-token run
+  static constexpr int kRuns = kLoads / kRun;
   static_assert(kLoads * kThreads == kBlockN * kRowChunks, "tile pieces must split evenly");
-  // The page ids of this thread's rows (0 past t_end), from the request's block table bt.
+  static_assert(kRowStep % 8 == 0 && 16 % kRowStep == 0 && kRuns * kRun == kLoads,
+                "a thread's rows: one swizzle phase, whole 16-token runs");
+  static constexpr int kRunShift = 4;  // page_size >= 2^4: the run path
+  // The page ids of this thread's rows (0 past t_end), from the request's block table bt:
+  // pages[k] for run k (k < kRuns) when shift >= kRunShift, else pages[i] for row i.
   static __device__ __forceinline__ void Pages(int32_t (&pages)[kLoads], const int32_t* bt, int tok0, int t_end,
                                                int shift) {
+    const int r0 = int(threadIdx.x) / kRowChunks;
+    if (shift >= kRunShift) {
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int t = tok0 + (int(threadIdx.x) + i * kThreads) / kRowChunks;
-      pages[i] = t < t_end ? __ldg(bt + (t >> shift)) : 0;
+      for (int k = 0; k < kRuns; ++k) {
+        const int t = tok0 + 16 * k + r0;
+        pages[k] = t < t_end ? __ldg(bt + (t >> shift)) : 0;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int t = tok0 + r0 + i * kRowStep;
+        pages[i] = t < t_end ? __ldg(bt + (t >> shift)) : 0;
+      }
     }
   }
-  // kb, vb: the KV head's first element in the caches.
+  // kb, vb: the KV head's first element in the caches. Offsets from 32-bit products
+  // (CheckParams: kv_stride_page < 2^32, page_size * kv_stride_token < 2^31); past t_end the
+  // page id is 0 (Pages) and the copy reads nothing.
   static __device__ __forceinline__ void Issue(DType* kt, DType* vt, const DType* kb, const DType* vb,
                                                const int32_t (&pages)[kLoads], int tok0, int t_end,
-                                               const DecodeParams& p, int slot_mask, uint64_t pol) {
+                                               const DecodeParams& p, int shift, int slot_mask, uint64_t pol) {
+    const int r0 = int(threadIdx.x) / kRowChunks, piece = int(threadIdx.x) % kRowChunks;
+    const int sw0 = r0 * HEAD_DIM + ((piece ^ (r0 & 7)) << 3);  // row i: + i kRowStep HEAD_DIM
+    const uint32_t sp = uint32_t(p.kv_stride_page), st = uint32_t(p.kv_stride_token);
+    if (shift >= kRunShift) {
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int c = int(threadIdx.x) + i * kThreads;
-      const int j = c / kRowChunks, piece = c % kRowChunks;
-      const int t = tok0 + j;
-      const bool valid = t < t_end;
-      // 32-bit products (CheckParams: kv_stride_page < 2^32, page_size * kv_stride_token
-      // < 2^31) and no branch: past t_end the page id is 0 (Pages) and the copy reads nothing.
-      const uint64_t off = uint64_t(uint32_t(pages[i])) * uint32_t(p.kv_stride_page) +
-                           (uint32_t(t & slot_mask) * uint32_t(p.kv_stride_token) + uint32_t(piece * 8));
-      const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
-      CpAsync16Policy(kt + sw, kb + off, valid, pol);
-      CpAsync16Policy(vt + sw, vb + off, valid, pol);
+      for (int k = 0; k < kRuns; ++k) {
+        const int tk = tok0 + 16 * k;
+        const uint64_t off = uint64_t(uint32_t(pages[k])) * sp + ((uint32_t(tk & slot_mask) + r0) * st + uint32_t(piece * 8));
+#pragma unroll
+        for (int q = 0; q < kRun; ++q) {
+          const int i = k * kRun + q;
+          const bool valid = tk + r0 + q * kRowStep < t_end;
+          const int sw = sw0 + i * kRowStep * HEAD_DIM;
+          const uint64_t o = off + uint32_t(q * kRowStep) * st;
+          CpAsync16Policy(kt + sw, kb + o, valid, pol);
+          CpAsync16Policy(vt + sw, vb + o, valid, pol);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int t = tok0 + r0 + i * kRowStep;
+        const bool valid = t < t_end;
+        const uint64_t off = uint64_t(uint32_t(pages[i])) * sp + (uint32_t(t & slot_mask) * st + uint32_t(piece * 8));
+        const int sw = sw0 + i * kRowStep * HEAD_DIM;
+        CpAsync16Policy(kt + sw, kb + off, valid, pol);
+        CpAsync16Policy(vt + sw, vb + off, valid, pol);
+      }
     }
   }
 };
@@ -2471,9 +2516,9 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   st.Reset();
 
   DType* tiles = reinterpret_cast<DType*>(smem);
-  const int32_t* bt = p.block_table + b * p.block_table_stride;
-  const DType* kb = static_cast<const DType*>(p.k_cache) + h * p.kv_stride_head;
-  const DType* vb = static_cast<const DType*>(p.v_cache) + h * p.kv_stride_head;
+  const int32_t* bt = OpaquePtr(p.block_table + b * p.block_table_stride);
+  const DType* kb = OpaquePtr(static_cast<const DType*>(p.k_cache) + h * p.kv_stride_head);
+  const DType* vb = OpaquePtr(static_cast<const DType*>(p.v_cache) + h * p.kv_stride_head);
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
   const int n_tiles = (t1 - t0 + kBlockN - 1) / kBlockN;
@@ -2486,7 +2531,7 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   auto issue_tile = [&](int tile) {
     if (tile < n_tiles) {
       DType* kt = tiles + (stages == 3 ? tile % 3 : tile & 1) * 2 * kTile;
-      Copy::Issue(kt, kt + kTile, kb, vb, pages, t0 + tile * kBlockN, t1, p, slot_mask, kv_pol);
+      Copy::Issue(kt, kt + kTile, kb, vb, pages, t0 + tile * kBlockN, t1, p, shift, slot_mask, kv_pol);
     }
     CpAsyncCommit();  // one group per tile, empty ones too, so the wait count is uniform
     load_pages(tile + 1);
