@@ -9,6 +9,7 @@
 #include "asmem/error.h"
 #include "asmem/reuse.h"
 #include "asmem/state.cuh"
+#include "decode_common.h"  // KvStrideRangeError
 #include "reuse_common.h"
 
 namespace asmem {
@@ -108,6 +109,8 @@ void CheckKv(const MacDecodeConfig& c, const void* k, const void* v, int64_t sp,
   CheckStride(sh, "kv_stride_head", fn);
   CheckStride(st, "kv_stride_token", fn);
   if (st < c.head_dim) Fail(fn, "kv_stride_token " + std::to_string(st) + " must be >= head_dim");
+  const std::string range = decode::KvStrideRangeError(sp, st, c.page_size);
+  if (!range.empty()) Fail(fn, range);
   if (bt == nullptr) Fail(fn, "block_table is null");
   if (bts < 1) Fail(fn, "block_table_stride must be >= 1");
   if (seq_lens == nullptr) Fail(fn, "seq_lens is null");

@@ -1494,6 +1494,13 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
   DType* qs = reinterpret_cast<DType*>(smem + Sm::kQ);               // [kQSlots][GROUP][kQStride]
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
+  // This thread's KV copies (issue_tile below).
+  constexpr int kRowStep = kThreads / kRowChunks;  // tokens between a thread's rows
+  static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+  const int row0 = int(unsigned(tid) / kRowChunks);
+  const uint32_t piece_off = (unsigned(tid) % kRowChunks) * 8;
+  const int sw0 = row0 * HEAD_DIM + (int((piece_off >> 3) ^ unsigned(row0 & 7)) << 3);
+  const uint32_t kv_sp = uint32_t(a.kv_stride_page), kv_st = uint32_t(a.kv_stride_token);
 
   auto pos_of = [&](int s) -> ChunkPos {
     if constexpr (kFill) {
@@ -1591,18 +1598,19 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
       const int32_t* tp = pg + (df % kPageSlots) * kBlockN;
       const DType* kb = static_cast<const DType*>(a.k) + dsrc.kv;
       const DType* vb = static_cast<const DType*>(a.v) + dsrc.kv;
+      // Thread x copies piece x % kRowChunks of rows r0 + i kRowStep (r0 = x / kRowChunks):
+      // one swizzle phase for all of them, so a row's place is sw0 plus a constant. Offsets
+      // from 32-bit products (CheckKv bounds the strides), without a branch: a row past the
+      // segment takes page 0 and its copy reads nothing.
+      const int wr = dsrc.w0 + dt * kBlockN + row0;
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
-        const int c = tid + i * kThreads;
-        const int j = c / kRowChunks, piece = c % kRowChunks;
-        const int w = dsrc.w0 + dt * kBlockN + j;
+        const int w = wr + i * kRowStep;
         const bool valid = w < dsrc.w1;
-        int64_t off = 0;
-        if (valid) {
-          const int32_t t = w < dsrc.sink_end ? w : w + dsrc.gap;
-          off = int64_t(tp[j]) * a.kv_stride_page + int64_t(t & slot_mask) * a.kv_stride_token + piece * 8;
-        }
-        const int sw = j * HEAD_DIM + ((piece ^ (j & 7)) << 3);
+        const int32_t t = w < dsrc.sink_end ? w : w + dsrc.gap;
+        const uint32_t page = valid ? uint32_t(tp[row0 + i * kRowStep]) : 0u;
+        const uint64_t off = uint64_t(page) * kv_sp + (uint32_t(t & slot_mask) * kv_st + piece_off);
+        const int sw = sw0 + i * kRowStep * HEAD_DIM;
         decode::CpAsync16Policy(kt + sw, kb + off, valid, kv_pol);
         decode::CpAsync16Policy(vt + sw, vb + off, valid, kv_pol);
       }

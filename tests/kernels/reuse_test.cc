@@ -880,6 +880,8 @@ TEST(MacCpu, BadArgumentsThrow) {
   expect_bad([](MacParams& p) { p.slots = nullptr; }, "slots is null");
   expect_bad([](MacParams& p) { p.state.ring_tag = nullptr; }, "ring_tag");
   expect_bad([](MacParams& p) { p.q_stride_h = 12; }, "q_stride_h");
+  expect_bad([](MacParams& p) { p.kv_stride_page = int64_t(1) << 32; }, "kv_stride_page 4294967296 must be below 2^32");
+  expect_bad([&](MacParams& p) { p.kv_stride_token = (int64_t(1) << 31) / t.c.page_size; }, "below 2^31");
   expect_bad([](MacParams& p) { p.prefix_lse = &p.sm_scale; }, "prefix_o and prefix_lse");
   expect_bad([](MacParams& p) { p.sm_scale = std::numeric_limits<float>::infinity(); }, "sm_scale");
   int32_t bad_slot = 3;
