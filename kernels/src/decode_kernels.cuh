@@ -2237,6 +2237,15 @@ struct KvTileCopy {
   static_assert(kRowStep % 8 == 0 && 16 % kRowStep == 0 && kRuns * kRun == kLoads,
                 "a thread's rows: one swizzle phase, whole 16-token runs");
   static constexpr int kRunShift = 4;  // page_size >= 2^4: the run path
+  // Where thread x's first row goes in a stage tile: row r0 = x / kRowChunks, piece
+  // x % kRowChunks swizzled by r0 % 8, the phase of all its rows (row i: + i kRowStep HEAD_DIM).
+  static __device__ __forceinline__ int Place0(int r0, int piece) { return r0 * HEAD_DIM + ((piece ^ (r0 & 7)) << 3); }
+  // A row's element offset in the caches from 32-bit products (kv_stride_page < 2^32,
+  // page_size * kv_stride_token < 2^31: CheckParams, CheckKv).
+  static __device__ __forceinline__ uint64_t Offset(uint32_t page, uint32_t slot, uint32_t sp, uint32_t st,
+                                                    uint32_t piece_off) {
+    return uint64_t(page) * sp + (slot * st + piece_off);
+  }
   // The page ids of this thread's rows (0 past t_end), from the request's block table bt:
   // pages[k] for run k (k < kRuns) when shift >= kRunShift, else pages[i] for row i.
   static __device__ __forceinline__ void Pages(int32_t (&pages)[kLoads], const int32_t* bt, int tok0, int t_end,
@@ -2263,13 +2272,13 @@ struct KvTileCopy {
                                                const int32_t (&pages)[kLoads], int tok0, int t_end,
                                                const DecodeParams& p, int shift, int slot_mask, uint64_t pol) {
     const int r0 = int(threadIdx.x) / kRowChunks, piece = int(threadIdx.x) % kRowChunks;
-    const int sw0 = r0 * HEAD_DIM + ((piece ^ (r0 & 7)) << 3);  // row i: + i kRowStep HEAD_DIM
+    const int sw0 = Place0(r0, piece);
     const uint32_t sp = uint32_t(p.kv_stride_page), st = uint32_t(p.kv_stride_token);
     if (shift >= kRunShift) {
 #pragma unroll
       for (int k = 0; k < kRuns; ++k) {
         const int tk = tok0 + 16 * k;
-        const uint64_t off = uint64_t(uint32_t(pages[k])) * sp + ((uint32_t(tk & slot_mask) + r0) * st + uint32_t(piece * 8));
+        const uint64_t off = Offset(uint32_t(pages[k]), uint32_t(tk & slot_mask) + r0, sp, st, uint32_t(piece * 8));
 #pragma unroll
         for (int q = 0; q < kRun; ++q) {
           const int i = k * kRun + q;
@@ -2285,7 +2294,7 @@ struct KvTileCopy {
       for (int i = 0; i < kLoads; ++i) {
         const int t = tok0 + r0 + i * kRowStep;
         const bool valid = t < t_end;
-        const uint64_t off = uint64_t(uint32_t(pages[i])) * sp + (uint32_t(t & slot_mask) * st + uint32_t(piece * 8));
+        const uint64_t off = Offset(uint32_t(pages[i]), uint32_t(t & slot_mask), sp, st, uint32_t(piece * 8));
         const int sw = sw0 + i * kRowStep * HEAD_DIM;
         CpAsync16Policy(kt + sw, kb + off, valid, pol);
         CpAsync16Policy(vt + sw, vb + off, valid, pol);

@@ -1494,12 +1494,14 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
   DType* qs = reinterpret_cast<DType*>(smem + Sm::kQ);               // [kQSlots][GROUP][kQStride]
   const int shift = a.page_shift;
   const int slot_mask = (1 << shift) - 1;
-  // This thread's KV copies (issue_tile below).
-  constexpr int kRowStep = kThreads / kRowChunks;  // tokens between a thread's rows
-  static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+  // This thread's KV copies (issue_tile below), placed and addressed as the decode
+  // attention's (decode::KvTileCopy).
+  using Copy = decode::KvTileCopy<DType, HEAD_DIM>;
+  constexpr int kRowStep = Copy::kRowStep;  // tokens between a thread's rows
+  static_assert(Copy::kLoads == kLoads, "the decode attention's tile");
   const int row0 = int(unsigned(tid) / kRowChunks);
   const uint32_t piece_off = (unsigned(tid) % kRowChunks) * 8;
-  const int sw0 = row0 * HEAD_DIM + (int((piece_off >> 3) ^ unsigned(row0 & 7)) << 3);
+  const int sw0 = Copy::Place0(row0, int(piece_off >> 3));
   const uint32_t kv_sp = uint32_t(a.kv_stride_page), kv_st = uint32_t(a.kv_stride_token);
 
   auto pos_of = [&](int s) -> ChunkPos {
@@ -1609,7 +1611,7 @@ __device__ __forceinline__ bool AttendSegments(const LaunchArgs& a, const ChunkD
         const bool valid = w < dsrc.w1;
         const int32_t t = w < dsrc.sink_end ? w : w + dsrc.gap;
         const uint32_t page = valid ? uint32_t(tp[row0 + i * kRowStep]) : 0u;
-        const uint64_t off = uint64_t(page) * kv_sp + (uint32_t(t & slot_mask) * kv_st + piece_off);
+        const uint64_t off = Copy::Offset(page, uint32_t(t & slot_mask), kv_sp, kv_st, piece_off);
         const int sw = sw0 + i * kRowStep * HEAD_DIM;
         decode::CpAsync16Policy(kt + sw, kb + off, valid, kv_pol);
         decode::CpAsync16Policy(vt + sw, vb + off, valid, kv_pol);
