@@ -82,6 +82,7 @@ struct Options {
   int iters = 50, warmup = 10, rest_tokens = 1024, top_m = 16, max_rotations = 8, plan_ctas = 0;
   int lookup_ctas = 0;  // DecodeConfig::lookup_ctas (0: the default)
   int probe_max_batch = 0;  // DecodeConfig::probe_max_batch (0: the default, -1: never)
+  int project_max_batch = 0;  // DecodeConfig::project_max_batch (0: the default, -1: never)
   double hbm_tbps = 4.3;
   double child_skew = 0.0;  // hierarchical views: children per parent ~ exp(skew N(0, 1))
   std::string key_dtype = "bf16";  // lookup keys: bf16, or i8 (QuantizeKeysI8)
@@ -581,6 +582,7 @@ int Run(const Options& opt) {
                      {"hbm_tbps", opt.hbm_tbps}, {"quick", opt.quick},
                      {"plan_ctas", opt.plan_ctas}, {"lookup_ctas", opt.lookup_ctas},
                      {"probe_max_batch", opt.probe_max_batch},
+                     {"project_max_batch", opt.project_max_batch},
                      {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype},
                      {"flush", opt.flush},
                      {"launch", opt.launch},
@@ -812,6 +814,7 @@ int Run(const Options& opt) {
           c.use_dictionaries = true;
           c.lookup_ctas = opt.lookup_ctas;
           c.probe_max_batch = opt.probe_max_batch;
+          c.project_max_batch = opt.project_max_batch;
           const int64_t children = (K + dd.C1 - 1) / dd.C1;
           const int64_t rows = hier ? dd.C1 + std::min<int64_t>(opt.top_m, dd.C1) * children : K;
           c.max_lookup_rows = rows;
@@ -963,6 +966,10 @@ int main(int argc, char** argv) {
                  "DecodeConfig::probe_max_batch: steps of at most this many requests probe "
                  "hierarchical views (0: the default, -1: never)")
       ->check(CLI::Range(-1, 8));
+  app.add_option("--project-max-batch", opt.project_max_batch,
+                 "DecodeConfig::project_max_batch: steps of at most this many requests project "
+                 "whitened lookup keys in the lookup CTAs (0: the default, -1: never)")
+      ->check(CLI::Range(-1, 1 << 20));
   app.add_option("--torch-backends", opt.torch_backends, "torch SDPA backends: cudnn flash efficient math");
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip the torch SDPA baseline");

@@ -138,6 +138,9 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
   if (c.probe_max_batch < -1 || c.probe_max_batch > 8) {
     return "probe_max_batch must be in [-1, 8], got " + std::to_string(c.probe_max_batch);
   }
+  if (c.project_max_batch < -1) {
+    return "project_max_batch must be >= -1, got " + std::to_string(c.project_max_batch);
+  }
   if (c.whitening && !c.use_dictionaries) return "whitening needs use_dictionaries";
   if ((c.key_dims >> 12) != 0) return "key_dims has bits past DecodeKeyDimBit(1024)";
   *invalid = false;

@@ -203,9 +203,9 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
       // projection of 32 or 64 requests took 16 us in the lookup CTAs (timeline) and the step
       // lost up to 15 us (LLaMA-8B 64 dims, B = 32 K = 4096 hierarchical 61.5 -> 68.6, B = 64
       // K = 16 linear 98.0 -> 113.1).
-      constexpr int32_t kProjectMaxBatch = 2;
+      const int32_t project_max = c.project_max_batch == 0 ? kDecodeProjectMaxBatch : c.project_max_batch;
       bool project = false;
-      if (a.whitened != nullptr && p.lookup_keys == nullptr && !whiten_grid && p.batch <= kProjectMaxBatch) {
+      if (a.whitened != nullptr && p.lookup_keys == nullptr && !whiten_grid && p.batch <= project_max) {
         bool narrow = true, first = true;
         ForEachKeyDim(a.key_dims, [&](auto r) {
           constexpr int R = decltype(r)::value;

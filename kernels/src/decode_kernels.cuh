@@ -1719,164 +1719,214 @@ __device__ __noinline__ void LookupBlockProbe(const LaunchArgs& a, int32_t id, i
 
 // ---------------------------------------------------------------------------------------
 // The lookup keys projected by the lookup CTAs (LaunchArgs::project; decode_cuda.cu picks it
-// for small steps where every served width is below G d and all CTAs of the step's first
-// lookup grid are resident at once): that grid's CTAs compute between them every value
-// DecodeWhitenKernel would, count themselves in lookup_sync[2] (zeroed before the grid) and
-// wait for the count before a whitened key is read (ProjectionWait). No whitening grid runs
-// before the lookup.
-// Unit (KV head h, rows, up to M requests): the members' q_pre rows in 16 bits in shared
-// memory (the member keys' and the ring's space, free before the scan), each warp a row of
-// W and the view's mean held in registers across the members, every value summed as
-// DecodeWhitenKernel sums it (lane j = 4 lane + 128 k in WhitenDot's fma order, x - mean in
-// f32, the xor reduction), so the keys are bit for bit the same.
+// where every served width is below G d, the step has at most DecodeConfig::project_max_batch
+// requests and all CTAs of the step's first lookup grid are resident at once): that grid's
+// CTAs compute between them every value DecodeWhitenKernel would, count themselves in
+// lookup_sync[2] (zeroed before the grid) and wait for the count before a whitened key is
+// read (ProjectionWait). No whitening grid runs before the lookup.
+// Unit (KV head h, up to kProjectMembers requests, kWarps rw rows): the members' q_pre rows
+// minus their views' means in f32 in shared memory (the member keys' and the ring's space,
+// free before the scan; every mean load of a unit in flight at once), each warp rw rows of
+// W, copied into its own slots in batches (all rw at once where they fit, the first batch
+// beside the means' loads), and every value of a row for all members summed together (one
+// W load and eight independent fma chains per 4 dims), each as DecodeWhitenKernel sums
+// it (lane j = 4 lane + 128 k in WhitenDot's fma order, x - mean in f32, the xor reduction),
+// so the keys are bit for bit the same.
 // ---------------------------------------------------------------------------------------
+
+constexpr int kProjectMembers = 8;
+// [kProjectMembers][D] f32 rows, then W rows: [kWarps][slots][D] f32, at least two per warp.
+constexpr size_t kProjectBytes = size_t(kProjectMembers + 2 * kWarps) * kMaxKeyDim * 4;
+static_assert(kProjectBytes <= 64 * 1024, "projection rows and W slots in the member keys and ring");
 
 // The widest width named in key_dims (DecodeKeyDimBit's bits), at most D.
 __device__ __forceinline__ int MaxServedKeyDim(uint32_t key_dims, int D) {
   return key_dims == 0u ? D : min(int(DecodeWidestKeyDim(key_dims)), D);
 }
 
+// W row r of view v into a warp's slot (cp.async, one group).
+__device__ __forceinline__ void ProjectCopyRow(float* slot, const DictLayerView& v, int r, int D) {
+  const int lane = threadIdx.x & 31;
+  const float* src = v.whitening + int64_t(r) * D;
+  for (int c = lane * 4; c < D; c += 128) CpAsync16(slot + c, src + c, true);
+}
+
 template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm) {
-  constexpr int kChunks = kMaxKeyDim / 128;  // float4 of a D-wide row per lane
-  using L = SegTile<KEY_DIM>;
+  static_assert(SegTile<KEY_DIM>::kQueryBytes + SegTile<KEY_DIM>::kRingBytes >= kProjectBytes,
+                "the projection's space");
+  constexpr int M = kProjectMembers;
+  constexpr int kVecs = kMaxKeyDim * M / 8 / kThreads;  // 16-byte q_pre pieces per thread
   const DecodeParams& p = a.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int d = a.head_dim, D = a.group * a.head_dim;
-  const int M = min(L::kMaxMembers, L::kQueryBytes / (2 * D));  // members per unit
   const int rmax = MaxServedKeyDim(a.key_dims, D);
   const int groups = (a.batch + M - 1) / M;
-  // Rows per warp: as few as give every CTA at most one unit.
-  const int64_t base_units = int64_t(a.hkv) * groups * ((rmax + kWarps - 1) / kWarps);
-  const int rw = int((base_units + gridDim.x - 1) / gridDim.x);
-  const int rows = kWarps * rw;
-  const int row_blocks = (rmax + rows - 1) / rows;
-  const int units = a.hkv * row_blocks * groups;
-  DType* stage = reinterpret_cast<DType*>(sm.q);             // [M][D]
-  int32_t* tab = reinterpret_cast<int32_t*>(sm.ring);        // [M]: the member's width R (0: none)
-  int32_t* tab_id = tab + L::kMaxMembers;                    // [M]: its dictionary
+  // Row blocks per (KV head, member group): as many as the grid has CTAs for, so that each
+  // CTA takes one unit where it can.
+  const int per = max(1, int(gridDim.x) / (a.hkv * groups));
+  const int quads = (rmax + kWarps - 1) / kWarps;
+  const int rw = (quads + min(per, quads) - 1) / min(per, quads);  // rows per warp
+  const int row_blocks = (rmax + kWarps * rw - 1) / (kWarps * rw);
+  const int units = a.hkv * groups * row_blocks;
+  float* xm = reinterpret_cast<float*>(sm.q);  // [M][D]: q_pre - mean, f32
+  // Then per warp `slots` rows of W (at least 2 for D <= kMaxKeyDim): a batch of rows in flight.
+  const int slots = min(rw, int((kProjectBytes / 4 - size_t(M) * D) / (size_t(kWarps) * D)));
+  float* wslots = xm + M * D + warp * slots * D;
+  int32_t* tab = sm.mem;                       // [M]: the member's width R (0: none)
+  int32_t* tab_id = sm.mem + M;                // [M]: its dictionary
+  const float** tab_mean = reinterpret_cast<const float**>(sm.mem + 2 * M);  // [M]: its view's mean
+  static_assert(SegTile<KEY_DIM>::kMaxMembers * 4 >= M * 16, "the member tables in sm.mem");
   for (int u = int(blockIdx.x); u < units; u += int(gridDim.x)) {
     const int h = u % a.hkv, rb = (u / a.hkv) % row_blocks, grp = u / a.hkv / row_blocks;
-    const int b0 = grp * M, n = min(M, a.batch - b0), row0 = rb * rows;
+    const int b0 = grp * M, n = min(M, a.batch - b0), row0 = rb * kWarps * rw;
+    // The members' q_pre rows into registers first (they depend on nothing): piece c of 8
+    // dims is member c / (D / 8).
+    uint4 xr[kVecs];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int c = tid + k * kThreads, i = c / (D / 8), e = (c % (D / 8)) * 8;
+      xr[k] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < n) {
+        const int g = e / d, cc = e - g * d;
+        xr[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const DType*>(p.q_pre) +
+                                                     int64_t(b0 + i) * p.q_pre_stride_b +
+                                                     int64_t(h * a.group + g) * p.q_pre_stride_h + cc));
+      }
+    }
     bool need = false;
-    if (tid < n) {
-      const int32_t id = sm.IdOf(p, b0 + tid);
-      int R = 0;
-      if (id >= 0 && id < p.num_dicts) {
-        R = WhitenedRows(p.dict_views[int64_t(id) * a.hkv + h], D);
+    if (tid < M) {
+      int32_t id = -1, R = 0;
+      const float* mean = nullptr;
+      if (tid < n) {
+        id = sm.IdOf(p, b0 + tid);
+        if (id >= 0 && id < p.num_dicts) {
+          const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
+          R = WhitenedRows(v, D);
+          mean = v.whitening_mean;
+        }
       }
       tab[tid] = R;
       tab_id[tid] = id;
+      tab_mean[tid] = mean;
       need = R > row0;
     }
     if (!__syncthreads_or(need)) continue;
-    // The members' q_pre rows (16-byte chunks of 8 dims within one head).
-    const int kc = D / 8;
-    for (int c = tid; c < n * kc; c += kThreads) {
-      const int i = c / kc, e = (c % kc) * 8, g = e / d, cc = e - g * d;
-      const bool valid = tab[i] > row0;
-      const DType* src = static_cast<const DType*>(p.q_pre) + int64_t(b0 + i) * p.q_pre_stride_b +
-                         int64_t(h * a.group + g) * p.q_pre_stride_h + cc;
-      CpAsync16(stage + int64_t(i) * D + e, valid ? src : static_cast<const DType*>(p.q_pre), valid);
+    // This lane's member (lane < M), and the members that have row r as a warp mask.
+    const int32_t my_r = lane < M ? tab[lane] : 0, my_id = lane < M ? tab_id[lane] : -1;
+    auto members_of = [&](int r) { return __ballot_sync(0xffffffffu, lane < n && r < my_r); };
+    // The view of row r's first member (whose W row a slot holds), and the copies of this
+    // warp's rows k0 .. k0 + slots - 1 (one group; the first batch beside the means' loads).
+    auto first_view = [&](unsigned m) { return __shfl_sync(0xffffffffu, my_id, __ffs(m) - 1); };
+    auto copy_batch = [&](int k0) {
+      for (int j = 0; j < slots && k0 + j < rw; ++j) {
+        const int r = row0 + warp + kWarps * (k0 + j);
+        const unsigned m = r < rmax ? members_of(r) : 0u;
+        if (m != 0u) ProjectCopyRow(wslots + j * D, p.dict_views[int64_t(first_view(m)) * a.hkv + h], r, D);
+      }
+      CpAsyncCommit();
+    };
+    copy_batch(0);
+    // x - mean of each member's view, in f32 (zeros for members without row0): every mean
+    // load in flight at once, then the rows.
+    float4 mv[kVecs][2];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int c = tid + k * kThreads, i = c / (D / 8), e = (c % (D / 8)) * 8;
+      mv[k][0] = mv[k][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (i < n && tab[i] > row0) {
+        const float* mean = tab_mean[i] + e;
+        mv[k][0] = __ldg(reinterpret_cast<const float4*>(mean));
+        mv[k][1] = __ldg(reinterpret_cast<const float4*>(mean + 4));
+      }
     }
-    CpAsyncCommit();
-    CpAsyncWait<0>();
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int c = tid + k * kThreads, i = c / (D / 8), e = (c % (D / 8)) * 8;
+      if (i < M) {
+        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (i < n && tab[i] > row0) {
+          const float4 m0 = mv[k][0], m1 = mv[k][1];
+          Pack<DType>::ToFloat2(xr[k].x, x[0], x[1]);
+          Pack<DType>::ToFloat2(xr[k].y, x[2], x[3]);
+          Pack<DType>::ToFloat2(xr[k].z, x[4], x[5]);
+          Pack<DType>::ToFloat2(xr[k].w, x[6], x[7]);
+          x[0] -= m0.x;
+          x[1] -= m0.y;
+          x[2] -= m0.z;
+          x[3] -= m0.w;
+          x[4] -= m1.x;
+          x[5] -= m1.y;
+          x[6] -= m1.z;
+          x[7] -= m1.w;
+        }
+        *reinterpret_cast<float4*>(xm + i * D + e) = make_float4(x[0], x[1], x[2], x[3]);
+        *reinterpret_cast<float4*>(xm + i * D + e + 4) = make_float4(x[4], x[5], x[6], x[7]);
+      }
+    }
     __syncthreads();
     for (int k = 0; k < rw; ++k) {
-      const int r = row0 + warp + kWarps * k;
+      const int r = row0 + warp + kWarps * k, j = k % slots;
       if (r >= rmax) break;
-      // Members that have row r (lane i: member i), and whether they share one view.
-      const bool has = lane < n && r < tab[lane];
-      const unsigned mask = __ballot_sync(0xffffffffu, has);
-      if (mask == 0u) continue;
-      const int32_t id0 = __shfl_sync(0xffffffffu, lane < n ? tab_id[lane] : 0, __ffs(mask) - 1);
-      const bool one_view = __all_sync(0xffffffffu, !has || (lane < n && tab_id[lane] == id0));
-      int32_t held = INT32_MIN;  // the view whose W row and mean are in registers
-      float4 w4[kChunks], m4[kChunks];
-      auto hold = [&](int32_t id) {
-        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + h];
-        const float* wr = v.whitening + int64_t(r) * D;
-#pragma unroll
-        for (int q = 0; q < kChunks; ++q) {
-          const int j = lane * 4 + 128 * q;
-          if (j < D) {
-            w4[q] = __ldg(reinterpret_cast<const float4*>(wr + j));
-            m4[q] = __ldg(reinterpret_cast<const float4*>(v.whitening_mean + j));
-          }
+      if (j == 0) {  // this batch's rows landed (the next batch's copies wait for its sums)
+        if (k > 0) {
+          __syncwarp();
+          copy_batch(k);
         }
-        held = id;
-      };
-      // Member i's value: W row . (x - mean) in DecodeWhitenKernel's order, this lane's part.
-      auto part = [&](int i) {
-        const DType* xr = stage + int64_t(i) * D;
-        float acc = 0.f;
-#pragma unroll
-        for (int q = 0; q < kChunks; ++q) {
-          const int j = lane * 4 + 128 * q;
-          if (j < D) {
-            const uint2 raw = *reinterpret_cast<const uint2*>(xr + j);
-            float x0, x1, x2, x3;
-            Pack<DType>::ToFloat2(raw.x, x0, x1);
-            Pack<DType>::ToFloat2(raw.y, x2, x3);
-            x0 -= m4[q].x;
-            x1 -= m4[q].y;
-            x2 -= m4[q].z;
-            x3 -= m4[q].w;
-            acc = WhitenFma4(acc, w4[q], make_float4(x0, x1, x2, x3));
-          }
+        CpAsyncWait<0>();
+        __syncwarp();
+      }
+      float* w = wslots + j * D;
+      unsigned pending = members_of(r);
+      int32_t held = pending != 0u ? first_view(pending) : INT32_MIN;  // the view of w's row
+      while (pending != 0u) {
+        // The members of one view: the slot's (the common case: one view), or another's row
+        // copied now.
+        const int32_t id = first_view(pending);
+        const unsigned vm = pending & __ballot_sync(0xffffffffu, lane < n && my_id == id);
+        pending &= ~vm;
+        if (id != held) {
+          __syncwarp();
+          ProjectCopyRow(w, p.dict_views[int64_t(id) * a.hkv + h], r, D);
+          CpAsyncCommit();
+          CpAsyncWait<0>();
+          __syncwarp();
+          held = id;
         }
-        return acc;
-      };
-      auto store = [&](int i, float y) {  // lane 0
-        const int64_t bh = int64_t(b0 + i) * a.hkv + h;
-        if (tab[i] < D) {  // projected: rounded to the op's type, also stored in it
-          y = RoundTo<DType>(y);
-          static_cast<DType*>(a.whitened16)[bh * D + r] = DType(y);
+        float acc[M];
+#pragma unroll
+        for (int t = 0; t < M; ++t) acc[t] = 0.f;
+        for (int jj = lane * 4; jj < D; jj += 128) {
+          const float4 wv = *reinterpret_cast<const float4*>(w + jj);
+#pragma unroll
+          for (int t = 0; t < M; ++t) acc[t] = WhitenFma4(acc[t], wv, *reinterpret_cast<const float4*>(xm + t * D + jj));
         }
-        a.whitened[bh * D + r] = y;
-      };
-      if (one_view) {
-        // One view (the common case): its row once, then four members at a time, their
-        // sums independent until the reduction.
-        hold(id0);
-        constexpr int kTogether = 4;
-        for (int i0 = 0; i0 < n; i0 += kTogether) {
-          if (((mask >> i0) & ((1u << kTogether) - 1u)) == 0u) continue;
-          float acc[kTogether];
 #pragma unroll
-          for (int t = 0; t < kTogether; ++t) acc[t] = i0 + t < n ? part(i0 + t) : 0.f;
+        for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-            for (int t = 0; t < kTogether; ++t) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
-          }
-          if (lane == 0) {
-#pragma unroll
-            for (int t = 0; t < kTogether; ++t) {
-              if ((mask >> (i0 + t)) & 1u) store(i0 + t, acc[t]);
-            }
-          }
+          for (int t = 0; t < M; ++t) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
         }
-      } else {
-        for (int i = 0; i < n; ++i) {
-          if (((mask >> i) & 1u) == 0u) continue;
-          if (tab_id[i] != held) hold(tab_id[i]);
-          float acc = part(i);
+        // Lane t stores member t's value (every lane holds every sum).
+        float y = acc[0];
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-          if (lane == 0) store(i, acc);
+        for (int t = 1; t < M; ++t) y = lane == t ? acc[t] : y;
+        if ((vm >> lane) & 1u) {
+          const int64_t bh = int64_t(b0 + lane) * a.hkv + h;
+          if (my_r < D) {  // projected: rounded to the op's type, also stored in it
+            y = RoundTo<DType>(y);
+            static_cast<DType*>(a.whitened16)[bh * D + r] = DType(y);
+          }
+          a.whitened[bh * D + r] = y;
         }
       }
     }
-    __syncthreads();  // stage and tab are rewritten by the next unit
+    CpAsyncWait<0>();
+    __syncthreads();  // xm and the tables are rewritten by the next unit
   }
-  // Counted once this CTA's values are out (the barrier orders every thread's stores before
-  // thread 0's fence and count).
+  // Counted once this CTA's values are out: the barrier orders every thread's stores before
+  // thread 0's count, a release at GPU scope (ProjectionWait acquires it).
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    atomicAdd(a.lookup_sync + 2, 1u);
-  }
+  if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.lookup_sync + 2) : "memory");
 }
 
 // Until every CTA of the grid has counted its projected keys (LaunchArgs::project); ends with
@@ -1899,10 +1949,10 @@ __device__ __forceinline__ void ProjectionWait(const LaunchArgs& a) {
 // reference without a local copy.
 template <typename DType, int KEY_DIM, bool PROBE, bool PROJECT>
 __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_constant__ LaunchArgs a) {
-  // The attention kernel may start at once; a projecting grid lets it start once its keys
-  // are out, as the attention's start slowed the projection (H200, LLaMA-8B B = 32, keys of
-  // 64 dims, timeline: 20 us to project beside it, 16 us before it).
-  if constexpr (!PROJECT) GridLaunchDependents();
+  // The attention kernel may start at once, also beside a projecting grid (H200, LLaMA-8B,
+  // keys of 64 dims, K = 4096, B = 32 / 64 hierarchical: 54.4 / 91.0 us when the attention
+  // started only once every projecting CTA's keys were out, 52.4 / 84.9 at once).
+  GridLaunchDependents();
   using L = SegTile<KEY_DIM>;
   extern __shared__ float4 lookup_smem[];
   const SegSmem<KEY_DIM> sm(reinterpret_cast<char*>(lookup_smem));
@@ -1952,10 +2002,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     if (lane == 0) sm.first[warp] = m;
   }
   __syncthreads();
-  if constexpr (PROJECT) {
-    ProjectKeys<DType, KEY_DIM>(a, sm);
-    GridLaunchDependents();
-  }
+  if constexpr (PROJECT) ProjectKeys<DType, KEY_DIM>(a, sm);
   DTL(if (tlr) tlr[1] = DtlNow());
   // The requests b0 this rep opens dictionaries for, in order: the cached ones of the mask,
   // then every reps-th request past the cache (checked below).
@@ -1986,6 +2033,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     tail += R;
     return b;
   };
+  bool projection_seen = false;  // a projecting grid: every CTA's keys are out
   for (int b0 = next_b0(); b0 < a.batch; b0 = next_b0()) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
@@ -2002,9 +2050,11 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     // Whitened keys come from this grid's CTAs (a.project: wait for their count) or from the
     // whitening grid, this one's primary (programmatic dependent launch): wait for it before
     // they are read.
+    // (A projecting grid waits later, before the member keys: wait_projection.)
+    bool wait_projection = false;
     if (v.whitening != nullptr && a.whitened != nullptr) {
       if constexpr (PROJECT) {
-        ProjectionWait(a);
+        wait_projection = !projection_seen;
       } else {
         GridDependencyWait();
       }
@@ -2067,16 +2117,33 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         // common case, the only scan inlined here. The member keys' copies first (zero up to
         // MB, since every n-tile is scored), then this warp's first key chunks; one wait for
         // the member keys (the oldest group) and a barrier, then the scan.
+        // A projecting grid whose keys are not all out yet: the key chunks first, then the
+        // wait for the other CTAs' keys, then the member keys and one wait for all.
         const SegList mine(v, kLookupUnits * s + warp, U);
-        StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
+        bool ring_first = false;
+        if constexpr (PROJECT) ring_first = wait_projection;
+        if (!ring_first) StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
         KeyRing<KEY_DIM> kr(sm, v, mine);
         kr.Start();
-        CpAsyncWait<L::kRingStages - 1>();
+        if (ring_first) {
+          ProjectionWait(a);
+          projection_seen = true;
+          wait_projection = false;
+          StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
+          CpAsyncWait<0>();
+        } else {
+          CpAsyncWait<L::kRingStages - 1>();
+        }
         __syncthreads();
         DTL(if (tlu && tl_blocks == 1) tlu[3] = DtlNow());
         WarpSegScanTc<DType, KEY_DIM, 1, true>(a, sm, mine, kr, n, MB, h);
         DTL(if (tlu && tl_blocks == 1) tlu[7] = DtlNow());
       } else {
+        if (PROJECT && wait_projection) {
+          ProjectionWait(a);
+          projection_seen = true;
+          wait_projection = false;
+        }
         LookupBlockOther<DType, KEY_DIM>(a, id, n, MB, terms, tc, s, U, h);
       }
       __syncthreads();  // mem / misc / sm.q are rewritten for the next block

@@ -718,6 +718,28 @@ CaseSpec ProjectedOneWaveCase(int32_t second_dim) {
   return s;
 }
 
+// Larger steps projected by the lookup CTAs (DecodeConfig::project_max_batch): GQA-8 heads
+// (hkv 4, G d = 1024) or LLaMA-8B heads (hkv 8, G d = 512), keys of two widths, members of
+// both dictionaries and none in every group of eight requests.
+CaseSpec ProjectedBatchCase(int32_t hkv, int32_t batch) {
+  CaseSpec s;
+  s.Hq = 32;
+  s.Hkv = hkv;
+  s.d = 128;
+  const int32_t T[] = {5, 613, 77, 0, 1024, 31};
+  s.T.clear();
+  for (int32_t b = 0; b < batch; ++b) {
+    s.T.push_back(T[b % 6]);
+    s.dict_ids.push_back(b % 7 == 5 ? -1 : (b % 3 == 1 ? 1 : 0));
+  }
+  s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
+  const int32_t narrow = hkv == 8 ? 64 : 128;
+  for (DictSpec& ds : s.dicts) ds.whitening = true;
+  s.dicts[0].key_dim = narrow;
+  s.dicts[1].key_dim = 2 * narrow;
+  return s;
+}
+
 TEST(DecodeGpu, ProjectedLookupKeys) {
   ASMEM_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::test_seed(214);
@@ -750,6 +772,20 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       CheckAgainstReference(pb, pb.config, "projected keys, small steps");
     }
   }
+  // Steps of 3 .. 40 requests projected by the lookup CTAs (partial groups of eight, more
+  // units than CTAs at 40) and by the whitening grid.
+  for (int32_t hkv : {4, 8}) {
+    for (int32_t batch : {3, 13, 40}) {
+      SCOPED_TRACE("projected by the lookup CTAs: Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
+      Problem pb;
+      BuildProblem(ProjectedBatchCase(hkv, batch), seed + n++, &pb);
+      DecodeConfig in_lookup = pb.config, grid = pb.config;
+      in_lookup.project_max_batch = batch;
+      grid.project_max_batch = -1;
+      CheckAgainstReference(pb, in_lookup, "projected keys, by the lookup CTAs");
+      CheckAgainstReference(pb, grid, "projected keys, whitening grid");
+    }
+  }
   // The one-wave plan (LLaMA-8B heads, B = 32, one lookup rep; its keys come from the
   // whitening grid), keys of 128 of 512 dims, then dictionaries of 128 and 64 dims (two
   // lookup grids).
@@ -762,6 +798,13 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
     ASSERT_EQ(PlanDecode(pb.config).kv_splits, 1);
     ASSERT_EQ(PlanDecode(pb.config).lookup_reps, 1);
     CheckAgainstReference(pb, pb.config, "projected keys, one wave");
+    // The same keys from the lookup CTAs (on an H200 the grid's 136 CTAs are resident at once
+    // by the occupancy rule) and from the whitening grid.
+    DecodeConfig in_lookup = pb.config, grid = pb.config;
+    in_lookup.project_max_batch = 32;
+    grid.project_max_batch = -1;
+    CheckAgainstReference(pb, in_lookup, "projected keys, one wave, by the lookup CTAs");
+    CheckAgainstReference(pb, grid, "projected keys, one wave, whitening grid");
     if (second_dim != 128) continue;
     // A width the config does not serve: NaN for the requests of that dictionary.
     DecodeConfig other = pb.config;

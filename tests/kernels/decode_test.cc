@@ -618,6 +618,19 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
     ok.probe_max_batch = probe;
     EXPECT_NO_THROW(PlanDecode(ok)) << probe;
   }
+  bad = c;
+  bad.project_max_batch = -2;
+  try {
+    PlanDecode(bad);
+    ADD_FAILURE() << "project_max_batch -2 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("project_max_batch must be >= -1, got -2"), std::string::npos) << e.what();
+  }
+  for (int32_t project : {-1, 0, 1, 64, 4096}) {
+    DecodeConfig ok = c;
+    ok.project_max_batch = project;
+    EXPECT_NO_THROW(PlanDecode(ok)) << project;
+  }
 }
 
 // The widest width of a key_dims set (the projecting lookup sizes its rows by it on the

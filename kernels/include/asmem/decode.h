@@ -193,6 +193,9 @@ constexpr int32_t kDecodeMaxPageSize = 1024;
 // parents a probed view may have.
 constexpr int32_t kDecodeProbeMaxBatch = 4;
 constexpr int32_t kDecodeProbeMaxParents = 256;
+// Projected lookup keys from the lookup grid's own CTAs (DecodeConfig::project_max_batch):
+// the default largest step, that is every step whose lookup grid the device holds at once.
+constexpr int32_t kDecodeProjectMaxBatch = 0x7fffffff;
 // Multiprocessor count the split plan targets (H200: 132). A constant, not the device's,
 // so a plan (and a captured graph) is the same on every GPU.
 constexpr int32_t kDecodePlanSms = 132;
@@ -218,10 +221,10 @@ struct DecodeConfig {
                              // lookup grid); 0: G*d only. A view of a width not named here
                              // gives NaN outputs, as an invalid view does
   bool whitening = false;    // some view has whitening: whiten the keys once per (b, h) in
-                             // a separate launch, or, in steps of at most two requests
-                             // whose served widths are all below G*d, in the lookup grid's
-                             // own CTAs (without it every lookup CTA whitens the keys it
-                             // needs on CUDA cores: correct, much slower)
+                             // a separate launch, or, where every served width is below G*d
+                             // (project_max_batch), in the lookup grid's own CTAs (without
+                             // it every lookup CTA whitens the keys it needs on CUDA cores:
+                             // correct, much slower)
   int32_t plan_ctas = 0;     // attention CTAs the split plan aims at per step; 0: the
                              // default (2 * kDecodePlanSms: one wave of two CTAs per SM;
                              // 8 * kDecodePlanSms with use_dictionaries, but for steps of
@@ -243,6 +246,13 @@ struct DecodeConfig {
                                 // Steps whose lookup CTAs project the keys (whitening)
                                 // do not probe. A tuning knob: it changes the work, never
                                 // a result.
+  int32_t project_max_batch = 0;  // steps of at most this many requests whose served key
+                                  // widths are all below G*d (whitening onto fewer dims)
+                                  // project their lookup keys in the first lookup grid's
+                                  // own CTAs where the device holds that grid at once;
+                                  // larger steps run a whitening grid before the lookup.
+                                  // 0: the default (kDecodeProjectMaxBatch); -1: never.
+                                  // A tuning knob: the keys are bit for bit the same.
 };
 
 // Whether view v (host or device pointers; only its shape, key type and whitening are
