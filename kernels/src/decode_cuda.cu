@@ -112,9 +112,9 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     return e != nullptr && e[0] == '1';
   }();
   // Projected lookup keys (every served width below G d) of steps of at most
-  // kProjectMaxBatch requests come from the first lookup grid's own CTAs where that grid is
-  // resident at once (decode_kernels.cuh ProjectKeys); ASMEM_DECODE_WHITEN_GRID=1 keeps the
-  // whitening grid before the lookup instead.
+  // DecodeConfig::project_max_batch requests come from the first lookup grid's own CTAs where
+  // that grid is resident at once (decode_kernels.cuh ProjectKeys); ASMEM_DECODE_WHITEN_GRID=1
+  // (or project_max_batch -1) keeps the whitening grid before the lookup instead.
   static const bool whiten_grid = [] {
     const char* e = std::getenv("ASMEM_DECODE_WHITEN_GRID");
     return e != nullptr && e[0] == '1';
@@ -193,16 +193,16 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     constexpr int HEAD_DIM = decltype(hd)::value;
     constexpr int GROUP = decltype(gs)::value;
     if (a.lookup) {
-      // Projected keys from the first lookup grid (narrowest width first) when the step is
-      // small, every served width is below G d and that grid's CTAs are all resident at once.
-      // H200, bench_decode, T = 1K, op us, the whitening grid -> the lookup projecting (two
-      // runs each, session 38): LLaMA-8B keys of 64 dims B = 1 K = 16 / 4096 hierarchical
-      // 28.5 / 35.5 -> 24.0 / 29.6, linear 28.7 / 31.4 -> 24.6 / 26.7; 128 dims K = 4096
-      // hierarchical 34.3 -> 31.6, K = 16 23.7 -> 24.8; GQA-8 keys of 128 of 1024 dims B = 1
-      // K = 4096 41.0 -> 29.7 (linear 36.4 -> 24.6), B = 2 36.0 -> 30.1. At B = 32 and 64 the
-      // projection of 32 or 64 requests took 16 us in the lookup CTAs (timeline) and the step
-      // lost up to 15 us (LLaMA-8B 64 dims, B = 32 K = 4096 hierarchical 61.5 -> 68.6, B = 64
-      // K = 16 linear 98.0 -> 113.1).
+      // Projected keys from the first lookup grid (narrowest width first) when the step has
+      // at most project_max_batch requests (default: any), every served width is below G d
+      // and that grid's CTAs are all resident at once (an H200 holds the one-wave plan's 136
+      // lookup CTAs at B = 32 and 64; B = 8 runs four reps, 544 CTAs, and the whitening grid).
+      // H200, bench_decode, keys of 64 dims, P = 32K, K = 4096, T = 1K, op us, two runs each,
+      // the build before (whitening grid from B = 3, ProjectKeys of one row per warp before)
+      // -> this one (session 56): LLaMA-8B B = 1 hierarchical 37.7 -> 33.8, B = 2 38.9 ->
+      // 36.7, B = 32 54.7 -> 52.9 (linear 53.8 -> 49.1), B = 64 89.8 -> 85.8 (linear 89.5 ->
+      // 85.8); GQA-8 B = 2 37.6 -> 33.4, B = 32 50.8 -> 50.9, B = 64 64.6 -> 65.6 (linear
+      // 58.8 -> 56.3).
       const int32_t project_max = c.project_max_batch == 0 ? kDecodeProjectMaxBatch : c.project_max_batch;
       bool project = false;
       if (a.whitened != nullptr && p.lookup_keys == nullptr && !whiten_grid && p.batch <= project_max) {
