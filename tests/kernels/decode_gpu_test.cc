@@ -772,8 +772,10 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       CheckAgainstReference(pb, pb.config, "projected keys, small steps");
     }
   }
-  // Steps of 3 .. 40 requests projected by the lookup CTAs (partial groups of eight, more
-  // units than CTAs at 40) and by the whitening grid.
+  // Steps of 3 .. 40 requests projected by the lookup CTAs (partial groups of eight; one or
+  // two lookup CTAs per KV head and rep, so that an H200 holds the grid at once (at most 64
+  // CTAs) and, at 40 requests with one, a CTA takes several units of many rows) and by the
+  // whitening grid.
   for (int32_t hkv : {4, 8}) {
     for (int32_t batch : {3, 13, 40}) {
       SCOPED_TRACE("projected by the lookup CTAs: Hkv " + std::to_string(hkv) + ", B " + std::to_string(batch));
@@ -781,6 +783,7 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       BuildProblem(ProjectedBatchCase(hkv, batch), seed + n++, &pb);
       DecodeConfig in_lookup = pb.config, grid = pb.config;
       in_lookup.project_max_batch = batch;
+      in_lookup.lookup_ctas = batch == 40 ? 1 : 2;
       grid.project_max_batch = -1;
       CheckAgainstReference(pb, in_lookup, "projected keys, by the lookup CTAs");
       CheckAgainstReference(pb, grid, "projected keys, whitening grid");
