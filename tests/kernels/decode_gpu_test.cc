@@ -678,21 +678,27 @@ CaseSpec ProjectedMixedCase(int d, KernelDType dt) {
   return s;
 }
 
-// Steps of one and two requests: LLaMA-8B heads (hkv 8, G d = 512) with keys of 64 and 128
-// dims, GQA-8 heads (hkv 4, G d = 1024) with 128 and 256; the first dictionary
-// hierarchical, the second linear (two lookup grids).
-CaseSpec ProjectedSmallStepCase(int32_t hkv, int32_t batch) {
+// LLaMA-8B heads (hkv 8, G d = 512) with keys of 64 and 128 dims, GQA-8 heads (hkv 4,
+// G d = 1024) with 128 and 256; the first dictionary hierarchical, the second linear (two
+// lookup grids). T and dict_ids are the caller's.
+CaseSpec ProjectedTwoWidthsCase(int32_t hkv) {
   CaseSpec s;
   s.Hq = 32;
   s.Hkv = hkv;
   s.d = 128;
-  s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
-  s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
   s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
   const int32_t narrow = hkv == 8 ? 64 : 128;
   for (DictSpec& ds : s.dicts) ds.whitening = true;
   s.dicts[0].key_dim = narrow;
   s.dicts[1].key_dim = 2 * narrow;
+  return s;
+}
+
+// Steps of one and two requests (ProjectedTwoWidthsCase).
+CaseSpec ProjectedSmallStepCase(int32_t hkv, int32_t batch) {
+  CaseSpec s = ProjectedTwoWidthsCase(hkv);
+  s.T = batch == 1 ? std::vector<int32_t>{613} : std::vector<int32_t>{2000, 77};
+  s.dict_ids = batch == 1 ? std::vector<int32_t>{0} : std::vector<int32_t>{1, 0};
   return s;
 }
 
@@ -718,25 +724,17 @@ CaseSpec ProjectedOneWaveCase(int32_t second_dim) {
   return s;
 }
 
-// Larger steps projected by the lookup CTAs (DecodeConfig::project_max_batch): GQA-8 heads
-// (hkv 4, G d = 1024) or LLaMA-8B heads (hkv 8, G d = 512), keys of two widths, members of
-// both dictionaries and none in every group of eight requests.
+// Larger steps projected by the lookup CTAs (DecodeConfig::project_max_batch;
+// ProjectedTwoWidthsCase): members of both dictionaries and none in every group of eight
+// requests.
 CaseSpec ProjectedBatchCase(int32_t hkv, int32_t batch) {
-  CaseSpec s;
-  s.Hq = 32;
-  s.Hkv = hkv;
-  s.d = 128;
+  CaseSpec s = ProjectedTwoWidthsCase(hkv);
   const int32_t T[] = {5, 613, 77, 0, 1024, 31};
   s.T.clear();
   for (int32_t b = 0; b < batch; ++b) {
     s.T.push_back(T[b % 6]);
     s.dict_ids.push_back(b % 7 == 5 ? -1 : (b % 3 == 1 ? 1 : 0));
   }
-  s.dicts = {DictSpec{3001, 64, 8}, DictSpec{500, 0, 0}};
-  const int32_t narrow = hkv == 8 ? 64 : 128;
-  for (DictSpec& ds : s.dicts) ds.whitening = true;
-  s.dicts[0].key_dim = narrow;
-  s.dicts[1].key_dim = 2 * narrow;
   return s;
 }
 
