@@ -1949,9 +1949,10 @@ __device__ __forceinline__ void ProjectionWait(const LaunchArgs& a) {
 // reference without a local copy.
 template <typename DType, int KEY_DIM, bool PROBE, bool PROJECT>
 __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_constant__ LaunchArgs a) {
-  // The attention kernel may start at once, also beside a projecting grid (H200, LLaMA-8B,
-  // keys of 64 dims, K = 4096, B = 32 / 64 hierarchical: 54.4 / 91.0 us when the attention
-  // started only once every projecting CTA's keys were out, 52.4 / 84.9 at once).
+  // The attention kernel may start at once, also beside a projecting grid (H200, session 56,
+  // LLaMA-8B, keys of 64 dims, K = 4096, B = 32 / 64 hierarchical: 54.4 / 91.1 us when the
+  // attention started only once every projecting CTA's keys were out, 52.4 / 84.9 at once;
+  // once every CTA had its first unit's loads back, B = 1 33.2 -> 37.4, B = 32 51.9 -> 52.9).
   GridLaunchDependents();
   using L = SegTile<KEY_DIM>;
   extern __shared__ float4 lookup_smem[];
