@@ -111,14 +111,6 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_DICT_COMBINE");
     return e != nullptr && e[0] == '1';
   }();
-  // Projected lookup keys (every served width below G d) of steps of at most
-  // DecodeConfig::project_max_batch requests come from the first lookup grid's own CTAs where
-  // that grid is resident at once (decode_kernels.cuh ProjectKeys); ASMEM_DECODE_WHITEN_GRID=1
-  // (or project_max_batch -1) keeps the whitening grid before the lookup instead.
-  static const bool whiten_grid = [] {
-    const char* e = std::getenv("ASMEM_DECODE_WHITEN_GRID");
-    return e != nullptr && e[0] == '1';
-  }();
 
   // The attention's KV copies go through L2 as evict-first (decode_kernels.cuh
   // KvCopyPolicy); ASMEM_DECODE_KV_EVICT_FIRST=0 keeps the normal policy, for comparison.
@@ -194,9 +186,10 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     constexpr int GROUP = decltype(gs)::value;
     if (a.lookup) {
       // Projected keys from the first lookup grid (narrowest width first) when the step has
-      // at most project_max_batch requests (default: any), every served width is below G d
-      // and that grid's CTAs are all resident at once (an H200 holds the one-wave plan's 136
-      // lookup CTAs at B = 32 and 64; B = 8 runs four reps, 544 CTAs, and the whitening grid).
+      // at most project_max_batch requests (default: any; -1: never), every served width is
+      // below G d and that grid's CTAs are all resident at once (an H200 holds the one-wave
+      // plan's 136 lookup CTAs at B = 32 and 64; B = 8 runs four reps, 544 CTAs); otherwise
+      // the whitening grid runs before the lookup.
       // H200, bench_decode, keys of 64 dims, P = 32K, K = 4096, T = 1K, op us, two runs each,
       // the build before (whitening grid from B = 3, ProjectKeys of one row per warp before)
       // -> this one (session 56): LLaMA-8B B = 1 hierarchical 37.7 -> 33.8, B = 2 38.9 ->
@@ -205,7 +198,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
       // 58.8 -> 56.3).
       const int32_t project_max = c.project_max_batch == 0 ? kDecodeProjectMaxBatch : c.project_max_batch;
       bool project = false;
-      if (a.whitened != nullptr && p.lookup_keys == nullptr && !whiten_grid && p.batch <= project_max) {
+      if (a.whitened != nullptr && p.lookup_keys == nullptr && p.batch <= project_max) {
         bool narrow = true, first = true;
         ForEachKeyDim(a.key_dims, [&](auto r) {
           constexpr int R = decltype(r)::value;
