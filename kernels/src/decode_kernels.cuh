@@ -1968,6 +1968,17 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
   DTL(unsigned long long* const tlr = DtlStart(a, kTlLookup));
   DTL(unsigned long long tl_blocks = 0);
   const int cached = min(a.batch, L::kIdCache);
+  if constexpr (PROJECT) {
+    // The views of the first dictionaries at the KV head of this CTA's first projection unit
+    // (ProjectKeys: h = blockIdx.x % Hkv) go into L1 beside the ids' load, so that the
+    // members' views are not a round trip after it.
+    constexpr int kPrefetchViews = 4;
+    if (tid < 2 * kPrefetchViews && tid / 2 < p.num_dicts) {
+      const char* view = reinterpret_cast<const char*>(p.dict_views + int64_t(tid / 2) * a.hkv +
+                                                       int(blockIdx.x) % a.hkv);
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(view + (tid & 1) * (sizeof(DictLayerView) - 1)));
+    }
+  }
   for (int i = tid; i < cached; i += kThreads) {
     const int32_t id = p.dict_ids[i];
     sm.ids[i] = id;
@@ -2034,7 +2045,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     tail += R;
     return b;
   };
-  bool projection_seen = false;  // a projecting grid: every CTA's keys are out
+  bool keys_pending = PROJECT;  // a projecting grid, until it has seen every CTA's keys out
   for (int b0 = next_b0(); b0 < a.batch; b0 = next_b0()) {
     const int32_t id = sm.IdOf(p, b0);
     if (id < 0 || id >= p.num_dicts) continue;
@@ -2051,15 +2062,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     // Whitened keys come from this grid's CTAs (a.project: wait for their count) or from the
     // whitening grid, this one's primary (programmatic dependent launch): wait for it before
     // they are read.
-    // (A projecting grid waits later, before the member keys: wait_projection.)
-    bool wait_projection = false;
-    if (v.whitening != nullptr && a.whitened != nullptr) {
-      if constexpr (PROJECT) {
-        wait_projection = !projection_seen;
-      } else {
-        GridDependencyWait();
-      }
-    }
+    // (A projecting grid waits later, before the member keys: own_keys.)
+    const bool own_keys = PROJECT && v.whitening != nullptr && a.whitened != nullptr;
+    if (!PROJECT && v.whitening != nullptr && a.whitened != nullptr) GridDependencyWait();
     bool probe = false;
     if constexpr (PROBE) probe = ProbeView<DType>(a, v);
     if (!probe) {
@@ -2121,15 +2126,13 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         // A projecting grid whose keys are not all out yet: the key chunks first, then the
         // wait for the other CTAs' keys, then the member keys and one wait for all.
         const SegList mine(v, kLookupUnits * s + warp, U);
-        bool ring_first = false;
-        if constexpr (PROJECT) ring_first = wait_projection;
+        const bool ring_first = own_keys && keys_pending;
         if (!ring_first) StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
         KeyRing<KEY_DIM> kr(sm, v, mine);
         kr.Start();
         if (ring_first) {
           ProjectionWait(a);
-          projection_seen = true;
-          wait_projection = false;
+          keys_pending = false;
           StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
           CpAsyncWait<0>();
         } else {
@@ -2140,10 +2143,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         WarpSegScanTc<DType, KEY_DIM, 1, true>(a, sm, mine, kr, n, MB, h);
         DTL(if (tlu && tl_blocks == 1) tlu[7] = DtlNow());
       } else {
-        if (PROJECT && wait_projection) {
+        if (own_keys && keys_pending) {
           ProjectionWait(a);
-          projection_seen = true;
-          wait_projection = false;
+          keys_pending = false;
         }
         LookupBlockOther<DType, KEY_DIM>(a, id, n, MB, terms, tc, s, U, h);
       }
