@@ -2063,8 +2063,9 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     // whitening grid, this one's primary (programmatic dependent launch): wait for it before
     // they are read.
     // (A projecting grid waits later, before the member keys: own_keys.)
-    const bool own_keys = PROJECT && v.whitening != nullptr && a.whitened != nullptr;
-    if (!PROJECT && v.whitening != nullptr && a.whitened != nullptr) GridDependencyWait();
+    const bool whitened_keys = v.whitening != nullptr && a.whitened != nullptr;
+    const bool own_keys = PROJECT && whitened_keys;
+    if (!PROJECT && whitened_keys) GridDependencyWait();
     bool probe = false;
     if constexpr (PROBE) probe = ProbeView<DType>(a, v);
     if (!probe) {

@@ -787,9 +787,9 @@ TEST(DecodeGpu, ProjectedLookupKeys) {
       CheckAgainstReference(pb, grid, "projected keys, whitening grid");
     }
   }
-  // The one-wave plan (LLaMA-8B heads, B = 32, one lookup rep; its keys come from the
-  // whitening grid), keys of 128 of 512 dims, then dictionaries of 128 and 64 dims (two
-  // lookup grids).
+  // The one-wave plan (LLaMA-8B heads, B = 32, one lookup rep), keys of 128 of 512 dims,
+  // then dictionaries of 128 and 64 dims (two lookup grids): projected by the lookup CTAs
+  // and by the whitening grid.
   for (int32_t second_dim : {128, 64}) {
     SCOPED_TRACE("second dictionary's width " + std::to_string(second_dim));
     const CaseSpec s = ProjectedOneWaveCase(second_dim);
