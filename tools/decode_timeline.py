@@ -73,6 +73,20 @@ def summarize(step):
                      "segment 3", "scan done"]
             out.append(f"    warp 1 (n = {len(units)}), p50 us per stage from ids read: " +
                        stage_p50s(units, names))
+        # A projecting grid's CTAs (thread 0, the first unit): entered, widths known,
+        # q_pre - mean staged, first W batch landed, rows summed, counted, the grid's count
+        # seen, member keys landed; the time from the CTA's start to each stamp reached.
+        proj = [[r[0]] + u for r, u in zip(lookup, step.get("project", [])) if u[0] is not None]
+        if proj:
+            names = ["entered", "widths", "x - mean", "W landed", "summed", "counted",
+                     "count seen", "keys landed"]
+            out.append(f"    projection (n = {len(proj)}), p50 us per stage from the CTA's start: " +
+                       stage_p50s(proj, names))
+            counted = [u[6] for u in proj if u[6] is not None]
+            seen = [u[7] for u in proj if u[7] is not None]
+            if counted:
+                out.append(f"    counted p10 / p50 / p90 {spread(counted)}, last {max(counted):.1f}" +
+                           (f"; count seen p50 {quantile(seen, 0.5):.1f}" if seen else ""))
         flag = [r for r in lookup if r[6] == 1]
         if flag:
             out.append(f"    flag raised at {flag[0][3]:.1f}")

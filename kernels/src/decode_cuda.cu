@@ -326,6 +326,7 @@ void DecodeTimelineDump(const char* label, std::FILE* out) {
   }
   std::fputs("]", out);
   stamps("unit", kTlUnit, n[kTlLookup]);
+  stamps("project", kTlProject, n[kTlLookup]);
   std::fprintf(out, ", \"combine_kind\": \"%s\"}\n",
                kind == kTlCombineDict ? "dictionary" : kind == kTlCombineSplits ? "splits" : "none");
 }

@@ -528,6 +528,10 @@ __device__ __forceinline__ unsigned long long* DtlStart(const LaunchArgs& a, int
       unsigned long long* pr = DtlRec(a, grid == kTlAttn ? kTlPick : kTlUnit);
       for (int i = 0; i < kTlWords; ++i) pr[i] = 0;
     }
+    if (grid == kTlLookup) {
+      unsigned long long* pr = DtlRec(a, kTlProject);
+      for (int i = 0; i < kTlWords; ++i) pr[i] = 0;
+    }
   }
   return r;
 }
@@ -1777,7 +1781,10 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
   int32_t* tab_id = sm.mem + M;                // [M]: its dictionary
   const float** tab_mean = reinterpret_cast<const float**>(sm.mem + 2 * M);  // [M]: its view's mean
   static_assert(SegTile<KEY_DIM>::kMaxMembers * 4 >= M * 16, "the member tables in sm.mem");
+  DTL(unsigned long long* const tlp = tid == 0 ? DtlRec(a, kTlProject) : nullptr);
+  DTL(if (tlp) tlp[0] = DtlNow());
   for (int u = int(blockIdx.x); u < units; u += int(gridDim.x)) {
+    DTL(const bool tl_first = u == int(blockIdx.x));
     const int h = u % a.hkv, rb = (u / a.hkv) % row_blocks, grp = u / a.hkv / row_blocks;
     const int b0 = grp * M, n = min(M, a.batch - b0), row0 = rb * kWarps * rw;
     // The members' q_pre rows into registers first (they depend on nothing): piece c of 8
@@ -1812,6 +1819,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
       need = R > row0;
     }
     if (!__syncthreads_or(need)) continue;
+    DTL(if (tlp && tl_first) tlp[1] = DtlNow());
     // This lane's member (lane < M), and the members that have row r as a warp mask.
     const int32_t my_r = lane < M ? tab[lane] : 0, my_id = lane < M ? tab_id[lane] : -1;
     auto members_of = [&](int r) { return __ballot_sync(0xffffffffu, lane < n && r < my_r); };
@@ -1865,6 +1873,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
       }
     }
     __syncthreads();
+    DTL(if (tlp && tl_first) tlp[2] = DtlNow());
     for (int k = 0; k < rw; ++k) {
       const int r = row0 + warp + kWarps * k, j = k % slots;
       if (r >= rmax) break;
@@ -1875,6 +1884,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
         }
         CpAsyncWait<0>();
         __syncwarp();
+        DTL(if (tlp && tl_first && k == 0) tlp[3] = DtlNow());
       }
       float* w = wslots + j * D;
       unsigned pending = members_of(r);
@@ -1920,6 +1930,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
         }
       }
     }
+    DTL(if (tlp && tl_first) tlp[4] = DtlNow());
     CpAsyncWait<0>();
     __syncthreads();  // xm and the tables are rewritten by the next unit
   }
@@ -1927,6 +1938,7 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
   // thread 0's count, a release at GPU scope (ProjectionWait acquires it).
   __syncthreads();
   if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.lookup_sync + 2) : "memory");
+  DTL(if (tlp) tlp[5] = DtlNow());
 }
 
 // Until every CTA of the grid has counted its projected keys (LaunchArgs::project); ends with
@@ -2134,8 +2146,11 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
         if (ring_first) {
           ProjectionWait(a);
           keys_pending = false;
+          DTL(unsigned long long* const tlp = tid == 0 ? DtlRec(a, kTlProject) : nullptr);
+          DTL(if (tlp) tlp[6] = DtlNow());
           StageMemberKeys<DType, DType, KEY_DIM>(a, sm, v, n, MB, 1, h, true);
           CpAsyncWait<0>();
+          DTL(if (tlp) tlp[7] = DtlNow());
         } else {
           CpAsyncWait<L::kRingStages - 1>();
         }

@@ -101,8 +101,9 @@ constexpr int kTlLookup = 0, kTlAttn = 1, kTlCombine = 2;  // grids
 constexpr int kTlPick = 3;  // the attention CTAs' DictEntryPick, a record per CTA as a grid's
 constexpr int kTlWhiten = 4;  // the whitening grid (header word 4: its CTA count)
 constexpr int kTlUnit = 5;    // warp 1 of each lookup CTA, a record per CTA as the lookup's
+constexpr int kTlProject = 6;  // thread 0 of each projecting lookup CTA (ProjectKeys)
 constexpr unsigned long long kTlCombineDict = 1, kTlCombineSplits = 2;
-constexpr size_t kTlBytes = (size_t(kTlHeader) + 6 * size_t(kTlCtas) * kTlWords) * 8;
+constexpr size_t kTlBytes = (size_t(kTlHeader) + 7 * size_t(kTlCtas) * kTlWords) * 8;
 // Words per CTA record: four stamps, the SM, then
 // - lookup: start, ids and first flags read, loop done, end (done counted); SM; blocks
 //   scanned, raised the flag (1) or not (0); -;
@@ -120,6 +121,10 @@ constexpr size_t kTlBytes = (size_t(kTlHeader) + 6 * size_t(kTlCtas) * kTlWords)
 //   view loaded, first segment found (child offsets), members listed, member keys and first
 //   key chunks landed; the unit's first three child or linear segments scanned (of the
 //   latest block that scanned any); scan done (the first block).
+// - project (kTlProject; thread 0 of a projecting lookup CTA, its first unit): entered, the
+//   members' widths known, q_pre - mean in shared memory, the first W batch landed, the
+//   unit's rows summed, the CTA counted; then the other CTAs' count seen (ProjectionWait),
+//   the member keys landed.
 #endif
 
 // Attention CTA tiles: kBlockN tokens of K and V per stage (32 KB); kStages stages take 96 KB
