@@ -82,8 +82,9 @@ def summarize(step):
                      "count seen", "keys landed"]
             out.append(f"    projection (n = {len(proj)}), p50 us per stage from the CTA's start: " +
                        stage_p50s(proj, names))
-            counted = [u[6] for u in proj if u[6] is not None]
-            seen = [u[7] for u in proj if u[7] is not None]
+            # A row: the CTA's start, then the eight stamps.
+            counted = [row[6] for row in proj if row[6] is not None]
+            seen = [row[7] for row in proj if row[7] is not None]
             if counted:
                 out.append(f"    counted p10 / p50 / p90 {spread(counted)}, last {max(counted):.1f}" +
                            (f"; count seen p50 {quantile(seen, 0.5):.1f}" if seen else ""))
