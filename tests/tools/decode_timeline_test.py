@@ -96,6 +96,24 @@ EXPECTED4 = [
     "keys landed 1.50, segment 1 4.00, segment 2 4.00, scan done 1.00",
 ]
 
+# A projecting lookup grid's records (thread 0 of each CTA): the first two CTAs projected, the
+# third has none.
+STEP5 = dict(STEP, label="projection",
+             # entered, widths, x - mean, W landed, summed, counted, count seen, keys landed
+             project=[[0.5, 1.5, 3.0, 3.5, 5.0, 5.5, 9.0, 10.0],
+                      [1.0, 2.5, 4.0, 4.0, 7.0, 7.5, 9.5, 11.0],
+                      [None] * 8])
+
+EXPECTED5 = [
+    # from the CTA's start (0.0 and 0.5) or the stamp before: entered 0.5 and 0.5, widths 1 and
+    # 1.5, x - mean 1.5 and 1.5, W 0.5 and 0, summed 1.5 and 3, counted 0.5 and 0.5, count seen
+    # 3.5 and 2, keys 1 and 1.5 (the p50 of two values is the upper one)
+    "projection (n = 2), p50 us per stage from the CTA's start: entered 0.50, widths 1.50, "
+    "x - mean 1.50, W landed 0.50, summed 3.00, counted 0.50, count seen 3.50, keys landed 1.50",
+    # counted at 5.5 and 7.5, count seen at 9 and 9.5
+    "counted p10 / p50 / p90 5.5 / 7.5 / 7.5, last 7.5; count seen p50 9.5",
+]
+
 
 def check(step, expected, absent):
     text = decode_timeline.summarize(step)
@@ -111,7 +129,8 @@ def main():
     check(STEP2, EXPECTED2, ["lookup:", "flag", "working lookup CTA", "whitening"])
     check(STEP3, EXPECTED3, [])
     check(STEP4, EXPECTED4, ["segment 3"])
-    check(STEP, [], ["warp 1"])
+    check(STEP5, EXPECTED5, [])
+    check(STEP, [], ["warp 1", "projection"])
     # A line that is not JSON, and a step without "combine" (an older build's, or not this kind).
     old = {k: v for k, v in STEP.items() if k != "combine"}
     check_bad_input(os.path.join(ROOT, "tools", "decode_timeline.py"), STEP, old, "decode timeline step")
