@@ -998,6 +998,40 @@ struct KeyRing {
 // KT int8_t (LookupBlockI8): KEY_DIM is the geometry in 16-bit dims (half the int8 dims),
 // the accumulators are int32, and a row's score is float(dot) * its scale (kscale /
 // pscale: the f32 scales after the int8 rows).
+// The best of two row groups' bests: `lo` from the lane of the lower g. Beats' order, as a
+// select (Beats' early returns became branches, each with its convergence barrier).
+__device__ __forceinline__ Best BestOfPair(Best lo, Best hi) {
+  const bool w = (hi.index >= 0) & ((lo.index < 0) | (hi.score > lo.score) | ((hi.score == lo.score) & (hi.index < lo.index)));
+  return w ? hi : lo;
+}
+
+// A segment's end (WarpSegScanTc): lane (g, t4) holds, for each of 8 pairs k, the best of
+// its rows of row group g; returns the best over the 8 groups of pair g. A reduce-scatter
+// over the bits of g (lane bits 2, 3, 4): at each level a lane keeps the half of its pairs
+// whose bit is its own, sends the other half to its partner and combines what comes back
+// (7 exchanges instead of 8 butterflies of 3). Each pair is combined in the butterfly's tree
+// with the lower g first, as lane g = 0 of the butterfly combined it, so the same result
+// also where a NaN score makes the order matter.
+__device__ __forceinline__ Best SegBestScatter(const Best (&w8)[8], int g) {
+  Best w4[4], w2[2];
+  const bool b0 = g & 1, b1 = (g >> 1) & 1, b2 = (g >> 2) & 1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const Best keep = b0 ? w8[2 * j + 1] : w8[2 * j], send = b0 ? w8[2 * j] : w8[2 * j + 1];
+    const Best got = {__shfl_xor_sync(0xffffffffu, send.score, 4), __shfl_xor_sync(0xffffffffu, send.index, 4)};
+    w4[j] = BestOfPair(b0 ? got : keep, b0 ? keep : got);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const Best keep = b1 ? w4[2 * j + 1] : w4[2 * j], send = b1 ? w4[2 * j] : w4[2 * j + 1];
+    const Best got = {__shfl_xor_sync(0xffffffffu, send.score, 8), __shfl_xor_sync(0xffffffffu, send.index, 8)};
+    w2[j] = BestOfPair(b1 ? got : keep, b1 ? keep : got);
+  }
+  const Best keep = b2 ? w2[1] : w2[0], send = b2 ? w2[0] : w2[1];
+  const Best got = {__shfl_xor_sync(0xffffffffu, send.score, 16), __shfl_xor_sync(0xffffffffu, send.index, 16)};
+  return BestOfPair(b2 ? got : keep, b2 ? keep : got);
+}
+
 template <typename KT, int KEY_DIM, int TERMS, bool ALL_NT, int SMEM_DIM = KEY_DIM>
 __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, const SegList& segs,
                               KeyRing<KEY_DIM, SMEM_DIM>& kr, int n, int MB, int h,
@@ -1134,23 +1168,18 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
       }
     }
     if (parents) continue;
-    // End of a child / linear segment: lanes of equal t4 hold the same members.
+    // End of a child / linear segment: lanes of equal t4 hold the same members, one best per
+    // row group g for each of the 8 (nt, e) pairs; lane g ends with pair g's (SegBestScatter).
+    {
+      Best w8[2 * kNt];
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-      if (nt >= nnt) continue;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          const float s2 = __shfl_xor_sync(0xffffffffu, best[nt][e].score, o);
-          const int32_t i2 = __shfl_xor_sync(0xffffffffu, best[nt][e].index, o);
-          if (Beats(s2, i2, best[nt][e].score, best[nt][e].index)) best[nt][e] = {s2, i2};
-        }
-        const int i = 8 * nt + 2 * t4 + e;
-        if (g == 0 && i < n) {
-          pbest_row(sm.mem[i])[sg.slot] = {best[nt][e].score, best[nt][e].index};
-        }
+      for (int nt = 0; nt < kNt; ++nt) {
+        w8[2 * nt] = best[nt][0];
+        w8[2 * nt + 1] = best[nt][1];
       }
+      const Best fin = SegBestScatter(w8, g);
+      const int i = 8 * (g >> 1) + 2 * t4 + (g & 1);
+      if (i < n) pbest_row(sm.mem[i])[sg.slot] = {fin.score, fin.index};
     }
     DTL(if (tlu && tl_segs < 3) tlu[4 + tl_segs++] = DtlNow());
   }
