@@ -1785,7 +1785,10 @@ __device__ __forceinline__ void ProjectCopyRow(float* slot, const DictLayerView&
 }
 
 template <typename DType, int KEY_DIM>
-__device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm) {
+// scan_b, scan_h: the request that opens the CTA's first scanned dictionary and the KV head
+// it scans (DecodeLookupKernel: b = its rep r, as the view prefetched there); the view's child
+// offsets go into L1 while the first unit's means load.
+__device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, int scan_b, int scan_h) {
   static_assert(SegTile<KEY_DIM>::kQueryBytes + SegTile<KEY_DIM>::kRingBytes >= kProjectBytes,
                 "the projection's space");
   constexpr int M = kProjectMembers;
@@ -1875,6 +1878,18 @@ __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<K
         const float* mean = tab_mean[i] + e;
         mv[k][0] = __ldg(reinterpret_cast<const float4*>(mean));
         mv[k][1] = __ldg(reinterpret_cast<const float4*>(mean + 4));
+      }
+    }
+    // The scan's piece search reads the child offsets first thing after the projection: a
+    // round trip to HBM behind the attention's stream unless they are in L1 by then.
+    if (u == int(blockIdx.x) && tid == kThreads - 1 && scan_b < a.batch) {
+      const int32_t id = sm.IdOf(p, scan_b);
+      if (id >= 0 && id < p.num_dicts) {
+        const DictLayerView& v = p.dict_views[int64_t(id) * a.hkv + scan_h];
+        const char* off = reinterpret_cast<const char*>(v.child_offsets);
+        const int64_t bytes = v.C1 > 0 && off != nullptr ? (v.C1 + 1) * 4 : 0;
+        for (int64_t o = 0; o < bytes && o < 8 * 128; o += 128) asm volatile("prefetch.global.L1 [%0];" ::"l"(off + o));
+        if (bytes > 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(off + bytes - 1));
       }
     }
 #pragma unroll
@@ -2055,7 +2070,7 @@ __global__ void __launch_bounds__(kThreads, 3) DecodeLookupKernel(const __grid_c
     if (lane == 0) sm.first[warp] = m;
   }
   __syncthreads();
-  if constexpr (PROJECT) ProjectKeys<DType, KEY_DIM>(a, sm);
+  if constexpr (PROJECT) ProjectKeys<DType, KEY_DIM>(a, sm, r, h);
   DTL(if (tlr) tlr[1] = DtlNow());
   // The requests b0 this rep opens dictionaries for, in order: the cached ones of the mask,
   // then every reps-th request past the cache (checked below).
