@@ -945,9 +945,11 @@ struct KeyRing {
     dst0 = sm.ring + size_t(warp) * L::kRingStages * L::kPieces * 512 + RingPos(g, t4) * 16;
     Seek();
   }
-  // Starts the copies: chunks 0 .. kRingStages - 2 into slots 0 .. kRingStages - 2.
+  // Starts the copies: chunks 0 .. kRingStages - 2 into slots 0 .. kRingStages - 2. A loop,
+  // not unrolled: each Issue holds the segment search (Seek), which unrolled copies would
+  // repeat in the code between the kernel's entry and its scan.
   __device__ void Start() {
-#pragma unroll
+#pragma unroll 1
     for (int i = 0; i < L::kRingStages - 1; ++i) Issue(i);
   }
   // The next non-empty segment (the scan skips the empty ones too).
