@@ -160,6 +160,13 @@ std::string WhyUnsupported(const DecodeConfig& c, bool* invalid) {
     return "page_size " + std::to_string(c.page_size) + " is not a power of two in [1, " +
            std::to_string(kDecodeMaxPageSize) + "]";
   }
+  // The lookup kernels address the parent scores (kDecodeMaxParents per request and KV head)
+  // with 32-bit element offsets.
+  if (c.use_dictionaries && int64_t(c.batch) * c.num_kv_heads * kDecodeMaxParents >= (int64_t(1) << 31)) {
+    return "batch x num_kv_heads = " + std::to_string(int64_t(c.batch) * c.num_kv_heads) +
+           " is not supported with dictionaries (at most " +
+           std::to_string((int64_t(1) << 31) / kDecodeMaxParents - 1) + ")";
+  }
   return "";
 }
 

@@ -1140,6 +1140,11 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
       const int r_lo = row + g, r_hi = r_lo + 8;
       const bool ok_lo = r_lo < hi, ok_hi = r_hi < hi;
       if (parents) {
+        // 32-bit element offsets into the parent scores (WhyUnsupported bounds B Hkv
+        // kDecodeMaxParents below 2^31): a store's address is two IMADs and a wide one from
+        // the member's request, against a 64-bit row product per member and tile.
+        float* const ps0 = ALL_NT ? a.pscore : pscore_once;
+        const int hk = ALL_NT ? a.hkv : int(hkv_once), pw = ALL_NT ? a.parent_width : int(pw_once);
 #pragma unroll
         for (int nt = 0; nt < kNt; ++nt) {
           if (nt >= nnt) continue;
@@ -1147,9 +1152,9 @@ __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, 
           for (int e = 0; e < 2; ++e) {
             const int i = 8 * nt + 2 * t4 + e;
             if (i >= n) continue;
-            float* ps = pscore_row(sm.mem[i]);
-            if (ok_lo) ps[r_lo] = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
-            if (ok_hi) ps[r_hi] = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
+            const int row_off = (sm.mem[i] * hk + h) * pw;
+            if (ok_lo) ps0[row_off + r_lo] = RowScore(acc[nt][0][e], acc[nt][1][e], sc_lo);
+            if (ok_hi) ps0[row_off + r_hi] = RowScore(acc[nt][0][2 + e], acc[nt][1][2 + e], sc_hi);
           }
         }
       } else {

@@ -603,6 +603,23 @@ TEST(DecodeConfig, SupportedSetAndErrors) {
   bad = c;
   bad.max_dict_keys = -1;
   EXPECT_THROW(PlanDecode(bad), InvalidArgument);
+  // With dictionaries, batch x num_kv_heads below 2^31 / kDecodeMaxParents (the parent
+  // scores' 32-bit offsets); without, no such bound.
+  bad = c;
+  bad.use_dictionaries = true;
+  bad.batch = int32_t((int64_t(1) << 31) / kDecodeMaxParents / bad.num_kv_heads);
+  EXPECT_FALSE(DecodeSupported(bad));
+  try {
+    PlanDecode(bad);
+    ADD_FAILURE() << "PlanDecode accepted batch " << bad.batch;
+  } catch (const UnsupportedError& e) {
+    EXPECT_NE(std::string(e.what()).find("batch x num_kv_heads = 1048576"), std::string::npos) << e.what();
+  }
+  bad.batch -= 1;
+  EXPECT_TRUE(DecodeSupported(bad));
+  bad.batch += 1;
+  bad.use_dictionaries = false;
+  EXPECT_TRUE(DecodeSupported(bad));
   for (int32_t probe : {-2, 9}) {
     bad = c;
     bad.probe_max_batch = probe;
