@@ -991,15 +991,6 @@ struct KeyRing {
   }
 };
 
-// One warp scores the segments of its unit `segs` for members sm.mem[0, n) on tensor cores
-// (keys of type KT, bf16 or f16), without waiting for any other warp. Per 16 key rows, mma
-// m16n8k16 with A = the 16 rows and B = 8 members per n-tile. The key rows come through the
-// warp's ring `kr` (started by the caller), kRingStages - 1 chunks (16 rows x up to 128 dims)
-// ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
-// after the wait and a warp barrier (a fragment holds other lanes' pieces).
-// KT int8_t (LookupBlockI8): KEY_DIM is the geometry in 16-bit dims (half the int8 dims),
-// the accumulators are int32, and a row's score is float(dot) * its scale (kscale /
-// pscale: the f32 scales after the int8 rows).
 // The best of two row groups' bests: `lo` from the lane of the lower g. Beats' order, as a
 // select (Beats' early returns became branches, each with its convergence barrier).
 __device__ __forceinline__ Best BestOfPair(Best lo, Best hi) {
@@ -1034,6 +1025,15 @@ __device__ __forceinline__ Best SegBestScatter(const Best (&w8)[8], int g) {
   return BestOfPair(b2 ? got : keep, b2 ? keep : got);
 }
 
+// One warp scores the segments of its unit `segs` for members sm.mem[0, n) on tensor cores
+// (keys of type KT, bf16 or f16), without waiting for any other warp. Per 16 key rows, mma
+// m16n8k16 with A = the 16 rows and B = 8 members per n-tile. The key rows come through the
+// warp's ring `kr` (started by the caller), kRingStages - 1 chunks (16 rows x up to 128 dims)
+// ahead of the mma work, across tiles and segments; ldmatrix reads them back as A fragments
+// after the wait and a warp barrier (a fragment holds other lanes' pieces).
+// KT int8_t (LookupBlockI8): KEY_DIM is the geometry in 16-bit dims (half the int8 dims),
+// the accumulators are int32, and a row's score is float(dot) * its scale (kscale /
+// pscale: the f32 scales after the int8 rows).
 template <typename KT, int KEY_DIM, int TERMS, bool ALL_NT, int SMEM_DIM = KEY_DIM>
 __device__ void WarpSegScanTc(const LaunchArgs& a, const SegSmem<SMEM_DIM>& sm, const SegList& segs,
                               KeyRing<KEY_DIM, SMEM_DIM>& kr, int n, int MB, int h,
@@ -1791,10 +1791,10 @@ __device__ __forceinline__ void ProjectCopyRow(float* slot, const DictLayerView&
   for (int c = lane * 4; c < D; c += 128) CpAsync16(slot + c, src + c, true);
 }
 
-template <typename DType, int KEY_DIM>
 // scan_b, scan_h: the request that opens the CTA's first scanned dictionary and the KV head
 // it scans (DecodeLookupKernel: b = its rep r, as the view prefetched there); the view's child
 // offsets go into L1 while the first unit's means load.
+template <typename DType, int KEY_DIM>
 __device__ __forceinline__ void ProjectKeys(const LaunchArgs& a, const SegSmem<KEY_DIM>& sm, int scan_b, int scan_h) {
   static_assert(SegTile<KEY_DIM>::kQueryBytes + SegTile<KEY_DIM>::kRingBytes >= kProjectBytes,
                 "the projection's space");
