@@ -22,8 +22,12 @@ constexpr uint32_t kVersion = 1;
 // Shapes a trace may hold (the MAC op's CPU reference accepts head dims up to 1024).
 constexpr int64_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 1024;
 
+// The values the shape says the trace holds, or -1 where that count overflows (a shape of
+// in-range fields can reach 2^65 values).
 int64_t expected_values(const QueryTrace& t) {
-  return int64_t(t.layers) * t.positions * t.q_heads * t.head_dim;
+  int64_t n = int64_t(t.layers) * t.q_heads * t.head_dim;  // < 2^35 for in-range fields
+  if (__builtin_mul_overflow(n, t.positions, &n)) return -1;
+  return n;
 }
 
 }  // namespace
@@ -42,6 +46,10 @@ void QueryTrace::validate() const {
   if (first_decode < first_position || first_decode > first_position + positions) {
     fail("first_decode = " + std::to_string(first_decode) + " lies outside the rows [" +
          std::to_string(first_position) + ", " + std::to_string(first_position + positions) + "]");
+  }
+  if (expected_values(*this) < 0) {
+    fail("the shape (" + std::to_string(layers) + " layers x " + std::to_string(positions) + " positions x " +
+         std::to_string(q_heads) + " heads x " + std::to_string(head_dim) + " dims) is too large");
   }
   if (int64_t(queries.size()) != expected_values(*this)) {
     fail("holds " + std::to_string(queries.size()) + " values, the shape says " +

@@ -9,7 +9,10 @@
 #include <random>
 #include <string>
 
+#include <xxhash.h>
+
 #include "asmem/error.h"
+#include "query_trace.pb.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -82,6 +85,32 @@ TEST(QueryTrace, BadFilesAreOneLineErrors) {
     WriteBytes(p, b);
     test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq", "checksum"});
   }
+}
+
+// In-range fields whose product wraps a 64-bit count to 0: a file of no query bytes (and the
+// checksum of none) must not pass as a trace of 2^64 values.
+TEST(QueryTrace, ShapeWhoseSizeOverflowsIsRejected) {
+  QueryTrace t;
+  t.layers = 4096;
+  t.q_heads = 4096;
+  t.kv_heads = 1;
+  t.head_dim = 1024;
+  t.positions = int64_t(1) << 30;
+  t.first_decode = 0;
+  test::expect_error<InvalidArgument>([&] { t.validate(); }, {"query trace", "too large"});
+
+  pb::QueryTrace m;
+  m.set_format_version(1);
+  m.set_layers(4096);
+  m.set_q_heads(4096);
+  m.set_kv_heads(1);
+  m.set_head_dim(1024);
+  m.set_positions(uint64_t(1) << 30);
+  m.set_queries_checksum(XXH64("", 0, 0));
+  const std::string dir = test::temp_dir("qtrace_overflow");
+  const std::string p = dir + "/wrap.asmq";
+  WriteBytes(p, std::string("ASMQTRC") + std::string(1, '\0') + m.SerializeAsString());
+  test::expect_error<FormatError>([&] { read_query_trace(p); }, {"wrap.asmq", "too large"});
 }
 
 TEST(QueryTrace, InvalidTracesAreNotWritten) {
