@@ -320,6 +320,49 @@ void check_section(const DictSection& s, const DictionaryManifest& m) {
   }
 }
 
+// The first element of a floating-point tensor that is NaN or infinite (-inf allowed where
+// `neg_inf_ok`: an lse of no tokens), or -1. Scans the raw bits: bf16, f16 or f32.
+int64_t first_nonfinite(const TensorRef& t, bool neg_inf_ok) {
+  const int64_t n = t.numel();
+  switch (t.dtype) {
+    case DType::kF32: {
+      const uint8_t* p = static_cast<const uint8_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t v = load_le<uint32_t>(p + 4 * i);
+        if ((v & 0x7f800000u) == 0x7f800000u && !(neg_inf_ok && v == 0xff800000u)) return i;
+      }
+      return -1;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      const bool bf = t.dtype == DType::kBF16;
+      const uint16_t exp = bf ? 0x7f80 : 0x7c00, neg_inf = bf ? 0xff80 : 0xfc00;
+      const uint8_t* p = static_cast<const uint8_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t v = load_le<uint16_t>(p + 2 * i);
+        if ((v & exp) == exp && !(neg_inf_ok && v == neg_inf)) return i;
+      }
+      return -1;
+    }
+    default:
+      return -1;
+  }
+}
+
+// Keys, values and the whitening are finite; an lse is finite or -inf. A NaN key would pick
+// one entry on the CPU and give NaN on CUDA; a NaN state poisons every output it merges into.
+void check_finite(const DictSection& s) {
+  for (int i : {0, 1, 2, 3, 5, 6}) {
+    const TensorRef& t = slot(s, i);
+    if (!t.present()) continue;
+    const int64_t e = first_nonfinite(t, i == 2);
+    if (e < 0) continue;
+    const int64_t row = t.shape.size() > 1 ? e / (t.numel() / t.shape[0]) : e;
+    bad(section_label(s) + " " + kSlotNames[i] + " row " + std::to_string(row) + " holds a " +
+        (i == 2 ? "NaN or +inf value" : "NaN or infinite value") + " (element " + std::to_string(e) + ")");
+  }
+}
+
 // Everything about a manifest that does not depend on where its tensors lie in a file.
 void check_manifest(const DictionaryManifest& m) {
   const ModelFingerprint& f = m.model;
@@ -794,6 +837,7 @@ std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bo
           bad("checksum mismatch in " + r.what);
         }
       }
+      for (const DictSection& s : m.sections) check_finite(s);
       // Bytes outside every region are padding and must be zero.
       uint64_t pos = 0;
       for (size_t i = 0; i <= regions.size(); ++i) {
@@ -858,6 +902,7 @@ void write_dictionary(const std::string& path, const DictionaryManifest& manifes
           ": this asmem writes version " + std::to_string(kDictionaryFormatVersion));
     }
     check_manifest(manifest);
+    for (const DictSection& s : manifest.sections) check_finite(s);
 
     pm.set_format_version(kDictionaryFormatVersion);
     to_pb(manifest.model, pm.mutable_model());

@@ -114,6 +114,15 @@ TensorRef make_tensor(Synth& s, DType t, std::vector<int64_t> shape, std::mt1993
     }
   } else {
     for (auto& b : *buf) b = static_cast<uint8_t>(rng());
+    if (t == DType::kBF16 || t == DType::kF16) {  // finite values only (the reader checks)
+      const uint16_t exp = t == DType::kBF16 ? 0x7f80 : 0x7c00;
+      for (uint64_t i = 0; i < r.nbytes / 2; ++i) {
+        uint16_t v;
+        std::memcpy(&v, buf->data() + 2 * i, 2);
+        if ((v & exp) == exp) v = uint16_t(v & ~0x4000);  // clear the top exponent bit
+        std::memcpy(buf->data() + 2 * i, &v, 2);
+      }
+    }
   }
   r.data = buf->data();
   s.owned.push_back(std::move(buf));
@@ -571,6 +580,60 @@ TEST_F(DictionaryReadErrors, FlippedBlobByteNamesSectionAndTensor) {
   expect_format_error(b, {"checksum mismatch in layer 0 kv_head 1 keys"});
 }
 
+// Non-finite data with matching checksums (as a writer that hashed the NaNs would leave):
+// NaN or infinite keys, values or whitening and NaN or +inf lse are rejected when the data
+// is verified; an lse of -inf (a state of no tokens) is not.
+TEST_F(DictionaryReadErrors, NonFiniteDataIsRejected) {
+  // The dictionary with the 4 bytes at `byte` of tensor `name` of section (1, 0) set to `v`
+  // (whole elements of 2 or 4 bytes) and that tensor's checksum refreshed.
+  auto file_with = [&](const std::string& name, int64_t byte, uint32_t v) {
+    std::string b = bytes_;
+    pb::Manifest pm;
+    const uint64_t off = get_le<uint64_t>(b, 16), len = get_le<uint64_t>(b, 24);
+    EXPECT_TRUE(pm.ParseFromArray(b.data() + off, static_cast<int>(len)));
+    for (const pb::Section& s : pm.sections()) {
+      if (s.layer() != 1 || s.kv_head() != 0) continue;
+      const pb::Tensor& t = name == "keys" ? s.keys()
+                            : name == "values_o" ? s.values_o()
+                            : name == "values_lse" ? s.values_lse()
+                            : name == "parent_keys" ? s.parent_keys()
+                                                    : s.whitening();
+      put_le<uint32_t>(b, t.offset() + uint64_t(byte), v);
+      const uint64_t sum = XXH64(b.data() + t.offset(), t.nbytes(), 0);
+      return with_manifest(
+          [&](pb::Manifest& m) {
+            for (pb::Section& ms : *m.mutable_sections()) {
+              if (ms.layer() != 1 || ms.kv_head() != 0) continue;
+              (name == "keys" ? ms.mutable_keys()
+               : name == "values_o" ? ms.mutable_values_o()
+               : name == "values_lse" ? ms.mutable_values_lse()
+               : name == "parent_keys" ? ms.mutable_parent_keys()
+                                       : ms.mutable_whitening())
+                  ->set_checksum(sum);
+            }
+          },
+          b);
+    }
+    ADD_FAILURE() << "no section (1, 0)";
+    return b;
+  };
+  const uint32_t kNaN = 0xffffffffu, kPosInf = 0x7f800000u, kNegInf = 0xff800000u;
+  const int64_t R = synth_->m.sections[2].keys.shape[1];
+  const int64_t row_bytes = R * dtype_size(synth_->m.sections[2].keys.dtype);
+  // Row 2 of the keys: bytes at 2 * row_bytes cover the row's first element(s).
+  expect_format_error(file_with("keys", 2 * row_bytes, kNaN), {"layer 1 kv_head 0 keys row 2 holds a NaN"});
+  expect_format_error(file_with("values_o", 0, kNaN), {"layer 1 kv_head 0 values_o row 0 holds a NaN"});
+  expect_format_error(file_with("parent_keys", 0, kNaN), {"layer 1 kv_head 0 parent_keys row 0"});
+  expect_format_error(file_with("whitening", 4, kPosInf), {"layer 1 kv_head 0 whitening row 0"});
+  expect_format_error(file_with("values_lse", 4, kNaN), {"layer 1 kv_head 0 values_lse row 0 holds a NaN or +inf"});
+  expect_format_error(file_with("values_lse", 8, kPosInf), {"layer 1 kv_head 0 values_lse"});
+  // An lse of -inf opens; so does every damage above without data verification.
+  write_file(path_, file_with("values_lse", 4, kNegInf));
+  EXPECT_NO_THROW(DictionaryFile::open(path_));
+  write_file(path_, file_with("keys", 0, kNaN));
+  EXPECT_NO_THROW(DictionaryFile::open(path_, /*verify_data=*/false));
+}
+
 TEST_F(DictionaryReadErrors, NonzeroPadding) {
   std::string b = bytes_;
   // The byte just before the second section's keys is padding (the previous blob,
@@ -978,6 +1041,12 @@ TEST_F(DictionaryWrite, InvalidManifestWritesNothing) {
   s->m.format_version = 2;
   expect_error<InvalidArgument>([&] { write_dictionary(path_, s->m); },
                                 {path_ + ": format_version 2: this asmem writes version 1"});
+  s = make_synth(Spec{});
+  uint8_t* o = static_cast<uint8_t*>(const_cast<void*>(s->m.sections[3].values_o.data));
+  o[2 * 5] = 0xff;  // bf16 element 5: NaN
+  o[2 * 5 + 1] = 0xff;
+  expect_error<InvalidArgument>([&] { write_dictionary(path_, s->m); },
+                                {path_ + ": layer 1 kv_head 1 values_o row 0 holds a NaN or infinite value"});
   s = make_synth(Spec{});
   s->m.compile.value_dtype = "";
   expect_error<InvalidArgument>([&] { write_dictionary(path_, s->m); }, {"compile.value_dtype ''"});
