@@ -116,6 +116,12 @@ void CheckParams(const DecodeConfig& config, const DecodeParams& params, const c
 // 2^32, page_size * kv_stride_token below 2^31, in elements); else what is out of range.
 std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, int32_t page_size);
 
+// Host-side checks of per-request data the CPU references read (the CUDA paths cannot read
+// it without a sync): every seq_lens[b] in [0, block_table_stride * page_size] and the
+// pages it covers non-negative. Throws InvalidArgument naming `fn`, the request and the value.
+void CheckSeqLens(const int32_t* seq_lens, int64_t batch, const int32_t* block_table,
+                  int64_t block_table_stride, int32_t page_size, const char* fn);
+
 struct LookupPartial {
   float score;    // best dot product in the split (-inf: none)
   int32_t index;  // its entry, -1 when the split scanned no row

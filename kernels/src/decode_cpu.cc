@@ -189,6 +189,27 @@ std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, 
   return "";
 }
 
+void CheckSeqLens(const int32_t* seq_lens, int64_t batch, const int32_t* block_table,
+                  int64_t block_table_stride, int32_t page_size, const char* fn) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t T = seq_lens[b];
+    const std::string req = "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T);
+    if (T < 0) Fail(fn, req + " is negative");
+    const int64_t pages = (T + page_size - 1) / page_size;
+    if (pages > block_table_stride) {
+      Fail(fn, req + " needs " + std::to_string(pages) + " pages of " + std::to_string(page_size) +
+                   " tokens, block_table_stride is " + std::to_string(block_table_stride));
+    }
+    for (int64_t j = 0; j < pages; ++j) {
+      const int32_t page = block_table[b * block_table_stride + j];
+      if (page < 0) {
+        Fail(fn, "block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(page) +
+                     " is negative (request " + std::to_string(b) + " holds " + std::to_string(T) + " tokens)");
+      }
+    }
+  }
+}
+
 void CheckConfig(const DecodeConfig& config, const char* fn) {
   bool invalid = false;
   const std::string why = WhyUnsupported(config, &invalid);
@@ -424,6 +445,16 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
     if (invalid) throw InvalidArgument(std::string(fn) + ": " + why);
   }
   decode::CheckParams(c, p, fn);
+  // Every request's lengths, pages and dictionary id before any output is written.
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int32_t id = p.dict_ids ? p.dict_ids[b] : -1;
+    if (id < -1 || id >= p.num_dicts) {
+      throw InvalidArgument(std::string(fn) + ": dict_ids[" + std::to_string(b) + "] = " +
+                            std::to_string(id) + " is outside [-1, " +
+                            std::to_string(p.num_dicts) + ")");
+    }
+  }
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t D = G * d;
   const double scale = p.sm_scale > 0.f ? double(p.sm_scale) : 1.0 / std::sqrt(double(d));
@@ -433,13 +464,7 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
   std::vector<double> q(d), s, acc(d);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t T = p.seq_lens[b];
-    if (T < 0) throw InvalidArgument(std::string(fn) + ": seq_lens[" + std::to_string(b) + "] < 0");
     const int32_t id = p.dict_ids ? p.dict_ids[b] : -1;
-    if (id < -1 || id >= p.num_dicts) {
-      throw InvalidArgument(std::string(fn) + ": dict_ids[" + std::to_string(b) + "] = " +
-                            std::to_string(id) + " is outside [-1, " +
-                            std::to_string(p.num_dicts) + ")");
-    }
     for (int64_t h = 0; h < Hkv; ++h) {
       // Prefix state via the lookup.
       int32_t idx = -1;
@@ -505,7 +530,6 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
         double mx = -INFINITY;
         for (int64_t t = 0; t < T; ++t) {
           const int64_t page = p.block_table[b * p.block_table_stride + t / c.page_size];
-          if (page < 0) throw InvalidArgument(std::string(fn) + ": negative page in block_table");
           const int64_t base = page * p.kv_stride_page + h * p.kv_stride_head +
                                (t % c.page_size) * p.kv_stride_token;
           double dot = 0;

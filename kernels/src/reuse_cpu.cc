@@ -505,6 +505,7 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
   mac::CheckConfig(c, fn, false);
   mac::CheckParams(c, p, fn);
   mac::CheckDistinctSlots(p.slot_ids, p.batch, c.num_slots, fn);
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t W = c.mac.window;
   const int32_t F = c.mac.front_sink, r = c.mac.band;
@@ -522,7 +523,6 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t T = p.seq_lens[b];
-    if (T < 0) mac::Fail(fn, "seq_lens[" + std::to_string(b) + "] < 0");
     const int32_t slot = mac::SlotOf(p.slot_ids, b, c.num_slots, fn);
     const MacSlot st = p.slots[slot];
     const int32_t m = T - 1;
@@ -615,20 +615,12 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
   mac::CheckConfig(c, fn, false);
   mac::CheckFillParams(c, p, fn);
   mac::CheckDistinctSlots(p.slot_ids, p.batch, c.num_slots, fn);
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t W = c.mac.window, N = p.num_positions;
-  const int32_t F = c.mac.front_sink, r = c.mac.band;
-  const double scale = p.sm_scale > 0.f ? double(p.sm_scale) : 1.0 / std::sqrt(double(d));
-  const KernelDType dt = c.dtype;
-  const mac::KvView kv{p.k_cache, p.v_cache, p.kv_stride_page, p.kv_stride_head, p.kv_stride_token,
-                       p.block_table, p.block_table_stride, c.page_size, dt};
-  std::vector<double> q(static_cast<size_t>(d));
-  std::vector<float> xf(static_cast<size_t>(d));
-  std::vector<int8_t> q8(static_cast<size_t>(d));
+  // Every request's positions before any ring entry is written.
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t T = p.seq_lens[b];
-    const int32_t slot = mac::SlotOf(p.slot_ids, b, c.num_slots, fn);
-    const int32_t epoch = p.slots[slot].epoch;
     std::vector<char> used(size_t(W), 0);
     for (int64_t n = 0; n < N; ++n) {
       const int32_t x = p.positions[b * N + n];
@@ -642,6 +634,22 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
                           std::to_string(x));
       }
       used[size_t(x % W)] = 1;
+    }
+  }
+  const int32_t F = c.mac.front_sink, r = c.mac.band;
+  const double scale = p.sm_scale > 0.f ? double(p.sm_scale) : 1.0 / std::sqrt(double(d));
+  const KernelDType dt = c.dtype;
+  const mac::KvView kv{p.k_cache, p.v_cache, p.kv_stride_page, p.kv_stride_head, p.kv_stride_token,
+                       p.block_table, p.block_table_stride, c.page_size, dt};
+  std::vector<double> q(static_cast<size_t>(d));
+  std::vector<float> xf(static_cast<size_t>(d));
+  std::vector<int8_t> q8(static_cast<size_t>(d));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int32_t slot = mac::SlotOf(p.slot_ids, b, c.num_slots, fn);
+    const int32_t epoch = p.slots[slot].epoch;
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t x = p.positions[b * N + n];
+      if (x < 0) continue;
       const int64_t w = x % W;
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const int64_t h = hq / G;

@@ -854,6 +854,32 @@ TEST(DecodeCpu, BadArgumentsThrow) {
   EXPECT_THROW(DecodeAttentionCpu(nodict, pb.params), InvalidArgument);
 }
 
+// Per-request data the reference reads on the host is checked for every request before any
+// output is written: lengths past the block table's row, unmapped pages, negative lengths.
+TEST(DecodeCpu, RequestDataIsCheckedBeforeAnyOutput) {
+  CaseSpec s;
+  s.T = {20, 4};
+  Problem pb;
+  BuildProblem(s, 1, &pb);
+  const int64_t stride = pb.params.block_table_stride, ps = pb.config.page_size;
+  auto expect_untouched = [&](int32_t T1, const std::vector<std::string>& parts) {
+    pb.seq_lens[1] = T1;
+    std::fill(pb.o.bytes.begin(), pb.o.bytes.end(), uint8_t(0x5a));
+    test::expect_error<InvalidArgument>([&] { DecodeAttentionCpu(pb.config, pb.params); }, parts);
+    EXPECT_TRUE(std::all_of(pb.o.bytes.begin(), pb.o.bytes.end(), [](uint8_t x) { return x == 0x5a; }))
+        << "request 0's output was written before request 1 was found bad";
+  };
+  const int32_t past = int32_t(stride * ps + 1);
+  expect_untouched(past, {"DecodeAttentionCpu", "seq_lens[1] = " + std::to_string(past),
+                          "needs " + std::to_string(stride + 1) + " pages",
+                          "block_table_stride is " + std::to_string(stride)});
+  // Request 1 (4 tokens) maps one page; the table's other columns are -1 (unmapped).
+  expect_untouched(int32_t(stride * ps), {"block_table[1, 1] = -1 is negative", "request 1 holds"});
+  expect_untouched(-3, {"seq_lens[1] = -3 is negative"});
+  pb.seq_lens[1] = 4;
+  EXPECT_NO_THROW(DecodeAttentionCpu(pb.config, pb.params));
+}
+
 TEST(DecodeDictView, ValidateNamesTheField) {
   std::vector<float> buf(64 * 4 + 4);
   const std::vector<int32_t> off = {0, 2, 1};

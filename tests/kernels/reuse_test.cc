@@ -887,7 +887,9 @@ TEST(MacCpu, BadArgumentsThrow) {
   int32_t bad_slot = 3;
   expect_bad([&](MacParams& p) { p.slot_ids = &bad_slot; }, "slot_ids[0] = 3");
   int32_t neg = -1;
-  expect_bad([&](MacParams& p) { p.seq_lens = &neg; }, "seq_lens[0]");
+  expect_bad([&](MacParams& p) { p.seq_lens = &neg; }, "seq_lens[0] = -1 is negative");
+  int32_t past = int32_t(t.Params().block_table_stride * t.c.page_size + 1);
+  expect_bad([&](MacParams& p) { p.seq_lens = &past; }, "block_table_stride is");
 
   // Two requests on one slot.
   MacDecodeConfig c2 = t.c;
@@ -954,6 +956,8 @@ TEST(MacCpu, BadFillArgumentsThrow) {
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 21; }, "is not below seq_lens");
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 10; }, "collide modulo window");
   expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.positions = nullptr; }, "positions is null");
+  int32_t past = int32_t(f.block_table_stride * t.c.page_size + 1);
+  expect_bad([&](MacFillParams& g, std::vector<int32_t>&) { g.seq_lens = &past; }, "block_table_stride is");
 }
 
 // The plan kernel's rules (reuse_common.h PlaceGroup, SegmentTokens, PortionBlocks) on the

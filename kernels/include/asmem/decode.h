@@ -53,8 +53,11 @@
 //   block_table  [B, block_table_stride] int32: token t of request b is in page
 //                             block_table[b*block_table_stride + t / page_size], slot
 //                             t % page_size. Entries past ceil(T/page_size) are not read.
-//   seq_lens     [B] int32    T per request, >= 0 (0: empty rest). T may exceed
+//   seq_lens     [B] int32    T per request, 0 <= T <= block_table_stride * page_size, the
+//                             pages it covers mapped (>= 0) (0: empty rest). T may exceed
 //                             config.max_seq_len: still correct, only the split plan is off.
+//                             The CPU reference checks every request before writing any
+//                             output; the CUDA path cannot read them and does not check.
 //   dict_ids     [B] int32    -1: no dictionary; else a dictionary index in [0, num_dicts).
 //                             Null: no request has one (plain decode attention).
 //   dict_views   [num_dicts, Hkv] DictLayerView (device memory for DecodeAttention): the
