@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
@@ -724,10 +725,12 @@ std::string ModelFingerprint::mismatch(const ModelFingerprint& model) const {
 // ---------------------------------------------------------------------------------------
 
 DictionaryFile::~DictionaryFile() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), size_);
+  if (map_ && copied_) std::free(const_cast<uint8_t*>(map_));
+  if (map_ && !copied_) ::munmap(const_cast<uint8_t*>(map_), size_);
 }
 
-std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bool verify_data) {
+std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bool verify_data,
+                                                     bool private_copy) {
   std::unique_ptr<DictionaryFile> f(new DictionaryFile());
   f->path_ = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -743,7 +746,29 @@ std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bo
     throw IoError(path + ": not a regular file");
   }
   f->size_ = static_cast<uint64_t>(st.st_size);
-  if (f->size_ > 0) {
+  if (f->size_ > 0 && private_copy) {
+    // 64-byte aligned like a mapping's tensors; the size rounded up as aligned_alloc needs.
+    void* p = std::aligned_alloc(kAlign, align_up(f->size_));
+    if (p == nullptr) {
+      ::close(fd);
+      throw IoError(path + ": cannot allocate " + std::to_string(f->size_) + " bytes to read it");
+    }
+    f->map_ = static_cast<const uint8_t*>(p);
+    f->copied_ = true;
+    uint64_t got = 0;
+    while (got < f->size_) {
+      const ssize_t n = ::pread(fd, static_cast<uint8_t*>(p) + got, size_t(f->size_ - got), off_t(got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int e = n < 0 ? errno : 0;
+        ::close(fd);
+        throw IoError(path + ": " + (n < 0 ? "read error: " + errno_text(e)
+                                           : "the file shrank while being read (" + std::to_string(got) +
+                                                 " of " + std::to_string(f->size_) + " bytes)"));
+      }
+      got += uint64_t(n);
+    }
+  } else if (f->size_ > 0) {
     void* p = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       const int e = errno;

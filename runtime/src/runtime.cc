@@ -22,7 +22,7 @@ namespace detail {
 // One dictionary as the runtime holds it. Immutable once published.
 struct ResidentDictionary {
   DictionaryInfo info;
-  std::unique_ptr<DictionaryFile> file;  // CPU: the mapping the views point into; CUDA: null
+  std::unique_ptr<DictionaryFile> file;  // CPU: the private copy the views point into; CUDA: null
   std::vector<KeysI8Block> keys_i8;      // CPU: int8 keys the views point into (int8_keys)
   std::vector<DictLayerView> views;      // [L][Hkv]: host (CPU) or device (CUDA) pointers
   std::shared_ptr<DeviceBlob> blob;      // CUDA: the uploaded tensors
@@ -370,7 +370,9 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
   auto r = std::make_shared<ResidentDictionary>();
   try {
     if (s.cuda) detail::Trace("prepare: open and validate");
-    std::unique_ptr<DictionaryFile> file = DictionaryFile::open(path, lo.verify_data);
+    // The CPU serves from the file's bytes for as long as the dictionary is resident: read
+    // them into private memory, so that a rewrite of the file in place cannot fault a step.
+    std::unique_ptr<DictionaryFile> file = DictionaryFile::open(path, lo.verify_data, /*private_copy=*/!s.cuda);
     const DictionaryManifest& m = file->manifest();
     if (s.opt.model) file->check_model(*s.opt.model);
     struct Dim {
@@ -484,7 +486,7 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
                               path + ": device view " + str(int64_t(i)));
       }
       info.device_bytes = bytes;
-      // The mapping and the host int8 keys are no longer needed: the device copy is what
+      // The file's mapping and the host int8 keys are no longer needed: the device copy is what
       // steps read.
     } else {
       r->file = std::move(file);
@@ -670,7 +672,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     const DecodeConfig c = s.config(step, 0, false, 0u, 0, s.plan_key_dims.load());
     SetKvStrides(c, a, n_kv == 0, &p);
     set_lookup_keys();
-    // The snapshot keeps every dictionary this call may read mapped until it returns.
+    // The snapshot keeps every dictionary this call may read alive until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
     if (a.dict_ids) {
       for (int32_t b = 0; b < a.batch; ++b) {

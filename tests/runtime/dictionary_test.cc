@@ -386,6 +386,21 @@ TEST_F(DictionaryTest, HostLayerViewPointsIntoTheMappingAndValidates) {
   }
 }
 
+// A private copy holds the file's bytes: truncating and rewriting the file afterwards (in
+// place) changes nothing that was opened, where a mapping would fault past the new end.
+TEST_F(DictionaryTest, PrivateCopyOutlivesARewriteInPlace) {
+  auto s = make_synth(Spec{});
+  const std::string path = file("copy.asmd");
+  write_dictionary(path, s->m);
+  auto f = DictionaryFile::open(path, true, /*private_copy=*/true);
+  const TensorRef& v = f->section(1, 1).values_o;
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data) % 64, 0u);
+  const std::string want(static_cast<const char*>(s->m.sections[3].values_o.data), v.nbytes);
+  { std::ofstream(path, std::ios::binary | std::ios::trunc) << "x"; }  // same inode, 1 byte
+  EXPECT_EQ(std::string(static_cast<const char*>(v.data), v.nbytes), want);
+  expect_manifest_eq(f->manifest(), s->m);
+}
+
 TEST_F(DictionaryTest, FormatVersionZeroIsWrittenAsCurrent) {
   auto s = make_synth(Spec{});
   s->m.format_version = 0;

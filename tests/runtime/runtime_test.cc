@@ -505,6 +505,28 @@ TEST_F(RuntimeReplace, BadFilesAreRejectedAndTheOldDictionaryKeepsServing) {
   EXPECT_EQ(rt.info(0)->path, other_);
 }
 
+// `cp new.asmd serving.asmd` truncates the serving file and writes it again in place (same
+// inode): the CPU runtime serves from its own copy of the bytes, not from a mapping of the
+// file, so steps neither fault (SIGBUS on a mapped page past the new end) nor change.
+TEST_F(RuntimeReplace, TheServingFileRewrittenInPlaceDoesNotAffectSteps) {
+  DecodeRuntime rt(options());
+  ASSERT_EQ(rt.load(old_), 0);
+  ASSERT_EQ(rt.load(old_), 1);
+  const StepOutputs before0 = RunRuntime(rt, step_, 0), before1 = RunRuntime(rt, step_, 1);
+  const std::string other = ReadFile(other_);
+  {
+    std::ofstream f(old_, std::ios::binary | std::ios::trunc);  // in place: same inode
+    f.write(other.data(), std::streamsize(other.size() / 3));
+    ASSERT_TRUE(bool(f));
+  }
+  EXPECT_TRUE(RunRuntime(rt, step_, 0) == before0);
+  EXPECT_TRUE(RunRuntime(rt, step_, 1) == before1);
+  WriteFile(old_, other);  // the whole other dictionary, still in place
+  EXPECT_TRUE(RunRuntime(rt, step_, 0) == before0);
+  rt.replace(0, old_);  // now the file's new contents serve
+  EXPECT_TRUE(RunRuntime(rt, step_, 0) != before0);
+}
+
 TEST_F(RuntimeReplace, ARebuiltFileServesLaterSteps) {
   DecodeRuntime rt(options());
   ASSERT_EQ(rt.load(old_), 0);

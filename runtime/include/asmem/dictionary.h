@@ -106,10 +106,15 @@ struct DictionaryManifest {
 // X bytes, header says Y", "checksum mismatch in layer 3 kv_head 1 keys", "format version 7
 // is newer than this asmem supports (1)"). With `verify_data`, padding must also be zero.
 // Sections are returned sorted by (layer, kv_head) whatever their order in the file.
-// Replacing the file with write_dictionary (a rename) leaves an open mapping valid.
+// Replacing the file with write_dictionary (a rename) leaves an open mapping valid; a
+// rewrite in place (`cp new.asmd old.asmd` truncates, then writes) does not: a read of a
+// mapped page past the new end of the file is a SIGBUS. With `private_copy` the file is read
+// into private memory instead of mapped (the whole file read once, beside nothing mapped):
+// nothing that later happens to the file affects the open DictionaryFile.
 class DictionaryFile {
  public:
-  static std::unique_ptr<DictionaryFile> open(const std::string& path, bool verify_data = true);
+  static std::unique_ptr<DictionaryFile> open(const std::string& path, bool verify_data = true,
+                                              bool private_copy = false);
   ~DictionaryFile();
   DictionaryFile(const DictionaryFile&) = delete;             // owns the mapping
   DictionaryFile& operator=(const DictionaryFile&) = delete;
@@ -125,8 +130,9 @@ class DictionaryFile {
   DictionaryFile() = default;
   std::string path_;
   DictionaryManifest manifest_;
-  const uint8_t* map_ = nullptr;
+  const uint8_t* map_ = nullptr;  // the mapping, or the private copy
   uint64_t size_ = 0;
+  bool copied_ = false;           // map_ is a private copy (free()), not a mapping
 };
 
 // Writes a dictionary: manifest + 64-byte aligned blobs, to `path` + ".tmp.<pid>", fsync,

@@ -10,13 +10,14 @@
 //   ... per step, per layer (capturable in a CUDA graph):
 //   rt.decode(layer, args, stream);                            // args.dict_ids[b]: slot or -1
 //   ... later, without a restart, between steps:
-//   rt.replace(support, "support-v2.asmd", stream);           // throws on a bad file; the
+//   rt.replace(support, "support-v2.asmd", {}, stream);       // throws on a bad file; the
 //                                                               // old one keeps serving
 //
 // Contracts
-// - Device. A runtime is bound to one device for its life: the CPU (dictionaries stay in the
-//   read-only file mappings; decode runs DecodeAttentionCpu, the double-accumulation
-//   reference) or one CUDA device (each dictionary's tensors are copied to device memory
+// - Device. A runtime is bound to one device for its life: the CPU (each dictionary file is
+//   read once into host memory, so that later changes to the file, even a rewrite in place,
+//   cannot affect it; decode runs DecodeAttentionCpu, the double-accumulation reference) or
+//   one CUDA device (each dictionary's tensors are copied to device memory
 //   once; decode runs DecodeAttention). Both give the results documented in asmem/decode.h.
 // - Slots. Up to options.max_dicts dictionaries are resident at once, each in a slot
 //   0..max_dicts-1. A step's requests name a slot in dict_ids[b] or -1 (no dictionary: plain
@@ -55,7 +56,7 @@
 //     the phases of load / replace / publish with timestamps to stderr.
 //   * CPU: each decode() call takes a shared snapshot of the slot table when it starts; a
 //     call running in another thread during the switch finishes on the dictionary it
-//     started with, whose mapping stays alive until the last such call returns.
+//     started with, whose memory stays alive until the last such call returns.
 //   A step's layers are separate decode() calls: switch between steps (from the thread that
 //   enqueues them), or a step straddling the switch runs its early layers on the old
 //   dictionary and the rest on the new one. prepare() + publish() split a replacement into
@@ -160,7 +161,7 @@ struct LoadOptions {
                             // key bytes of bf16 on the device (rows padded to a multiple of
                             // 128 bytes: two thirds at G*d = 192; CUDA: the file's keys of
                             // those sections are not uploaded; CPU: the int8 keys are held
-                            // in host memory beside the mapping). A lookup may pick another
+                            // in host memory beside the file's bytes). A lookup may pick another
                             // entry where two entries score within the quantization error.
                             // Default off.
 };
@@ -172,8 +173,8 @@ struct DictionaryInfo {
                             // load / replace); 0 while prepared
   std::string path;         // the file it was loaded from
   uint64_t file_bytes = 0;
-  uint64_t device_bytes = 0;  // CUDA: device memory held; CPU: 0 (the file is mapped; int8
-                              // keys live in host memory)
+  uint64_t device_bytes = 0;  // CUDA: device memory held; CPU: 0 (the file's bytes and the
+                              // int8 keys live in host memory)
   ModelFingerprint model;     // from the manifest
   uint64_t tokenizer_hash = 0;
   PrefixInfo prefix;
