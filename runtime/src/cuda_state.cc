@@ -182,8 +182,9 @@ struct CudaState::Impl {
     DictLayerView* staging = nullptr;  // pinned source of the copy
     std::shared_ptr<DeviceBlob> retired;
   };
-  mutable std::mutex mu;  // pending, staging_pool
+  mutable std::mutex mu;  // pending, staging_pool, abandoned
   std::vector<Pending> pending;
+  std::vector<Pending> abandoned;  // copies whose completion cannot be known (update())
   std::vector<DictLayerView*> staging_pool;  // pinned [L][Hkv] buffers free for reuse
 
   size_t staging_count() const { return size_t(L) * size_t(Hkv); }
@@ -240,6 +241,11 @@ CudaState::~CudaState() {
     p.retired.reset();
   }
   s.pending.clear();
+  if (!s.abandoned.empty()) (void)cudaDeviceSynchronize();  // nothing else tells when they end
+  for (Impl::Pending& p : s.abandoned) {
+    if (p.staging) s.staging_pool.push_back(p.staging);
+  }
+  s.abandoned.clear();
   for (DictLayerView* b : s.staging_pool) (void)cudaFreeHost(b);
   if (s.workspace) (void)cudaFree(s.workspace);
   if (s.tables) (void)cudaFree(s.tables);
@@ -309,7 +315,7 @@ void CudaState::check_stream(cudaStream_t stream, const char* what) const {
 }
 
 void CudaState::update(int32_t slot, const DictLayerView* views, cudaStream_t stream,
-                       std::shared_ptr<DeviceBlob> retired) {
+                       std::shared_ptr<DeviceBlob> retired, std::shared_ptr<DeviceBlob> incoming) {
   Impl& s = *impl_;
   ScopedDevice guard(s.device);
   std::lock_guard<std::mutex> lock(s.mu);
@@ -323,20 +329,34 @@ void CudaState::update(int32_t slot, const DictLayerView* views, cudaStream_t st
                                     s.staging_count() * sizeof(DictLayerView)));
   }
   for (size_t i = 0; i < s.staging_count(); ++i) staging[i] = views ? views[i] : DictLayerView{};
+  // Everything that can fail before the copy is enqueued leaves the tables as they are.
   cudaEvent_t done = nullptr;
   try {
+    ASMEM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    // Copies enqueued on different streams apply in call order: this one waits for the
+    // last pending one (which waited for the one before). Otherwise a later switch of the
+    // slot could land first and retire the blob that the earlier copy then installs.
+    if (!s.pending.empty()) ASMEM_CUDA_CHECK(cudaStreamWaitEvent(stream, s.pending.back().done, 0));
     Trace("update: enqueue the table copy");
     const size_t row = size_t(s.Hkv) * sizeof(DictLayerView);
     // Row l of the source (layer l's Hkv views) goes to tables[l][slot][0..Hkv).
     ASMEM_CUDA_CHECK(cudaMemcpy2DAsync(s.tables + size_t(slot) * size_t(s.Hkv),
                                        size_t(s.max_dicts) * row, staging, row, row, size_t(s.L),
                                        cudaMemcpyHostToDevice, stream));
-    ASMEM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    ASMEM_CUDA_CHECK(cudaEventRecord(done, stream));
   } catch (...) {
     if (done) (void)cudaEventDestroy(done);
-    // The copy may have been enqueued: the staging buffer is dropped, never reused.
+    s.staging_pool.push_back(staging);  // no copy reads it
     throw;
+  }
+  const cudaError_t rec = cudaEventRecord(done, stream);
+  if (rec != cudaSuccess) {
+    // The copy is enqueued and may switch the table, but nothing can tell when it is done:
+    // its source and both dictionaries' memory stay allocated until the runtime goes (the
+    // caller's snapshot keeps the old dictionary; the new blob is kept here).
+    (void)cudaEventDestroy(done);
+    s.abandoned.push_back(Impl::Pending{nullptr, staging, std::move(retired)});
+    s.abandoned.push_back(Impl::Pending{nullptr, nullptr, std::move(incoming)});
+    ASMEM_CUDA_CHECK(rec);
   }
   s.pending.push_back(Impl::Pending{done, staging, std::move(retired)});
   Trace("update: enqueued");
@@ -404,7 +424,8 @@ const DictLayerView* CudaState::table(int32_t) const { NoCuda(); }
 void* CudaState::workspace() const { NoCuda(); }
 size_t CudaState::workspace_bytes() const { NoCuda(); }
 void CudaState::check_stream(cudaStream_t, const char*) const { NoCuda(); }
-void CudaState::update(int32_t, const DictLayerView*, cudaStream_t, std::shared_ptr<DeviceBlob>) {
+void CudaState::update(int32_t, const DictLayerView*, cudaStream_t, std::shared_ptr<DeviceBlob>,
+                       std::shared_ptr<DeviceBlob>) {
   NoCuda();
 }
 size_t CudaState::release_retired() { NoCuda(); }

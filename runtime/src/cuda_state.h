@@ -93,9 +93,13 @@ class CudaState {
   // Enqueues on `stream` the copy of `views` ([L][Hkv], or null: empty views) into the
   // slot's table entries (from a pinned staging buffer: two are allocated up front, more
   // only while earlier copies are still pending) and keeps `retired` (may be null) alive
-  // until that copy is done.
+  // until that copy is done. The copy waits (on the device) for the previous update's, so
+  // that updates enqueued on different streams apply in call order. On a throw the tables
+  // are unchanged, except where the copy was enqueued and the event after it could not be
+  // recorded: then `retired` and `incoming` (the blob `views` point into) stay allocated
+  // until the CudaState goes.
   void update(int32_t slot, const DictLayerView* views, cudaStream_t stream,
-              std::shared_ptr<DeviceBlob> retired);
+              std::shared_ptr<DeviceBlob> retired, std::shared_ptr<DeviceBlob> incoming);
   // Frees what the finished copies retired (cudaEventQuery, no waiting); returns the number
   // of non-null blobs freed.
   size_t release_retired();

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -176,12 +177,12 @@ struct DecodeRuntime::Impl {
   std::mutex mu;                         // serializes publish / unload
   std::shared_ptr<const Snapshot> snap;  // read with std::atomic_load
   uint64_t generation = 0;               // guarded by mu
-  // Plan inputs of CUDA steps, written under mu, read by decode() without it.
-  std::atomic<int64_t> plan_rows{0};
-  std::atomic<int64_t> plan_keys{0};
-  std::atomic<bool> plan_whitening{false};
-  std::atomic<uint32_t> plan_key_dims{0};  // Snapshot::key_dims
-  std::atomic<uint32_t> plan_probe{0};  // Snapshot::can_probe
+  // CUDA: a decode() holds it shared from reading the snapshot's plan inputs until its
+  // launches are enqueued; install() holds it exclusively across the table copy and the
+  // snapshot's store. So a step enqueued after a switch's copy is planned for the
+  // dictionaries that copy installs (a plan without a newly resident key width would give
+  // NaN for that dictionary's requests), and one planned before it is enqueued before it.
+  mutable std::shared_mutex plan_mu;
 
   std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snap); }
 
@@ -220,7 +221,11 @@ struct DecodeRuntime::Impl {
                                                     cudaStream_t stream) {
     std::shared_ptr<const Snapshot> cur = snapshot();
     std::shared_ptr<const ResidentDictionary> old = cur->slots[size_t(slot)];
-    if (cuda) cs->update(slot, r ? r->views.data() : nullptr, stream, old ? old->blob : nullptr);
+    std::unique_lock<std::shared_mutex> plan_lock(plan_mu);
+    if (cuda) {
+      cs->update(slot, r ? r->views.data() : nullptr, stream, old ? old->blob : nullptr,
+                 r ? r->blob : nullptr);
+    }
     auto next = std::make_shared<Snapshot>(*cur);
     next->slots[size_t(slot)] = r;
     if (!cuda) {
@@ -245,11 +250,6 @@ struct DecodeRuntime::Impl {
       next->can_probe |= s->can_probe;
       next->key_dims |= s->key_dims;
     }
-    plan_rows.store(next->max_lookup_rows);
-    plan_keys.store(next->max_keys);
-    plan_whitening.store(next->whitening);
-    plan_probe.store(next->can_probe);
-    plan_key_dims.store(next->key_dims);
     std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
     return old;
   }
@@ -502,8 +502,13 @@ PreparedDictionary DecodeRuntime::prepare(const std::string& path, const LoadOpt
 }
 
 int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStream_t stream) {
+  return publish_to(dict, slot, stream, false);
+}
+
+int32_t DecodeRuntime::publish_to(PreparedDictionary& dict, int32_t slot, cudaStream_t stream,
+                                  bool replacing) {
   Impl& s = *impl_;
-  const char* fn = "DecodeRuntime::publish";
+  const char* fn = replacing ? "DecodeRuntime::replace" : "DecodeRuntime::publish";
   if (!dict.valid()) {
     throw InvalidArgument(std::string(fn) +
                           ": the prepared dictionary is empty (published or moved from)");
@@ -530,6 +535,10 @@ int32_t DecodeRuntime::publish(PreparedDictionary& dict, int32_t slot, cudaStrea
       }
     } else {
       s.check_slot(slot, fn);
+      if (replacing && !cur->slots[size_t(slot)]) {  // unloaded since replace() began
+        throw InvalidArgument(std::string(fn) + ": " + dict.impl_->info.path + ": slot " + str(slot) +
+                              " is empty (use load)");
+      }
     }
     if (s.cuda) {
       detail::Trace("publish: check the stream");
@@ -566,7 +575,7 @@ void DecodeRuntime::replace(int32_t slot, const std::string& path, const LoadOpt
   detail::Trace("replace: prepare");
   PreparedDictionary p = prepare(path, lo);
   detail::Trace("replace: publish");
-  publish(p, slot, stream);
+  publish_to(p, slot, stream, true);
   detail::Trace("replace: done");
 }
 
@@ -668,12 +677,12 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     p.lookup_keys_stride_b = a.lookup_keys_stride_b ? a.lookup_keys_stride_b : s.Hkv * p.lookup_keys_stride_h;
   };
   if (!s.cuda) {
-    // key_dims: the resident widths, as on CUDA (lookup_keys rows must hold the widest).
-    const DecodeConfig c = s.config(step, 0, false, 0u, 0, s.plan_key_dims.load());
-    SetKvStrides(c, a, n_kv == 0, &p);
-    set_lookup_keys();
     // The snapshot keeps every dictionary this call may read alive until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
+    // key_dims: the resident widths, as on CUDA (lookup_keys rows must hold the widest).
+    const DecodeConfig c = s.config(step, 0, false, 0u, 0, snap->key_dims);
+    SetKvStrides(c, a, n_kv == 0, &p);
+    set_lookup_keys();
     if (a.dict_ids) {
       for (int32_t b = 0; b < a.batch; ++b) {
         const int32_t id = a.dict_ids[b];
@@ -693,9 +702,10 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     return;
   }
 
+  std::shared_lock<std::shared_mutex> plan_lock(s.plan_mu);
+  const std::shared_ptr<const Snapshot> snap = s.snapshot();
   const DecodeConfig c =
-      s.config(step, s.plan_rows.load(), s.plan_whitening.load(), s.plan_probe.load(), s.plan_keys.load(),
-               s.plan_key_dims.load());
+      s.config(step, snap->max_lookup_rows, snap->whitening, snap->can_probe, snap->max_keys, snap->key_dims);
   SetKvStrides(c, a, n_kv == 0, &p);
   set_lookup_keys();
   if (a.dict_ids) {

@@ -489,6 +489,45 @@ TEST_F(RuntimeGpuSwap, ReplaceWhileStepsAreEnqueued) {
               kSteps);
 }
 
+// Two replacements of one slot on different streams, the first behind a held stream: the
+// second's table copy waits (on the device) for the first's, so the slot ends on the second
+// dictionary, and the first is retired by the second copy instead of being freed while a
+// late copy still installs it.
+TEST_F(RuntimeGpuSwap, ReplacementsOnTwoStreamsApplyInCallOrder) {
+  const HostStep& st = *step_;
+  const StepOutputs ref_b = Reference({b_}, st), ref_c = Reference({c_}, st);
+  ASSERT_TRUE(ref_b != ref_c);
+  DecodeRuntime rt(Options(spec_, Device::Cuda(0), st));
+  rt.load(a_, {}, stream_);
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  rt.release_retired();
+  cudaStream_t other = nullptr;
+  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  Gate gate;
+  ASSERT_TRUE(gate.Hold(stream_));
+  gate.phase("replace() on the held stream");
+  rt.replace(0, b_, {}, stream_);
+  gate.phase("replace() on another stream");
+  rt.replace(0, c_, {}, other);
+  gate.phase("cudaStreamQuery()");
+  EXPECT_EQ(cudaStreamQuery(other), cudaErrorNotReady) << "the second copy did not wait for the first";
+  (void)cudaGetLastError();  // "not ready" is no error: clear it
+  EXPECT_EQ(rt.release_retired(), 0u) << "a retired before both copies are done";
+  gate.phase("opened");
+  gate.Open();
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(other));
+  ASSERT_FALSE(gate.timed_out.load()) << "the stream was held 30 s: something waited for it; " << gate.report();
+  EXPECT_EQ(rt.info(0)->path, c_);
+  EXPECT_EQ(rt.release_retired(), 2u);  // a and b
+  const DeviceStep dev(st);
+  DeviceOutputs out(st);
+  rt.decode(1, Args(dev, out), stream_);
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ExpectClose(out.Download(), ref_c, st, "the slot after both replacements");
+  ASMEM_CUDA_CHECK(cudaStreamDestroy(other));
+}
+
 TEST_F(RuntimeGpuSwap, CapturedGraphSeesReplacements) {
   HostStep st = *step_;
   st.dict_ids = {0, -1, 0, 0};

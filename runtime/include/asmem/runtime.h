@@ -297,6 +297,8 @@ class DecodeRuntime {
   size_t workspace_bytes(const StepConfig& step) const;
 
  private:
+  // publish(); `replacing`: the slot must hold a dictionary (checked under the switch lock).
+  int32_t publish_to(PreparedDictionary& dict, int32_t slot, cudaStream_t stream, bool replacing);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
