@@ -546,10 +546,24 @@ std::string serialize(const pb::Manifest& m) {
 // ---------------------------------------------------------------------------------------
 
 // The temp file beside the destination; removed on destruction unless renamed into place.
+// Why an existing `path` must not be replaced by a rename (empty: it may). The writers
+// replace regular files only: a rename over a symbolic link replaces the link (the file it
+// points to stays as it was), and one over a device or pipe replaces the node.
+std::string destination_problem(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return "";  // absent (or unreadable: the write says)
+  if (S_ISDIR(st.st_mode)) return "is a directory";
+  if (S_ISLNK(st.st_mode)) return "is a symbolic link (give the path of the file it points to)";
+  if (!S_ISREG(st.st_mode)) return "exists and is not a regular file";
+  return "";
+}
+
 class TempFile {
  public:
   explicit TempFile(const std::string& path)
       : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
+    const std::string why = destination_problem(path);
+    if (!why.empty()) throw IoError(path + ": " + why);
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) fail("cannot create " + tmp_);
   }
@@ -914,8 +928,9 @@ void check_output_path(const std::string& path, const std::string& what) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) throw IoError(head + "directory '" + dir + "' does not exist");
   if (!S_ISDIR(st.st_mode)) throw IoError(head + "'" + dir + "' is not a directory");
+  const std::string why = destination_problem(path);
+  if (!why.empty()) throw IoError(head + why);
   if (::access(dir.c_str(), W_OK | X_OK) != 0) throw IoError(head + "directory '" + dir + "' is not writable");
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) throw IoError(head + "is a directory");
 }
 
 void write_dictionary(const std::string& path, const DictionaryManifest& manifest) {

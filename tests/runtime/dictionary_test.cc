@@ -1073,13 +1073,17 @@ TEST_F(DictionaryWrite, UnwritableDestinations) {
   expect_error<IoError>(
       [&] { write_dictionary(file("nodir/x.asmd"), synth_->m); },
       {file("nodir/x.asmd") + ": cannot create " + file("nodir/x.asmd") + ".tmp."});
-  // A directory in the way: the temp file is written, the rename fails, the temp file goes.
+  // A directory in the way: refused before a temp file is made.
   fs::create_directory(file("taken"));
   write_file(file("taken/keep"), "x");
-  expect_error<IoError>([&] { write_dictionary(file("taken"), synth_->m); },
-                        {file("taken") + ": cannot rename " + file("taken") + ".tmp."});
+  expect_error<IoError>([&] { write_dictionary(file("taken"), synth_->m); }, {file("taken") + ": is a directory"});
   EXPECT_EQ(dir_entries(file("taken")), std::vector<std::string>{"keep"});
-  expect_original_intact({"taken"});
+  // A symbolic link: a rename would replace the link, not the dictionary it names.
+  fs::create_symlink(path_, file("link.asmd"));
+  expect_error<IoError>([&] { write_dictionary(file("link.asmd"), synth_->m); },
+                        {file("link.asmd") + ": is a symbolic link"});
+  EXPECT_TRUE(fs::is_symlink(file("link.asmd")));
+  expect_original_intact({"taken", "link.asmd"});
 }
 
 // The write fails half-way (the file-size limit makes write() fail with EFBIG): the temp
@@ -1295,12 +1299,25 @@ TEST(CheckOutputPath, NamesTheProblemAndCreatesNothing) {
   test::expect_error<IoError>([&] { check_output_path(dir, "--save-queries"); },
                               {"--save-queries '" + dir + "': is a directory"});
   test::expect_error<IoError>([&] { check_output_path("", "--out"); }, {"--out: empty path"});
+  // A rename would replace a link or a device node, not the file behind it: refused, by the
+  // check and by the writers themselves.
+  std::filesystem::create_symlink(dir + "/old.json", dir + "/link.json");
+  test::expect_error<IoError>([&] { check_output_path(dir + "/link.json", "--json"); },
+                              {"--json '" + dir + "/link.json': is a symbolic link"});
+  test::expect_error<IoError>([&] { write_file_atomic(dir + "/link.json", "{}"); },
+                              {dir + "/link.json: is a symbolic link"});
+  test::expect_error<IoError>([&] { check_output_path("/dev/null", "--json"); },
+                              {"--json '/dev/null': exists and is not a regular file"});
+  test::expect_error<IoError>([&] { write_file_atomic("/dev/null", "{}"); },
+                              {"/dev/null: exists and is not a regular file"});
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link.json"));
   int entries = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     ++entries;
-    EXPECT_EQ(e.path().filename().string(), "old.json");
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name == "old.json" || name == "link.json") << name;
   }
-  EXPECT_EQ(entries, 1);
+  EXPECT_EQ(entries, 2);
 }
 
 // quantize_keys_i8: int8 keys byte for byte those of QuantizeKeysI8 over the fp32 rows (the
