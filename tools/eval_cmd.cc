@@ -39,7 +39,11 @@ nlohmann::json stats_json(const FidelityStats& s) {
 void run_eval(const EvalArgs& a) {
   if (a.limit < 0) throw InvalidArgument("--limit must be >= 0");
   if (a.settings.top_m < 0) throw InvalidArgument("--top-m must be >= 0");
-  if (!a.json_out.empty()) check_output_path(a.json_out, "--json");
+  if (!a.json_out.empty()) {
+    check_output_path(a.json_out, "--json");
+    check_not_an_input(a.json_out, "--json",
+                       {{"--dict", a.dict}, {"--system-file", a.system_file}, {"--prompts", a.prompts}, {"--model", a.model}});
+  }
   configure_cpu_threads(a.threads);
   const std::string prefix_text = read_text_file(a.system_file, "system");
   std::vector<Trace> traces = read_traces(a.prompts);

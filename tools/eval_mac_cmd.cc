@@ -60,7 +60,12 @@ void run_eval_mac(const EvalMacArgs& a) {
   if (a.prompt_file.empty() == a.prompts.empty()) throw InvalidArgument("give exactly one of --prompt-file and --prompts");
   if (a.limit < 0) throw InvalidArgument("--limit must be >= 0");
   if (a.raw && !a.system_file.empty()) throw InvalidArgument("--system-file does not apply with --raw");
-  if (!a.json_out.empty()) check_output_path(a.json_out, "--json");
+  if (!a.json_out.empty()) {
+    check_output_path(a.json_out, "--json");
+    check_not_an_input(a.json_out, "--json",
+                       {{"--prompt-file", a.prompt_file}, {"--prompts", a.prompts}, {"--system-file", a.system_file},
+                        {"--continuation-file", a.continuation_file}, {"--model", a.model}});
+  }
   configure_cpu_threads(a.threads);
   std::vector<std::string> texts;
   if (!a.prompt_file.empty()) {

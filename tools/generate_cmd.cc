@@ -412,7 +412,12 @@ void add_generate_command(CLI::App& app) {
     }
     if (args->use_mac) ValidateMacConfig(args->mac);
     if (!args->save_queries.empty() && !args->use_mac) throw InvalidArgument("--save-queries applies only with --mac");
-    if (!args->save_queries.empty()) check_output_path(args->save_queries, "--save-queries");
+    if (!args->save_queries.empty()) {
+      check_output_path(args->save_queries, "--save-queries");
+      check_not_an_input(args->save_queries, "--save-queries",
+                         {{"--prompt-file", args->prompt_file}, {"--system-file", args->system_file},
+                          {"--dict", args->dict}, {"--model", args->model}});
+    }
     run_generate(*args);
   });
 }

@@ -40,24 +40,36 @@ CASES = [
      ["--max-new-tokens 9223372036854775807", "context of 8192"]),
     (["generate", "--prompt", "hi", "--max-new-tokens", "100000000"], ["--max-new-tokens 100000000", "context"]),
     (["generate", "--prompt", "hi", "--mac", "--mac-window", "100000000"], ["window = 100000000", "context"]),
+    # An output that is an input would replace it (@FILE: an existing file, checked unchanged).
+    (["compile", "--prefix", "@FILE", "--traces", "@FILE", "--out", "@FILE"], ["--out '@FILE' is the --prefix input"]),
+    (["eval", "--dict", "@FILE", "--system-file", "@FILE", "--prompts", "@FILE", "--json", "@FILE"],
+     ["--json '@FILE' is the --dict input"]),
+    (["generate", "--prompt", "hi", "--mac", "--system-file", "@FILE", "--save-queries", "@FILE"],
+     ["--save-queries '@FILE' is the --system-file input"]),
 ]
 
 
 def main():
     asmem = sys.argv[1]
     failures = []
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as fd:
+        f = os.path.join(fd, "input.txt")
+        with open(f, "w") as out:
+            out.write("an input\n")
         for args, want in CASES:
-            argv = [asmem] + [a.replace("@DIR", d) for a in args]
+            argv = [asmem] + [a.replace("@DIR", d).replace("@FILE", f) for a in args]
             r = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
             lines = error_lines(r.stderr)
             line = lines[-1] if lines else ""
             ok = (r.returncode != 0 and len(lines) == 1 and line.startswith("asmem: error: ") and
-                  all(w.replace("@DIR", d) in line for w in want))
+                  all(w.replace("@DIR", d).replace("@FILE", f) in line for w in want))
             if not ok:
                 failures.append(f"{' '.join(args)}: status {r.returncode}, stderr {r.stderr[-600:]!r}")
             if os.listdir(d):
                 failures.append(f"{' '.join(args)}: left {os.listdir(d)}")
+            with open(f) as inp:
+                if inp.read() != "an input\n" or sorted(os.listdir(fd)) != ["input.txt"]:
+                    failures.append(f"{' '.join(args)}: the input file was changed or a file was left beside it")
         # fp16 on the CPU runs where torch has fp16 CPU matmul; elsewhere it is refused on one
         # line (it was torch's error and backtrace at the first matmul). model
         r = subprocess.run([asmem, "generate", "--prompt", "hi", "--max-new-tokens", "1", "--dtype", "fp16"],

@@ -408,7 +408,14 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
                                                                             int64_t max_response_tokens,
                                                                             int64_t vocab) {
   std::unordered_map<std::string, std::vector<int32_t>> out;
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (st.type() == std::filesystem::file_type::not_found) return out;
+  if (st.type() != std::filesystem::file_type::regular) {
+    throw IoError(path + ": the stored responses of the dictionary to update are not a regular file");
+  }
   std::ifstream in(path);
+  if (!in) throw IoError(path + ": cannot read the stored responses of the dictionary to update");
   std::string line;
   int64_t line_no = 0;
   while (in && std::getline(in, line)) {
@@ -459,6 +466,13 @@ void compile_dictionary(const CompileOptions& opt) {
   }
   if (opt.out_path.empty()) throw InvalidArgument("--out is required");
   check_output_path(opt.out_path, "--out");  // before the model and the traces' generation
+  check_output_path(opt.out_path + ".report.json", "--out's report");
+  check_output_path(opt.out_path + ".responses.jsonl", "--out's stored responses");
+  for (const std::string& o : {opt.out_path, opt.out_path + ".report.json", opt.out_path + ".responses.jsonl"}) {
+    check_not_an_input(o, o == opt.out_path ? "--out" : "--out's sidecar",
+                       {{"--prefix", opt.prefix_path}, {"--prefix-tokens", opt.prefix_tokens_path},
+                        {"--traces", opt.traces_path}, {"--model", opt.model_path}});
+  }
   const DType vdtype = parse_value_dtype(opt.value_dtype);
   if (opt.key_mode != "pre_rope" && opt.key_mode != "rope_unified") {
     throw InvalidArgument("--key-mode must be pre_rope or rope_unified, got '" + opt.key_mode + "'");
@@ -716,8 +730,11 @@ void compile_dictionary(const CompileOptions& opt) {
                      &hcap, /*half_values=*/false, "holdout");
   const int64_t n_generated = int64_t(todo.size() + todo_hold.size());
   timings["generate_s"] = since(t0);
+  // The stored responses (for a later --update): written beside the report once the
+  // dictionary is, so that a compile that fails leaves an existing OUT's files as they were.
+  std::string responses_jsonl;
   {
-    std::string side;
+    std::string& side = responses_jsonl;
     for (const auto& t : tt) {
       if (!t.generated) continue;
       std::vector<int32_t> body(t.response.begin(), t.response.end() - 1);
@@ -728,7 +745,6 @@ void compile_dictionary(const CompileOptions& opt) {
                           {"max_response_tokens", opt.max_response_tokens}};
       side += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     }
-    write_file_atomic(opt.out_path + ".responses.jsonl", side);
   }
 
   // --- collect (traces whose responses were given or reused) -------------------------------
@@ -1008,7 +1024,15 @@ void compile_dictionary(const CompileOptions& opt) {
     }
     std::fprintf(stderr, "\n");
   }
-  write_file_atomic(opt.out_path + ".report.json", rep.dump(2) + "\n");
+  // The dictionary is in place: a sidecar that cannot be written says so.
+  for (const auto& [path, text] : {std::pair<std::string, const std::string*>{opt.out_path + ".responses.jsonl", &responses_jsonl},
+                                   {opt.out_path + ".report.json", nullptr}}) {
+    try {
+      write_file_atomic(path, text ? *text : rep.dump(2) + "\n");
+    } catch (const IoError& e) {
+      throw IoError(std::string(e.what()) + " (the dictionary " + opt.out_path + " was written)");
+    }
+  }
   std::fprintf(stderr, "\ncompile: wrote %s (%lld x %lld sections, K=%lld) in %s: load %.1fs, prefill %.1fs, "
                "generate %.1fs, collect %.1fs, cluster %.1fs, write %.1fs\n",
                opt.out_path.c_str(), (long long)L, (long long)Hkv, (long long)opt.entries,

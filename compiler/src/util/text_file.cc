@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -22,6 +23,17 @@ std::string read_text_file(const std::string& path, const char* what) {
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+void check_not_an_input(const std::string& out, const std::string& what,
+                        const std::vector<std::pair<std::string, std::string>>& inputs) {
+  for (const auto& [flag, in] : inputs) {
+    if (in.empty() || out.empty()) continue;
+    std::error_code ec;
+    if (std::filesystem::equivalent(out, in, ec) && !ec) {
+      throw InvalidArgument(what + " '" + out + "' is the " + flag + " input: writing it would replace it");
+    }
+  }
 }
 
 }  // namespace asmem

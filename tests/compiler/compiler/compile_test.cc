@@ -71,6 +71,15 @@ TEST_F(CompileSmall, BadOutputPathFailsBeforeAnyWork) {
   o.out_path = dir_;
   test::expect_error<IoError>([&] { compile_dictionary(o); }, {"--out", "is a directory"});
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/missing"));
+  // The sidecars too: a compile would write the dictionary and then fail on its report.
+  std::filesystem::create_directory(dir_ + "/d.asmd.report.json");
+  o.out_path = dir_ + "/d.asmd";
+  test::expect_error<IoError>([&] { compile_dictionary(o); },
+                              {"--out's report '" + dir_ + "/d.asmd.report.json': is a directory"});
+  std::filesystem::create_symlink(dir_ + "/prefix.txt", dir_ + "/e.asmd.responses.jsonl");
+  o.out_path = dir_ + "/e.asmd";
+  test::expect_error<IoError>([&] { compile_dictionary(o); },
+                              {"--out's stored responses '" + dir_ + "/e.asmd.responses.jsonl': is a symbolic link"});
 }
 
 TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
@@ -467,6 +476,12 @@ TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
   }
   EXPECT_FALSE(test::file_exists(dir_ + "/new.asmd"));
   EXPECT_FALSE(test::file_exists(dir_ + "/new.asmd.responses.jsonl"));
+  // Stored responses that cannot be read are an error, not "no stored responses".
+  std::filesystem::remove(dir_ + "/old.asmd.responses.jsonl");
+  std::filesystem::create_directory(dir_ + "/old.asmd.responses.jsonl");
+  test::expect_error<IoError>([&] { compile_dictionary(o); },
+                              {dir_ + "/old.asmd.responses.jsonl: the stored responses", "not a regular file"});
+  EXPECT_FALSE(test::file_exists(dir_ + "/new.asmd"));
 }
 
 }  // namespace

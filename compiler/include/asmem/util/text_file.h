@@ -3,11 +3,19 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace asmem {
 
 // The bytes of the file at `path`. Throws IoError "cannot read <what> file '<path>'" when
 // it cannot be opened or is a directory (`what` names its role: "prompt", "system", ...).
 std::string read_text_file(const std::string& path, const char* what);
+
+// Throws InvalidArgument "<what> '<out>' is the <flag> input" when the output path names the
+// same file as one of `inputs` ({flag, path}; empty paths skipped): writing it would replace
+// an input (a prefix, traces, prompts, a dictionary...). Paths that do not exist yet are fine.
+void check_not_an_input(const std::string& out, const std::string& what,
+                        const std::vector<std::pair<std::string, std::string>>& inputs);
 
 }  // namespace asmem
