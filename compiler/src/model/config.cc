@@ -2,8 +2,8 @@
 //
 // validate() checks, in field order, and throws InvalidArgument naming the first failure:
 //   architecture in {llama, qwen2}; n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim,
-//   vocab, max_context > 0; n_heads % n_kv_heads == 0; head_dim even (RoPE rotates
-//   pairs); rope_theta and norm_eps finite and > 0; rope_scaling.type known, with
+//   vocab, max_context > 0; n_layers <= 1024, n_heads <= 4096; n_heads % n_kv_heads == 0;
+//   head_dim even (RoPE rotates pairs); rope_theta and norm_eps finite and > 0; rope_scaling.type known, with
 //   llama3: factor > 0, 0 < low_freq_factor < high_freq_factor, original_max_position > 0;
 //   linear: factor > 0; factors: head_dim / 2 finite positive values.
 // hidden == n_heads * head_dim is not required: some models (e.g. Gemma-style widths)
@@ -19,6 +19,8 @@
 namespace asmem {
 
 namespace {
+
+constexpr int64_t kMaxLayers = 1024, kMaxHeads = 4096;
 
 [[noreturn]] void bad(const std::string& field, const std::string& why) {
   throw InvalidArgument("ModelConfig: " + field + " " + why);
@@ -48,10 +50,14 @@ void ModelConfig::validate() const {
   if (architecture != "llama" && architecture != "qwen2")
     bad("architecture", "'" + architecture + "' is not one of: llama, qwen2");
   require_positive("n_layers", n_layers);
+  // Far past any model of this family (126 layers, 128 heads): a header claiming more is
+  // damaged, and each layer costs names and tables before any tensor is read.
+  if (n_layers > kMaxLayers) bad("n_layers", std::to_string(n_layers) + " is more than " + std::to_string(kMaxLayers));
   require_positive("hidden", hidden);
   require_positive("ffn", ffn);
   require_positive("n_heads", n_heads);
   require_positive("n_kv_heads", n_kv_heads);
+  if (n_heads > kMaxHeads) bad("n_heads", std::to_string(n_heads) + " is more than " + std::to_string(kMaxHeads));
   if (n_heads % n_kv_heads != 0)
     bad("n_kv_heads", std::to_string(n_kv_heads) + " does not divide n_heads " +
                           std::to_string(n_heads));

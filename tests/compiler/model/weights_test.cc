@@ -154,6 +154,8 @@ TEST(ModelConfig, ValidateRejectsEachField) {
   const std::vector<Case> cases = {
       {[](ModelConfig& c) { c.architecture = "gpt2"; }, {"architecture", "'gpt2'"}},
       {[](ModelConfig& c) { c.n_layers = 0; }, {"n_layers", "(got 0)"}},
+      {[](ModelConfig& c) { c.n_layers = 4294967295; }, {"n_layers", "4294967295 is more than 1024"}},
+      {[](ModelConfig& c) { c.n_heads = 9000; }, {"n_heads", "9000 is more than 4096"}},
       {[](ModelConfig& c) { c.hidden = -5; }, {"hidden", "(got -5)"}},
       {[](ModelConfig& c) { c.ffn = 0; }, {"ffn"}},
       {[](ModelConfig& c) { c.n_heads = 0; }, {"n_heads"}},
