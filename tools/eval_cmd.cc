@@ -39,6 +39,12 @@ nlohmann::json stats_json(const FidelityStats& s) {
 void run_eval(const EvalArgs& a) {
   if (a.limit < 0) throw InvalidArgument("--limit must be >= 0");
   if (a.settings.top_m < 0) throw InvalidArgument("--top-m must be >= 0");
+  // Checked before the model and the dictionary load.
+  if (a.settings.max_new_tokens < 1) {
+    throw InvalidArgument("--max-new-tokens must be >= 1, got " + std::to_string(a.settings.max_new_tokens));
+  }
+  if (a.settings.batch < 1) throw InvalidArgument("--batch must be >= 1, got " + std::to_string(a.settings.batch));
+  if (a.settings.chunk < 1) throw InvalidArgument("--chunk must be >= 1, got " + std::to_string(a.settings.chunk));
   if (!a.json_out.empty()) {
     check_output_path(a.json_out, "--json");
     check_not_an_input(a.json_out, "--json",

@@ -59,6 +59,10 @@ nlohmann::json mac_json(const MacConfig& m) {
 void run_eval_mac(const EvalMacArgs& a) {
   if (a.prompt_file.empty() == a.prompts.empty()) throw InvalidArgument("give exactly one of --prompt-file and --prompts");
   if (a.limit < 0) throw InvalidArgument("--limit must be >= 0");
+  if (a.settings.max_new_tokens < 1) {
+    throw InvalidArgument("--max-new-tokens must be >= 1, got " + std::to_string(a.settings.max_new_tokens));
+  }
+  if (a.settings.chunk < 1) throw InvalidArgument("--chunk must be >= 1, got " + std::to_string(a.settings.chunk));
   if (a.raw && !a.system_file.empty()) throw InvalidArgument("--system-file does not apply with --raw");
   if (!a.json_out.empty()) {
     check_output_path(a.json_out, "--json");
@@ -70,6 +74,9 @@ void run_eval_mac(const EvalMacArgs& a) {
   std::vector<std::string> texts;
   if (!a.prompt_file.empty()) {
     texts.push_back(read_text_file(a.prompt_file, "prompt"));
+    if (texts.back().find_first_not_of(" \t\r\n") == std::string::npos) {
+      throw InvalidArgument("prompt file '" + a.prompt_file + "' is empty or blank");
+    }
   } else {
     for (const Trace& t : read_traces(a.prompts)) texts.push_back(t.prompt);
     if (a.limit > 0 && int64_t(texts.size()) > a.limit) texts.resize(size_t(a.limit));

@@ -248,15 +248,27 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
 }
 
 void run_generate(const GenerateArgs& a) {
-  if (a.prompt.empty() == a.prompt_file.empty()) {
+  if (!a.prompt.empty() && !a.prompt_file.empty()) {
     throw InvalidArgument("give exactly one of --prompt and --prompt-file");
+  }
+  if (a.prompt.empty() && a.prompt_file.empty()) {
+    throw InvalidArgument("give a non-empty --prompt TEXT or a --prompt-file FILE");
   }
   if (!a.system.empty() && !a.system_file.empty()) {
     throw InvalidArgument("give at most one of --system and --system-file");
   }
   if (a.max_new_tokens < 0) throw InvalidArgument("--max-new-tokens must be >= 0");
+  // Checked before the model loads and the prompt is prefilled.
+  if (!(a.temperature >= 0.f)) throw InvalidArgument("--temperature must be >= 0, got " + std::to_string(a.temperature));
+  if (!(a.top_p > 0.f && a.top_p <= 1.f)) throw InvalidArgument("--top-p must be in (0, 1], got " + std::to_string(a.top_p));
+  if (a.top_k < 0) throw InvalidArgument("--top-k must be >= 0, got " + std::to_string(a.top_k));
+  if (a.chunk < 1) throw InvalidArgument("--chunk must be >= 1, got " + std::to_string(a.chunk));
   configure_cpu_threads(a.threads);
   const std::string prompt = a.prompt_file.empty() ? a.prompt : read_text_file(a.prompt_file, "prompt");
+  if (prompt.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw InvalidArgument(a.prompt_file.empty() ? std::string("--prompt is blank")
+                                                : "prompt file '" + a.prompt_file + "' is empty or blank");
+  }
   std::string system = a.system_file.empty() ? a.system : read_text_file(a.system_file, "system");
 
   const at::Device device = parse_device(a.device);

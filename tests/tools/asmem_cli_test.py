@@ -40,6 +40,14 @@ CASES = [
      ["--max-new-tokens 9223372036854775807", "context of 8192"]),
     (["generate", "--prompt", "hi", "--max-new-tokens", "100000000"], ["--max-new-tokens 100000000", "context"]),
     (["generate", "--prompt", "hi", "--mac", "--mac-window", "100000000"], ["window = 100000000", "context"]),
+    # Settings refused before the model loads; blank prompts.
+    (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature must be >= 0"]),
+    (["generate", "--prompt", "hi", "--top-p", "2"], ["--top-p must be in (0, 1]"]),
+    (["generate", "--prompt", "hi", "--chunk", "0"], ["--chunk must be >= 1"]),
+    (["generate", "--prompt", " "], ["--prompt is blank"]),
+    (["eval", "--dict", "@DIR/x.asmd", "--system-file", "@DIR/s", "--prompts", "@DIR/p", "--batch", "0"],
+     ["--batch must be >= 1"]),
+    (["eval-mac", "--prompts", "@DIR/p", "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
     # An output that is an input would replace it (@FILE: an existing file, checked unchanged).
     (["compile", "--prefix", "@FILE", "--traces", "@FILE", "--out", "@FILE"], ["--out '@FILE' is the --prefix input"]),
     (["eval", "--dict", "@FILE", "--system-file", "@FILE", "--prompts", "@FILE", "--json", "@FILE"],

@@ -544,12 +544,14 @@ void compile_dictionary(const CompileOptions& opt) {
     }
   } else {
     prefix_text = read_text_file(opt.prefix_path, "prefix");
-    if (prefix_text.empty()) throw InvalidArgument(opt.prefix_path + ": the prefix is empty");
+    if (prefix_text.find_first_not_of(" \t\r\n") == std::string::npos) {
+      throw InvalidArgument(opt.prefix_path + ": the prefix is empty or blank");
+    }
     prefix_ids = layout_prefix_tokens(*tok, layout, prefix_text);
   }
   const int64_t P = int64_t(prefix_ids.size());
   TraceFileStats tstats;
-  std::vector<Trace> traces = read_traces(opt.traces_path, opt.skip_malformed, &tstats);
+  std::vector<Trace> traces = read_traces(opt.traces_path, opt.skip_malformed, &tstats, "--skip-malformed");
   if (tstats.skipped) {
     std::fprintf(stderr, "compile: skipped %lld malformed trace lines (first: %s)\n",
                  (long long)tstats.skipped, tstats.first_skip.c_str());

@@ -32,8 +32,8 @@ std::string parse_line(const std::string& text, Trace* t) {
 
 }  // namespace
 
-std::vector<Trace> read_traces(const std::string& path, bool skip_malformed,
-                               TraceFileStats* stats) {
+std::vector<Trace> read_traces(const std::string& path, bool skip_malformed, TraceFileStats* stats,
+                               const char* skip_flag) {
   const std::string data = read_text_file(path, "traces");
   std::vector<Trace> out;
   TraceFileStats st;
@@ -56,7 +56,9 @@ std::vector<Trace> read_traces(const std::string& path, bool skip_malformed,
     const std::string err = parse_line(line, &t);
     if (!err.empty()) {
       const std::string msg = path + ":" + std::to_string(line_no) + ": " + err;
-      if (!skip_malformed) throw FormatError(msg + " (use --skip-malformed to skip such lines)");
+      if (!skip_malformed) {
+        throw FormatError(skip_flag ? msg + " (use " + skip_flag + " to skip such lines)" : msg);
+      }
       if (st.skipped++ == 0) st.first_skip = msg;
       continue;
     }

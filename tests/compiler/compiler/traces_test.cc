@@ -55,6 +55,9 @@ TEST(Traces, MalformedLineNamesFileAndLine) {
     const std::string e = error_of([&] { read_traces(p); });
     EXPECT_NE(e.find(p + ":2: " + c.want), std::string::npos) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << "one line: " << e;
+    EXPECT_EQ(e.find("skip"), std::string::npos) << "no flag to name: " << e;
+    EXPECT_NE(error_of([&] { read_traces(p, false, nullptr, "--skip-malformed"); }).find("use --skip-malformed"),
+              std::string::npos);
     TraceFileStats st;
     auto t = read_traces(p, /*skip_malformed=*/true, &st);
     EXPECT_EQ(t.size(), 1u);

@@ -25,8 +25,10 @@ struct TraceFileStats {
 // object, missing or non-string "prompt", non-string "response", empty prompt) throws
 // asmem::FormatError "FILE:LINE: ..." unless `skip_malformed`, in which case it is counted
 // and skipped. A file with no usable trace throws FormatError. Missing file or a directory: IoError.
+// `skip_flag`: the caller's flag that sets skip_malformed, named in the error ("use
+// --skip-malformed to skip such lines"); null where the caller has none.
 std::vector<Trace> read_traces(const std::string& path, bool skip_malformed = false,
-                               TraceFileStats* stats = nullptr);
+                               TraceFileStats* stats = nullptr, const char* skip_flag = nullptr);
 
 // Reads prefix token ids: a JSON array of integers, or integers separated by whitespace.
 // Throws FormatError naming the file and the first bad entry; IoError as read_traces.
