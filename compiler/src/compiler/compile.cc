@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -457,7 +458,9 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
 void compile_dictionary(const CompileOptions& opt) {
   const auto t_all = Clock::now();
   nlohmann::json timings = nlohmann::json::object();
-  if (opt.entries <= 0) throw InvalidArgument("--entries must be positive");
+  if (opt.entries <= 0 || opt.entries > (int64_t(1) << 24)) {
+    throw InvalidArgument("--entries must be in [1, 2^24], got " + std::to_string(opt.entries));
+  }
   if (!(opt.holdout >= 0.0 && opt.holdout < 1.0)) throw InvalidArgument("--holdout must be in [0, 1)");
   if (opt.max_response_tokens <= 0) throw InvalidArgument("--max-response-tokens must be positive");
   if (opt.batch <= 0) throw InvalidArgument("--batch must be positive");
@@ -483,8 +486,8 @@ void compile_dictionary(const CompileOptions& opt) {
   if (opt.parents < 0) {
     throw InvalidArgument("--parents must be >= 0 (0: round(sqrt(K))), got " + std::to_string(opt.parents));
   }
-  if (opt.kmeans_iters < 0) {
-    throw InvalidArgument("--kmeans-iters must be >= 0, got " + std::to_string(opt.kmeans_iters));
+  if (opt.kmeans_iters < 0 || opt.kmeans_iters > 100000) {
+    throw InvalidArgument("--kmeans-iters must be in [0, 100000], got " + std::to_string(opt.kmeans_iters));
   }
   if (opt.kmeans_backend != "auto" && opt.kmeans_backend != "cpu" && opt.kmeans_backend != "cuda" &&
       opt.kmeans_backend != "reference") {
@@ -964,7 +967,19 @@ void compile_dictionary(const CompileOptions& opt) {
     for (const auto& [c, why] : chunks_recomputed) rc.push_back({{"chunk", c}, {"reason", why}});
     rep["update_chunks"] = {{"reused", chunks_reused}, {"recomputed", rc}};
   }
+  // Entries the sections hold: K, or fewer where a section's training keys have fewer
+  // distinct rows (or k-means left centroids without a point).
+  int64_t k_min = INT64_MAX, k_max = 0;
+  for (const DictSection& sec : man.sections) {
+    k_min = std::min(k_min, sec.entries);
+    k_max = std::max(k_max, sec.entries);
+  }
   rep["entries"] = opt.entries;
+  rep["section_entries"] = {{"min", k_min}, {"max", k_max}};
+  if (k_max < opt.entries) {
+    std::fprintf(stderr, "compile: warning: --entries %lld, but no section has that many distinct training keys: "
+                 "sections hold %lld to %lld entries\n", (long long)opt.entries, (long long)k_min, (long long)k_max);
+  }
   rep["value_dtype"] = dtype_name(vdtype);
   rep["kmeans_backend"] = kp.backend;
   rep["timings"] = timings;
@@ -1035,9 +1050,12 @@ void compile_dictionary(const CompileOptions& opt) {
       throw IoError(std::string(e.what()) + " (the dictionary " + opt.out_path + " was written)");
     }
   }
-  std::fprintf(stderr, "\ncompile: wrote %s (%lld x %lld sections, K=%lld) in %s: load %.1fs, prefill %.1fs, "
+  const std::string k_text = k_min == opt.entries ? "K=" + std::to_string(opt.entries)
+                                                   : "K=" + std::to_string(opt.entries) + ", " + std::to_string(k_min) +
+                                                         "-" + std::to_string(k_max) + " entries per section";
+  std::fprintf(stderr, "\ncompile: wrote %s (%lld x %lld sections, %s) in %s: load %.1fs, prefill %.1fs, "
                "generate %.1fs, collect %.1fs, cluster %.1fs, write %.1fs\n",
-               opt.out_path.c_str(), (long long)L, (long long)Hkv, (long long)opt.entries,
+               opt.out_path.c_str(), (long long)L, (long long)Hkv, k_text.c_str(),
                format_duration(timings["total_s"].get<double>()).c_str(), timings["load_s"].get<double>(),
                timings["prefill_s"].get<double>(), timings["generate_s"].get<double>(),
                timings["collect_s"].get<double>(), timings["cluster_s"].get<double>(),

@@ -102,6 +102,13 @@ TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
   }
   nlohmann::json rep = nlohmann::json::parse(slurp(a + ".report.json"));
   ASSERT_EQ(rep.at("layers").size(), 30u);
+  int64_t k_min = 8, k_max = 0;
+  for (const DictSection& s : m.sections) {
+    k_min = std::min(k_min, s.entries);
+    k_max = std::max(k_max, s.entries);
+  }
+  EXPECT_EQ(rep.at("section_entries").at("min").get<int64_t>(), k_min);
+  EXPECT_EQ(rep.at("section_entries").at("max").get<int64_t>(), k_max);
   EXPECT_GT(rep.at("holdout_tokens").get<int64_t>(), 0);
   for (const auto& row : rep.at("layers")) {
     // Every layer reports a finite error; the averages are compared below.
@@ -369,7 +376,9 @@ TEST_F(CompileSmall, BadSettingsFailBeforeAnyWork) {
       {[](CompileOptions& o) { o.top_m = 0; }, {"--top-m must be >= 1, got 0"}},
       {[](CompileOptions& o) { o.top_m = -1; }, {"--top-m must be >= 1, got -1"}},
       {[](CompileOptions& o) { o.parents = -1; }, {"--parents must be >= 0", "got -1"}},
-      {[](CompileOptions& o) { o.kmeans_iters = -1; }, {"--kmeans-iters must be >= 0, got -1"}},
+      {[](CompileOptions& o) { o.kmeans_iters = -1; }, {"--kmeans-iters must be in [0, 100000], got -1"}},
+      {[](CompileOptions& o) { o.kmeans_iters = 2000000000; }, {"--kmeans-iters", "got 2000000000"}},
+      {[](CompileOptions& o) { o.entries = 99999999999; }, {"--entries must be in [1, 2^24], got 99999999999"}},
       {[](CompileOptions& o) { o.kmeans_backend = "bogus"; }, {"--kmeans-backend", "'bogus'"}},
       {[](CompileOptions& o) { o.rope_position = -7; }, {"--rope-position", "got -7"}},
       {[](CompileOptions& o) { o.report_entries = {256, 0}; }, {"--report-entries must be positive, got 0"}},
