@@ -62,6 +62,22 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+def write_atomic(path, text):
+    """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: an
+    interrupted or failed write leaves the old file (or none), never a truncated one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def split_then_byte_level(pattern):
     return {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
@@ -300,10 +316,10 @@ def tokenizer_config(tok):
 
 def export(tok, out_dir, added_tokens=True):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_json(tok, added_tokens), f, ensure_ascii=False)
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config(tok), f, ensure_ascii=False, indent=1)
+    write_atomic(os.path.join(out_dir, "tokenizer.json"),
+                 json.dumps(tokenizer_json(tok, added_tokens), ensure_ascii=False))
+    write_atomic(os.path.join(out_dir, "tokenizer_config.json"),
+                 json.dumps(tokenizer_config(tok), ensure_ascii=False, indent=1))
 
 
 def sha256(path):
@@ -343,12 +359,12 @@ def golden(gguf_path, out_dir):
     generator = f"Hugging Face tokenizers {tokenizers.__version__} via " \
                 f"tools/export_tokenizer_json.py"
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "hf_ids.json"), "w", encoding="utf-8") as f:
-        json.dump({"generator": generator, "model_sha256": sha256(gguf_path),
-                   "notes": "Tokenizer.encode(text, add_special_tokens=False) on the "
-                            "tokenizer.json exported from the GGUF; parse_special false "
-                            "uses the export without added_tokens.",
-                   "cases": cases}, f, ensure_ascii=False, indent=1)
+    write_atomic(os.path.join(out_dir, "hf_ids.json"),
+                 json.dumps({"generator": generator, "model_sha256": sha256(gguf_path),
+                             "notes": "Tokenizer.encode(text, add_special_tokens=False) on the "
+                                      "tokenizer.json exported from the GGUF; parse_special false "
+                                      "uses the export without added_tokens.",
+                             "cases": cases}, ensure_ascii=False, indent=1))
 
     pre_cases = []
     for name in ("gpt2", "smollm", "llama3", "qwen2"):
@@ -358,12 +374,12 @@ def golden(gguf_path, out_dir):
             pieces = [text[a:b] for _, (a, b) in pre.pre_tokenize_str(text)]
             assert "".join(pieces) == text, (name, text, pieces)
             pre_cases.append({"pre": name, "text": text, "pieces": pieces})
-    with open(os.path.join(out_dir, "hf_pretokens.json"), "w", encoding="utf-8") as f:
-        json.dump({"generator": generator,
-                   "notes": "pre_tokenize_str pieces; gpt2 = ByteLevel(use_regex), smollm = "
-                            "Sequence[Digits(individual), ByteLevel(use_regex)], llama3 / "
-                            "qwen2 = Split(Regex(pattern), isolated).",
-                   "cases": pre_cases}, f, ensure_ascii=False, indent=1)
+    write_atomic(os.path.join(out_dir, "hf_pretokens.json"),
+                 json.dumps({"generator": generator,
+                             "notes": "pre_tokenize_str pieces; gpt2 = ByteLevel(use_regex), smollm = "
+                                      "Sequence[Digits(individual), ByteLevel(use_regex)], llama3 / "
+                                      "qwen2 = Split(Regex(pattern), isolated).",
+                             "cases": pre_cases}, ensure_ascii=False, indent=1))
     print(f"wrote {len(cases)} id cases and {len(pre_cases)} pre-token cases to {out_dir}")
 
 

@@ -88,6 +88,22 @@ N_GREEDY = 16
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
+def write_atomic(path, text):
+    """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: an
+    interrupted or failed write leaves the old file (or none), never a truncated one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def chatml(messages, add_generation_prompt=True):
     """Format (role, content) pairs with the model's ChatML template."""
     out = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
@@ -353,8 +369,7 @@ def write_tokenizer(llm, out_dir, generator, sha):
     lines.append("  ]")
     lines.append("}")
     path = os.path.join(out_dir, "tokenizer_golden.json")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
     return path, cases
 
 
@@ -414,8 +429,7 @@ def write_logits(llm, out_dir, generator, sha):
     lines.append("  ]")
     lines.append("}")
     path = os.path.join(out_dir, "logits_golden.json")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
     return path, prompts
 
 
