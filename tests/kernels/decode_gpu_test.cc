@@ -10,13 +10,16 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "asmem/cuda_check.cuh"
 #include "asmem/decode.h"
 #include "asmem/error.h"
+#include "asmem/merge.h"
 #include "kernels/decode_test_util.h"
+#include "gpu_test_util.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -46,14 +49,6 @@ class CountsReporter : public ::testing::Environment {
   }
 };
 const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
-
-bool HaveCuda() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define ASMEM_SKIP_WITHOUT_GPU() \
-  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device"
 
 struct DeviceBuffer {
   void* p = nullptr;
@@ -1077,6 +1072,63 @@ TEST(DecodeGpu, RejectsBadWorkspaceAndUnsupportedConfigs) {
   bad.head_dim = 96;
   EXPECT_THROW(DecodeAttention(bad, dev.params, dev.workspace.p, dev.workspace.n, nullptr),
                UnsupportedError);
+}
+
+// MergeStatesCuda (the CUDA forward's prefix + own merge) equals MergeStatesCpu row by row:
+// shapes with odd dims and row counts, lse of +-inf and large magnitudes, outputs in place.
+TEST(MergeGpu, EqualsTheCpuMerge) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::mt19937_64 rng(test::test_seed(31));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int64_t compared = 0;
+  for (int64_t n : {0, 1, 37, 613}) {
+    for (int64_t dim : {1, 3, 64, 128}) {
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE("n " + std::to_string(n) + " dim " + std::to_string(dim) + (in_place ? " in place" : ""));
+        std::vector<float> o1(static_cast<size_t>(n * dim)), o2(o1.size()), la(static_cast<size_t>(n)), lb(la.size());
+        for (float& x : o1) x = nd(rng);
+        for (float& x : o2) x = nd(rng);
+        for (int64_t r = 0; r < n; ++r) {
+          const float specials[] = {-inf, inf, 80.f, -80.f};
+          la[size_t(r)] = r % 7 == 1 ? specials[(r / 7) % 4] : 3.f * nd(rng);
+          lb[size_t(r)] = r % 11 == 2 ? specials[(r / 11) % 4] : 3.f * nd(rng);
+        }
+        if (n > 5) la[5] = lb[5] = -inf;  // both empty
+        std::vector<float> want_o(o1.size()), want_l(la.size());
+        MergeStatesCpu(o1.data(), la.data(), o2.data(), lb.data(), want_o.data(), want_l.data(), n, dim);
+        DeviceBuffer d_o1(o1.data(), o1.size() * 4), d_o2(o2.data(), o2.size() * 4);
+        DeviceBuffer d_l1(la.data(), la.size() * 4), d_l2(lb.data(), lb.size() * 4);
+        DeviceBuffer d_out(o1.size() * 4), d_lse(la.size() * 4);
+        float* out_o = in_place ? static_cast<float*>(d_o1.p) : static_cast<float*>(d_out.p);
+        float* out_l = in_place ? static_cast<float*>(d_l1.p) : static_cast<float*>(d_lse.p);
+        MergeStatesCuda(static_cast<float*>(d_o1.p), static_cast<float*>(d_l1.p), static_cast<float*>(d_o2.p),
+                        static_cast<float*>(d_l2.p), out_o, out_l, n, dim, nullptr);
+        ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> got_o(o1.size()), got_l(la.size());
+        if (n > 0) {
+          ASMEM_CUDA_CHECK(cudaMemcpy(got_o.data(), out_o, got_o.size() * 4, cudaMemcpyDeviceToHost));
+          ASMEM_CUDA_CHECK(cudaMemcpy(got_l.data(), out_l, got_l.size() * 4, cudaMemcpyDeviceToHost));
+        }
+        for (size_t i = 0; i < got_o.size(); ++i) {
+          ASSERT_FALSE(std::isnan(got_o[i]) != std::isnan(want_o[i])) << "o[" << i << "]";
+          if (!std::isnan(want_o[i])) {
+            ASSERT_NEAR(got_o[i], want_o[i], 1e-6f * (1.f + std::fabs(want_o[i]))) << "o[" << i << "]";
+          }
+        }
+        for (size_t r = 0; r < got_l.size(); ++r) {
+          // Equal, also for infinities; a finite lse to the last bits of its sum.
+          if (std::isinf(want_l[r])) {
+            ASSERT_EQ(got_l[r], want_l[r]) << "lse[" << r << "]";
+          } else {
+            ASSERT_NEAR(got_l[r], want_l[r], 1e-6f * (1.f + std::fabs(want_l[r]))) << "lse[" << r << "]";
+          }
+        }
+        compared += n;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 2 * 4 * (1 + 37 + 613));
 }
 
 }  // namespace

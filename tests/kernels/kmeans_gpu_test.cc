@@ -21,6 +21,7 @@
 #include "asmem/kmeans.h"
 #include "compiler/compiler/kmeans_test_data.h"
 #include "../compiler/src/compiler/kmeans_backends.h"  // KMeansReference
+#include "gpu_test_util.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -63,7 +64,8 @@ class Dev {
 class KMeansGpu : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!KMeansCudaAvailable()) GTEST_SKIP() << "no CUDA device";
+    ASMEM_SKIP_WITHOUT_GPU();
+    ASSERT_TRUE(KMeansCudaAvailable()) << "a CUDA device is usable, but the CUDA k-means says none is";
   }
 };
 

@@ -55,10 +55,28 @@ TEST(LookupHierarchicalCpu, AllParentsEqualsLinear) {
         const int32_t lin = LookupLinearCpu(keys.data(), K, D, q.data());
         EXPECT_EQ(LookupHierarchicalCpu(parents.data(), C1, off.data(), keys.data(), K, D, q.data(), C1), lin)
             << "K=" << K << " D=" << D;
-        // Probing fewer parents returns a leaf of a probed parent, never better than linear.
+        // One parent probed: the best leaf (ties low) of the best-scoring parent, when that
+        // parent has leaves; never better than linear.
         const int32_t h1 = LookupHierarchicalCpu(parents.data(), C1, off.data(), keys.data(), K, D, q.data(), 1);
         ASSERT_GE(h1, 0);
         ASSERT_LT(h1, K);
+        auto dot = [&](const float* row) {
+          double s = 0;
+          for (int64_t j = 0; j < D; ++j) s += double(row[j]) * q[size_t(j)];
+          return s;
+        };
+        int64_t best_p = 0;
+        for (int64_t p = 1; p < C1; ++p) {
+          if (dot(&parents[size_t(p * D)]) > dot(&parents[size_t(best_p * D)])) best_p = p;
+        }
+        if (off[best_p + 1] > off[best_p]) {
+          int64_t best_leaf = off[best_p];
+          for (int64_t k = off[best_p] + 1; k < off[best_p + 1]; ++k) {
+            if (dot(&keys[size_t(k * D)]) > dot(&keys[size_t(best_leaf * D)])) best_leaf = k;
+          }
+          EXPECT_EQ(h1, best_leaf) << "K=" << K << " D=" << D << " parent " << best_p;
+        }
+        EXPECT_LE(dot(&keys[size_t(h1) * size_t(D)]), dot(&keys[size_t(lin) * size_t(D)]));
       }
     }
   }

@@ -8,8 +8,11 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "asmem/reuse.h"
 #include "kernels/reuse_test_util.h"
 #include "reuse_common.h"  // kSpecMaxHeads (kernels/src)
+#include "gpu_test_util.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -51,14 +55,6 @@ class CountsReporter : public ::testing::Environment {
   }
 };
 const auto* const g_reporter = ::testing::AddGlobalTestEnvironment(new CountsReporter);
-
-bool HaveCuda() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define ASMEM_SKIP_WITHOUT_GPU() \
-  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device"
 
 struct DeviceBuffer {
   void* p = nullptr;
@@ -615,6 +611,59 @@ TEST(MacGpu, StagedCombineRows) {
   c.T0 = {14000};
   st = RunOnGpu(c, seed + 1);
   EXPECT_GT(st.groups_all_miss + st.groups_mixed, 0);
+}
+
+// MacUpdateSlots (the device launcher engines call between steps) equals MacUpdateSlotsCpu:
+// random updates of distinct slot sets, eager and replayed from a captured graph.
+TEST(MacGpu, UpdateSlotsEqualsTheCpu) {
+  ASMEM_SKIP_WITHOUT_GPU();
+  constexpr int32_t kSlots = 300;
+  std::mt19937_64 rng(test::test_seed(41));
+  std::vector<MacSlot> host(kSlots);
+  for (int32_t i = 0; i < kSlots; ++i) host[size_t(i)] = MacSlot{int32_t(rng() % 1000), int32_t(rng() % 2)};
+  cudaStream_t stream = nullptr;
+  ASMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer d_slots(kSlots * sizeof(MacSlot)), d_ids(kSlots * sizeof(int32_t));
+  d_slots.Put(host.data(), kSlots * sizeof(MacSlot), stream);
+  std::vector<int32_t> perm(kSlots);
+  std::iota(perm.begin(), perm.end(), 0);
+  auto expect_equal = [&](const char* what) {
+    std::vector<MacSlot> got(kSlots);
+    d_slots.Get(got.data(), kSlots * sizeof(MacSlot), stream);
+    for (int32_t i = 0; i < kSlots; ++i) {
+      ASSERT_EQ(got[size_t(i)].epoch, host[size_t(i)].epoch) << what << ", slot " << i;
+      ASSERT_EQ(got[size_t(i)].ready, host[size_t(i)].ready) << what << ", slot " << i;
+    }
+  };
+  for (int round = 0; round < 20; ++round) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const int32_t n = int32_t(rng() % (kSlots + 1));  // 0..all slots
+    const bool new_epoch = rng() % 2 == 0;
+    const int32_t ready = int32_t(rng() % 2);
+    d_ids.Put(perm.data(), size_t(n) * sizeof(int32_t), stream);
+    MacUpdateSlots(static_cast<MacSlot*>(d_slots.p), static_cast<const int32_t*>(d_ids.p), n, new_epoch, ready,
+                   stream);
+    MacUpdateSlotsCpu(host.data(), kSlots, perm.data(), n, new_epoch, ready);
+    expect_equal("eager update");
+  }
+  // Captured once, replayed twice: every replay bumps the epochs again.
+  const int32_t n = 77;
+  d_ids.Put(perm.data(), size_t(n) * sizeof(int32_t), stream);
+  ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  MacUpdateSlots(static_cast<MacSlot*>(d_slots.p), static_cast<const int32_t*>(d_ids.p), n, true, 1, stream);
+  ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASMEM_CUDA_CHECK(cudaGraphInstantiateWithFlags(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    ASMEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MacUpdateSlotsCpu(host.data(), kSlots, perm.data(), n, true, 1);
+    expect_equal("graph replay");
+  }
+  ASMEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  ASMEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

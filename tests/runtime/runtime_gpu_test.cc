@@ -24,6 +24,7 @@
 #include "asmem/error.h"
 #include "asmem/runtime.h"
 #include "runtime/runtime_test_util.h"
+#include "gpu_test_util.h"
 #include "test_util.h"
 
 namespace asmem {
@@ -34,18 +35,6 @@ using test::HostStep;
 using test::MakeStep;
 using test::StepOutputs;
 using test::SynthSpec;
-
-bool HaveCuda() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-#define ASMEM_SKIP_WITHOUT_GPU() \
-  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device"
 
 struct DeviceBuffer {
   void* p = nullptr;
@@ -142,7 +131,7 @@ void ExpectClose(const StepOutputs& got, const StepOutputs& want, const HostStep
 class RuntimeGpu : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+    ASMEM_SKIP_WITHOUT_GPU();
     dir_ = test::temp_dir("runtime_gpu");
     seed_ = test::test_seed(41);
   }

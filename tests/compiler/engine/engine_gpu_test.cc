@@ -14,6 +14,7 @@
 #include "asmem/dictionary.h"
 #include "asmem/engine/dictionary_prefix.h"
 #include "asmem/model/weights.h"
+#include "gpu_test_util.h"
 #include "model_test_util.h"
 
 namespace asmem {
@@ -55,7 +56,7 @@ double entry_score(const DictSection& s, const std::vector<double>& x, int64_t i
 }
 
 TEST_P(EngineGpu, CudaLookupsMatchTheCpuReference) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device, or torch without CUDA";
+  ASMEM_SKIP_WITHOUT_GPU_OR(at::hasCUDA() ? std::string() : std::string("torch without CUDA"));
   ASMEM_REQUIRE_MODEL();
   const Variant v = GetParam();
   const uint64_t seed = test::test_seed(17);

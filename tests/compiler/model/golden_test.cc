@@ -149,27 +149,33 @@ TEST_F(GoldenLogits, TopTokensAndLogitsMatchLlamaCpp) {
 TEST_F(GoldenLogits, GreedyContinuationMatchesLlamaCpp) {
   ASMEM_REQUIRE_MODEL();
   ASSERT_NE(model_, nullptr);
+  int64_t total = 0, total_steps = 0;
   for (const auto& g : load_golden()) {
     SCOPED_TRACE("prompt " + g.name);
     const int64_t T = int64_t(g.ids.size()), N = int64_t(g.greedy.size());
     KVCache cache = model_->new_cache(1, T + N);
     at::Tensor toks = at::tensor(g.ids, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
     at::Tensor last = model_->prefill(toks, cache, 64);
-    // Compare up to the first step where llama.cpp itself had a near-tie.
+    // Teacher-forced on llama.cpp's tokens: every step where llama.cpp's top two logits are
+    // more than kTieGap apart must pick its token; near-ties are fed through uncompared.
     int64_t n_cmp = 0;
-    while (n_cmp < N && g.greedy_margins[n_cmp] > kTieGap) ++n_cmp;
-    std::vector<int64_t> got;
-    for (int64_t i = 0; i < n_cmp; ++i) {
-      const int64_t next = last[0].argmax().item<int64_t>();
-      got.push_back(next);
+    for (int64_t i = 0; i < N; ++i) {
+      if (g.greedy_margins[i] > kTieGap) {
+        EXPECT_EQ(last[0].argmax().item<int64_t>(), g.greedy[i]) << "step " << i;
+        ++n_cmp;
+      }
+      if (i + 1 == N) break;
       ForwardOptions fo;
       fo.last_logits_only = true;
-      last = model_->forward(at::full({1, 1}, next, at::kLong), cache, fo).select(1, 0);
+      last = model_->forward(at::full({1, 1}, int64_t(g.greedy[i]), at::kLong), cache, fo).select(1, 0);
     }
-    EXPECT_EQ(got, std::vector<int64_t>(g.greedy.begin(), g.greedy.begin() + n_cmp));
-    std::printf("greedy %s: %lld of %lld tokens compared\n", g.name.c_str(), (long long)n_cmp,
-                (long long)N);
+    total += n_cmp;
+    total_steps += N;
+    std::printf("greedy %s: %lld of %lld tokens compared\n", g.name.c_str(), (long long)n_cmp, (long long)N);
   }
+  // At least half the steps are clear (77 of 112 in the committed golden file): a floor, so
+  // that a golden file of near-ties cannot pass with little compared.
+  EXPECT_GE(total * 2, total_steps) << total << " of " << total_steps << " steps compared";
 }
 
 }  // namespace
