@@ -389,7 +389,7 @@ void check_manifest(const DictionaryManifest& m) {
   const uint64_t chunks =
       p.chunk_tokens == 0
           ? 0
-          : static_cast<uint64_t>((p.n_tokens + p.chunk_tokens - 1) / p.chunk_tokens);
+          : static_cast<uint64_t>(p.n_tokens / p.chunk_tokens + (p.n_tokens % p.chunk_tokens != 0));
   if (p.chunk_hashes.size() != chunks) {
     bad("prefix.chunk_hashes has " + std::to_string(p.chunk_hashes.size()) + " entries, expected " +
         std::to_string(chunks) + " (n_tokens " + std::to_string(p.n_tokens) + ", chunk_tokens " +
@@ -918,7 +918,7 @@ void DictionaryFile::check_model(const ModelFingerprint& model) const {
 void write_file_atomic(const std::string& path, const std::string& content) {
   TempFile out(path);
   out.write(content.data(), content.size());
-  out.commit();
+  remove_stale_temps(path, out.commit());
 }
 
 void check_output_path(const std::string& path, const std::string& what) {

@@ -1272,7 +1272,17 @@ TEST(WriteFileAtomic, ReplacesTheFileAndLeavesNoTemp) {
   const std::string dir = test::temp_dir("atomic");
   const std::string p = dir + "/report.json";
   write_file_atomic(p, "old");
+  // A temp file of a writer that died (a reaped child's pid, an hour old) goes with the
+  // next write.
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  const std::string stale = p + ".tmp." + std::to_string(dead);
+  std::ofstream(stale) << "partial";
+  struct timespec times[2] = {{0, UTIME_OMIT}, {::time(nullptr) - 3600, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, stale.c_str(), times, 0), 0);
   write_file_atomic(p, "new content");
+  EXPECT_FALSE(std::filesystem::exists(stale));
   std::ifstream in(p);
   std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(got, "new content");

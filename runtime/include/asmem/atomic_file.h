@@ -8,12 +8,14 @@
 namespace asmem {
 
 // Writes `content` to `path` atomically. Throws asmem::IoError naming the path and the
-// failing step; the temp file is removed on failure.
+// failing step; the temp file is removed on failure, and temp files of `path` left by
+// writers that died are removed after a success. An existing `path` that is not a regular
+// file (a directory, symbolic link, device...) is refused: a rename would replace it.
 void write_file_atomic(const std::string& path, const std::string& content);
 
 // Checks that `path` can be written the way write_file_atomic and write_dictionary write
-// it: its directory exists, is a directory and can be written, and `path` is not a
-// directory. Commands call it before long work, so that a bad output path fails at once
+// it: its directory exists, is a directory and can be written, and `path` is absent or a
+// regular file. Commands call it before long work, so that a bad output path fails at once
 // instead of after that work. Throws asmem::IoError "<what> '<path>': <problem>"; creates
 // nothing.
 void check_output_path(const std::string& path, const std::string& what);
