@@ -51,6 +51,8 @@ import os
 import sys
 import tempfile
 
+from atomic_write import write_atomic
+
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 
@@ -60,22 +62,6 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def write_atomic(path, text):
-    """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: an
-    interrupted or failed write leaves the old file (or none), never a truncated one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def split_then_byte_level(pattern):

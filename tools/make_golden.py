@@ -76,6 +76,8 @@ import time
 import numpy as np
 import llama_cpp
 
+from atomic_write import write_atomic
+
 EXPECTED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_MODEL = "/root/.cache/asmem/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 2048
@@ -86,22 +88,6 @@ TOP_K = 20
 N_GREEDY = 16
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def write_atomic(path, text):
-    """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: an
-    interrupted or failed write leaves the old file (or none), never a truncated one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def chatml(messages, add_generation_prompt=True):
