@@ -7,9 +7,11 @@
 //
 //   create_runtime(str device, int num_layers, int num_q_heads, int num_kv_heads,
 //                  int head_dim, int max_dicts=8) -> ()
-//       A runtime with that model shape; a no-op when one with the same shape exists.
+//       A runtime with that model shape; a no-op when one with the same shape and max_dicts
+//       exists (another shape or max_dicts is an error).
 //   release_runtime(str device) -> ()
-//       Drops the device's runtime and its dictionaries (after the current stream's work).
+//       Drops the device's runtime and its dictionaries, after the device's work (a device
+//       synchronize); destroy CUDA graphs that captured decode on it first.
 //   load_dictionary(str path, str device="cpu", int slot=-1, int top_m=0,
 //                   bool verify_data=True, bool int8_keys=False) -> int
 //       Loads into `slot` (-1: the lowest free one; an occupied slot is an error: use
@@ -28,8 +30,13 @@
 //          -> (Tensor o, Tensor lse)
 //       q, q_pre [B, Hq, d] bf16/f16 (CPU also f32), last dim contiguous; k_cache, v_cache
 //       [num_pages, Hkv, page_size, d] ("HND") or [num_pages, page_size, Hkv, d] ("NHD"),
-//       same dtype, shape and strides; block_table [B, max_pages] int32 (rows contiguous);
-//       seq_lens [B] int32 (non-prefix tokens); dict_ids [B] int32 slot or -1, or None.
+//       same dtype, shape and strides; no dimension of more than one element broadcast
+//       (stride 0); block_table [B, max_pages] int32 (rows contiguous); seq_lens [B] int32
+//       (non-prefix tokens, at most max_pages * page_size); dict_ids [B] int32 slot or -1,
+//       or None. On the CPU the op also checks every request's length against max_pages and
+//       its page ids against num_pages before it writes anything; on CUDA those values are
+//       on the device and unchecked (out-of-range ids read outside the cache). sm_scale 0:
+//       1/sqrt(d) (negative: an error).
 //       o [B, Hq, d] in q's dtype; lse [B, Hq] f32. max_seq_len <= 0: max_pages * page_size
 //       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
 //       caching allocator). lookup_keys [B, Hkv, W] in q's dtype, contiguous in its last two
@@ -45,6 +52,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -87,7 +95,10 @@ Device ParseDevice(const std::string& op, const std::string& name) {
   } catch (const std::exception&) {
     Fail(op, "device '" + name + "' is not a device name (cpu, cuda, cuda:N)");
   }
-  if (dev.is_cpu()) return Device::Cpu();
+  if (dev.is_cpu()) {
+    if (dev.has_index()) Fail(op, "device '" + name + "': the CPU has no index (use \"cpu\")");
+    return Device::Cpu();
+  }
   if (!dev.is_cuda()) Fail(op, "device '" + name + "' is not supported (cpu or cuda)");
 #ifdef ASMEM_TORCH_CUDA
   return Device::Cuda(dev.has_index() ? dev.index() : c10::cuda::current_device());
@@ -115,6 +126,9 @@ cudaStream_t CurrentStream(const Device& d) {
 struct Registry {
   std::mutex mu;
   std::map<std::string, std::shared_ptr<DecodeRuntime>> runtimes;
+  // Held by load / replace / unload from their slot check to their switch (the slow
+  // prepare runs outside it), so that two loads into one slot cannot both pass the check.
+  std::mutex switch_mu;
 };
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: ops may run during exit
@@ -144,11 +158,12 @@ std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, in
   auto it = r.runtimes.find(d.str());
   if (it != r.runtimes.end()) {
     const RuntimeOptions& o = it->second->options();
-    if (o.num_layers != L || o.num_q_heads != Hq || o.num_kv_heads != Hkv || o.head_dim != dim) {
+    if (o.num_layers != L || o.num_q_heads != Hq || o.num_kv_heads != Hkv || o.head_dim != dim ||
+        (max_dicts > 0 && o.max_dicts != max_dicts)) {
       Fail(op, "a runtime with another shape exists on " + d.str() +
                    " (L=" + std::to_string(o.num_layers) + " Hq=" + std::to_string(o.num_q_heads) +
                    " Hkv=" + std::to_string(o.num_kv_heads) + " d=" + std::to_string(o.head_dim) +
-                   "): release_runtime first");
+                   " max_dicts=" + std::to_string(o.max_dicts) + "): release_runtime first");
     }
     return it->second;
   }
@@ -169,9 +184,13 @@ std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, in
   return rt;
 }
 
-int32_t Slot(const std::string& op, int64_t slot) {
-  if (slot < -1 || slot > (int64_t(1) << 20))
-    Fail(op, "slot " + std::to_string(slot) + " is out of range");
+// A slot of `rt` (or -1 where `any_ok`: the lowest free one).
+int32_t Slot(const std::string& op, int64_t slot, const DecodeRuntime& rt, bool any_ok = false) {
+  const int64_t n = rt.options().max_dicts;
+  if (slot < (any_ok ? -1 : 0) || slot >= n) {
+    Fail(op, "slot " + std::to_string(slot) + " is outside [" + (any_ok ? "-1" : "0") + ", " + std::to_string(n) +
+                 ")" + (any_ok ? " (-1: the lowest free slot)" : ""));
+  }
   return int32_t(slot);
 }
 
@@ -198,14 +217,19 @@ void release_runtime(std::string device) {
     r.runtimes.erase(it);
   }
 #ifdef ASMEM_TORCH_CUDA
-  if (d.type == DeviceType::kCuda) c10::cuda::getCurrentCUDAStream(d.index).synchronize();
+  // Steps may be queued on any stream (or in graphs replayed on one): wait for the device.
+  if (d.type == DeviceType::kCuda) {
+    const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(d.index)));
+    c10::cuda::device_synchronize();
+  }
 #endif
   rt.reset();
 }
 
-LoadOptions MakeLoad(int64_t top_m, bool verify_data, bool int8_keys) {
+LoadOptions MakeLoad(const std::string& op, int64_t top_m, bool verify_data, bool int8_keys) {
+  if (top_m < 0) Fail(op, "top_m " + std::to_string(top_m) + " is negative (0: the file's)");
   LoadOptions lo;
-  lo.top_m = int32_t(std::max<int64_t>(0, std::min<int64_t>(top_m, 1 << 30)));
+  lo.top_m = int32_t(std::min<int64_t>(top_m, 1 << 30));
   lo.verify_data = verify_data;
   lo.int8_keys = int8_keys;
   return lo;
@@ -221,11 +245,14 @@ int64_t load_dictionary(std::string path, std::string device, int64_t slot, int6
     const ModelFingerprint m = DictionaryFile::open(path, /*verify_data=*/false)->manifest().model;
     rt = Create(op, d, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, 8);
   }
-  const int32_t s = Slot(op, slot);
-  if (s >= 0 && rt->info(s)) {
-    Fail(op, path + ": slot " + std::to_string(s) + " is occupied (use replace_dictionary)");
-  }
-  PreparedDictionary p = rt->prepare(path, MakeLoad(top_m, verify_data, int8_keys));
+  const int32_t s = Slot(op, slot, *rt, /*any_ok=*/true);
+  auto occupied = [&] {
+    if (s >= 0 && rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is occupied (use replace_dictionary)");
+  };
+  occupied();  // before the slow prepare
+  PreparedDictionary p = rt->prepare(path, MakeLoad(op, top_m, verify_data, int8_keys));
+  std::lock_guard<std::mutex> lock(registry().switch_mu);
+  occupied();  // and again where no other op can fill it before the publish
   return rt->publish(p, s, CurrentStream(d));
 }
 
@@ -233,20 +260,28 @@ void replace_dictionary(int64_t slot, std::string path, std::string device, int6
                         bool verify_data, bool int8_keys) {
   const std::string op = "replace_dictionary";
   const Device d = ParseDevice(op, device);
-  Require(op, d)->replace(Slot(op, slot), path, MakeLoad(top_m, verify_data, int8_keys),
-                          CurrentStream(d));
+  const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
+  const int32_t s = Slot(op, slot, *rt);
+  PreparedDictionary p = rt->prepare(path, MakeLoad(op, top_m, verify_data, int8_keys));
+  std::lock_guard<std::mutex> lock(registry().switch_mu);
+  if (!rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is empty (use load_dictionary)");
+  rt->publish(p, s, CurrentStream(d));
 }
 
 void unload_dictionary(int64_t slot, std::string device) {
   const std::string op = "unload_dictionary";
   const Device d = ParseDevice(op, device);
-  Require(op, d)->unload(Slot(op, slot), CurrentStream(d));
+  const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
+  const int32_t s = Slot(op, slot, *rt);
+  std::lock_guard<std::mutex> lock(registry().switch_mu);
+  rt->unload(s, CurrentStream(d));
 }
 
 std::string dictionary_info(int64_t slot, std::string device) {
   const std::string op = "dictionary_info";
   const Device d = ParseDevice(op, device);
-  const std::optional<DictionaryInfo> info = Require(op, d)->info(Slot(op, slot));
+  const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
+  const std::optional<DictionaryInfo> info = rt->info(Slot(op, slot, *rt));
   if (!info) return "";
   nlohmann::json j;
   j["slot"] = info->slot;
@@ -301,6 +336,17 @@ void CheckLike(const std::string& op, const at::Tensor& t, const char* name, con
   }
 }
 
+// No dimension of more than one element broadcast (stride 0): the runtime reads every row
+// at its own address, and a stride of 0 means "the default layout" to it.
+void CheckNotBroadcast(const std::string& op, const at::Tensor& t, const char* name) {
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (t.size(i) > 1 && t.stride(i) == 0) {
+      Fail(op, std::string(name) + " must not be broadcast (stride 0 in dim " + std::to_string(i) + " of " +
+                   ShapeText(t) + "): pass a materialized tensor");
+    }
+  }
+}
+
 void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, int64_t dims) {
   if (t.scalar_type() != at::kInt) {
     Fail(op,
@@ -333,6 +379,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   const int64_t B = q.size(0);
   if (B < 1 || B > (int64_t(1) << 30)) Fail(op, "batch " + std::to_string(B) + " is out of range");
   if (q.stride(2) != 1) Fail(op, "q must be contiguous in its last dim");
+  CheckNotBroadcast(op, q, "q");
   const KernelDType dtype = KernelType(op, q, "q");
   if (dev.type == DeviceType::kCuda && dtype == KernelDType::kF32) {
     Fail(op, "q has dtype float32: CUDA decode takes bf16 or f16");
@@ -345,6 +392,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
       Fail(op, "q_pre must have q's shape " + ShapeText(q) + ", got " + ShapeText(*q_pre));
     }
     if (q_pre->stride(2) != 1) Fail(op, "q_pre must be contiguous in its last dim");
+    CheckNotBroadcast(op, *q_pre, "q_pre");
   }
   // KV cache
   if (kv_layout != "HND" && kv_layout != "NHD")
@@ -356,6 +404,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     if (t->scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
     if (t->dim() != 4) Fail(op, std::string(name) + " must have 4 dims, got " + ShapeText(*t));
     if (t->stride(3) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
+    CheckNotBroadcast(op, *t, name);
   }
   if (k_cache.sizes() != v_cache.sizes() || k_cache.strides() != v_cache.strides()) {
     Fail(op, "k_cache and v_cache must have the same shape and strides");
@@ -379,6 +428,35 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   }
   if (seq_lens.size(0) != B)
     Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
+  if (block_table.stride(0) < block_table.size(1)) {
+    Fail(op, "block_table rows must not overlap (stride " + std::to_string(block_table.stride(0)) + " for " +
+                 std::to_string(block_table.size(1)) + " columns)");
+  }
+  if (dev.type == DeviceType::kCpu) {
+    // The values are on the host: every request's length fits its row of the table (the
+    // columns of this view, not the row stride) and its pages lie in the cache.
+    const int64_t cols = block_table.size(1), num_pages = k_cache.size(0);
+    const int32_t* bt = block_table.data_ptr<int32_t>();
+    const int32_t* sl = seq_lens.data_ptr<int32_t>();
+    const int64_t bs = block_table.stride(0), ss = seq_lens.stride(0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t T = sl[b * ss];
+      if (T < 0) Fail(op, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T) + " is negative");
+      const int64_t pages = (T + page_size - 1) / page_size;
+      if (pages > cols) {
+        Fail(op, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T) + " needs " + std::to_string(pages) +
+                     " pages of " + std::to_string(page_size) + " tokens, block_table has " + std::to_string(cols) +
+                     " columns");
+      }
+      for (int64_t j = 0; j < pages; ++j) {
+        const int64_t page = bt[b * bs + j];
+        if (page < 0 || page >= num_pages) {
+          Fail(op, "block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(page) +
+                       " is not a page of the cache (num_pages " + std::to_string(num_pages) + ")");
+        }
+      }
+    }
+  }
   if (dict_ids) {
     CheckLike(op, *dict_ids, "dict_ids", q, "q");
     CheckInt32(op, *dict_ids, "dict_ids", 1);
@@ -397,7 +475,17 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
         lookup_keys->stride(0) < Hkv * lookup_keys->size(2)) {
       Fail(op, "lookup_keys must be contiguous in its last two dims (rows of W values, no broadcast)");
     }
+    if (lookup_keys->size(2) % 8 != 0) {
+      Fail(op, "lookup_keys' width W = " + std::to_string(lookup_keys->size(2)) + " must be a multiple of 8");
+    }
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
+  }
+  if (q.stride(1) % 8 != 0 || (B > 1 && q.stride(0) % 8 != 0)) {
+    Fail(op, "q's strides " + std::to_string(q.stride(0)) + ", " + std::to_string(q.stride(1)) +
+                 " must be multiples of 8 elements (16-byte aligned rows)");
+  }
+  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
+    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
   }
   if (layer < 0 || layer >= ro.num_layers) {
     Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +

@@ -334,6 +334,54 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
              at::zeros({2, 2, 24}, x.q.options()));
       },
       {"asmem.decode: lookup_keys given without dict_ids"});
+  // Broadcast tensors (stride 0) read rows that are not theirs: refused.
+  expect_error<InvalidArgument>(
+      [&] {
+        call(x.q.narrow(0, 0, 1).expand({2, s.Hq, s.d}), x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0);
+      },
+      {"asmem.decode: q must not be broadcast (stride 0 in dim 0"});
+  expect_error<InvalidArgument>(
+      [&] {
+        const at::Tensor k1 = x.k.narrow(0, 0, 1).expand(x.k.sizes());
+        call(x.q, x.q_pre, k1, x.v.narrow(0, 0, 1).expand(x.v.sizes()), x.block_table, x.seq_lens, x.dict_ids, 0);
+      },
+      {"asmem.decode: k_cache must not be broadcast (stride 0 in dim 0"});
+  // On the CPU the lengths and pages are checked against the table's columns and the cache.
+  {
+    at::Tensor sl = x.seq_lens.clone();
+    sl[1] = int32_t(x.block_table.size(1) * 16 + 1);
+    expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, sl, x.dict_ids, 0); },
+                                  {"asmem.decode: seq_lens[1] = ", "block_table has"});
+    // A view of fewer columns than the rows' stride: its own columns count.
+    const at::Tensor narrow = x.block_table.narrow(1, 0, 1);
+    expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, narrow, x.seq_lens, x.dict_ids, 0); },
+                                  {"asmem.decode: seq_lens[1] = 20 needs 2 pages of 16 tokens, block_table has 1 columns"});
+    at::Tensor bt = x.block_table.clone();
+    bt[1][0] = int32_t(x.k.size(0));
+    expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, bt, x.seq_lens, x.dict_ids, 0); },
+                                  {"asmem.decode: block_table[1, 0] = ", "is not a page of the cache"});
+  }
+  expect_error<InvalidArgument>(
+      [&] {
+        Op<DecodeFn>("asmem::decode")
+            .call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, -5.0, 0, "HND", OptionalTensor());
+      },
+      {"asmem.decode: sm_scale -5", "must be finite and >= 0"});
+  // Slots, top_m, device names and max_dicts checked by the ops, naming the op.
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cpu", 9, 0, true, false); },
+      {"asmem.load_dictionary: slot 9 is outside [-1, 2)"});
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cpu", -1, -5, true, false); },
+      {"asmem.load_dictionary: top_m -5 is negative"});
+  expect_error<InvalidArgument>(
+      [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "cpu:1", -1, 0, true, false); },
+      {"asmem.load_dictionary: device 'cpu:1': the CPU has no index"});
+  expect_error<InvalidArgument>([&] { Op<InfoFn>("asmem::dictionary_info").call(2, "cpu"); },
+                                {"asmem.dictionary_info: slot 2 is outside [0, 2)"});
+  expect_error<InvalidArgument>(
+      [&] { Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 4); },
+      {"asmem.create_runtime: a runtime with another shape exists on cpu", "max_dicts=2"});
   expect_error<InvalidArgument>(
       [&] { Op<LoadFn>("asmem::load_dictionary").call("x.asmd", "tpu:0", -1, 0, true, false); },
       {"asmem.load_dictionary: device 'tpu:0'"});
