@@ -50,6 +50,7 @@
 
 #include "asmem/atomic_file.h"
 #include "asmem/cuda_check.cuh"
+#include "bench_torch.h"
 #include "bench_util.h"
 #include "l2_flush.h"
 #include "asmem/decode.h"
@@ -399,74 +400,7 @@ struct ProjectionCost {
 };
 
 #ifdef ASMEM_TORCH_CUDA
-// A torch error's first line, at most 300 characters (its messages carry C++ backtraces).
-std::string FirstLine(const std::exception& e) {
-  const std::string msg = e.what();
-  return msg.substr(0, std::min<size_t>(msg.find('\n'), 300));
-}
-
-void EnableOnlySdpBackend(const std::string& b) {
-  at::Context& ctx = at::globalContext();
-  ctx.setSDPUseFlash(b == "flash");
-  ctx.setSDPUseCuDNN(b == "cudnn");
-  ctx.setSDPUseMemEfficient(b == "efficient");
-  ctx.setSDPUseMath(b == "math");
-}
-
-// q [B, Hq, 1, d] against contiguous K/V [B, Hkv, L, d] (views of the KV pools: rotation r
-// starts at element r * B*Hkv*L*d), enable_gqa; eager calls on `stream`.
-std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const DevMem& q,
-                                   const DevMem& kpool, const DevMem& vpool, const Options& opt,
-                                   cudaStream_t stream, DevMem& spin, const DevMem& flush) {
-  int dev = 0;
-  ASMEM_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto topt = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev);
-  const int64_t kv_elems = int64_t(B) * s.hkv * L * kHeadDim;
-  if (size_t(R) * kv_elems * 2 > kpool.n) throw Error("KV pool too small for the torch baseline");
-  std::vector<at::Tensor> qs, ks, vs;
-  for (int r = 0; r < R; ++r) {
-    qs.push_back(at::from_blob(q.p, {B, s.hq, 1, kHeadDim}, topt));
-    ks.push_back(at::from_blob(static_cast<char*>(kpool.p) + size_t(r) * kv_elems * 2,
-                               {B, s.hkv, L, kHeadDim}, topt));
-    vs.push_back(at::from_blob(static_cast<char*>(vpool.p) + size_t(r) * kv_elems * 2,
-                               {B, s.hkv, L, kHeadDim}, topt));
-  }
-  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream, c10::DeviceIndex(dev)));
-  std::vector<TorchResult> results;
-  for (const std::string& backend : opt.torch_backends) {
-    TorchResult res;
-    res.backend = backend;
-    EnableOnlySdpBackend(backend);
-    try {
-      auto call = [&](int i) {
-        return at::scaled_dot_product_attention(qs[i % R], ks[i % R], vs[i % R], std::nullopt, 0.0,
-                                                false, std::nullopt, /*enable_gqa=*/true);
-      };
-      for (int i = 0; i < opt.warmup; ++i) call(i);
-      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<double> us =
-          bench::TimeCalls([&](int i) { call(i); }, opt.iters, opt.flush, flush, spin, 4, stream);
-      res.ok = true;
-      res.t.median_us = Median(us);
-      res.t.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
-      res.t.min_us = *std::min_element(us.begin(), us.end());
-      res.t.iters = opt.iters;
-      res.t.rotations = R;
-    } catch (const std::exception& e) {
-      res.error = FirstLine(e);
-      cudaGetLastError();  // a refused backend leaves no sticky error; clear a plain one
-      ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    }
-    results.push_back(res);
-  }
-  EnableOnlySdpBackend("");
-  at::Context& ctx = at::globalContext();
-  ctx.setSDPUseFlash(true);
-  ctx.setSDPUseCuDNN(true);
-  ctx.setSDPUseMemEfficient(true);
-  ctx.setSDPUseMath(true);
-  return results;
-}
+using bench::TorchErrorLine;
 
 ProjectionCost TimeProjection(const Shape& s, int B, int R, const Options& opt, cudaStream_t stream,
                               DevMem& spin, const DevMem& flush) {
@@ -490,7 +424,7 @@ ProjectionCost TimeProjection(const Shape& s, int B, int R, const Options& opt, 
     res.with_keys_us = time([&] { (void)at::linear(x, w, bias); });
     res.ok = true;
   } catch (const std::exception& e) {
-    res.error = FirstLine(e);
+    res.error = TorchErrorLine(e);
     cudaGetLastError();  // as TimeTorch's
     ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
@@ -501,12 +435,46 @@ constexpr bool kHaveTorch = true;
 ProjectionCost TimeProjection(const Shape&, int, int, const Options&, cudaStream_t, DevMem&, const DevMem&) {
   return {};
 }
-std::vector<TorchResult> TimeTorch(const Shape&, int, int, int, const DevMem&, const DevMem&,
-                                   const DevMem&, const Options&, cudaStream_t, DevMem&, const DevMem&) {
-  return {};
-}
 constexpr bool kHaveTorch = false;
 #endif
+
+// q [B, Hq, 1, d] against contiguous K/V [B, Hkv, L, d] (views of the KV pools: rotation r
+// starts at element r * B*Hkv*L*d), enable_gqa; eager calls on `stream` (bench_torch.h).
+std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const DevMem& q,
+                                   const DevMem& kpool, const DevMem& vpool, const Options& opt,
+                                   cudaStream_t stream, DevMem& spin, const DevMem& flush) {
+  bench::SdpaProblem p;
+  p.B = B;
+  p.hq = s.hq;
+  p.hkv = s.hkv;
+  p.L = L;
+  p.d = kHeadDim;
+  p.rotations = R;
+  p.q = &q;
+  p.kpool = &kpool;
+  p.vpool = &vpool;
+  bench::SdpaTiming how;
+  how.backends = opt.torch_backends;
+  how.warmup = opt.warmup;
+  how.iters = opt.iters;
+  how.flush_mode = opt.flush;
+  std::vector<TorchResult> out;
+  for (const bench::SdpaResult& r : bench::TimeSdpa(p, how, stream, spin, flush)) {
+    TorchResult res;
+    res.backend = r.backend;
+    res.ok = r.ok;
+    res.error = r.error;
+    if (r.ok) {
+      res.t.median_us = Median(r.us);
+      res.t.mean_us = std::accumulate(r.us.begin(), r.us.end(), 0.0) / double(r.us.size());
+      res.t.min_us = *std::min_element(r.us.begin(), r.us.end());
+      res.t.iters = opt.iters;
+      res.t.rotations = R;
+    }
+    out.push_back(res);
+  }
+  return out;
+}
 
 json TimingJson(const Timing& t) {
   return {{"median_us", t.median_us}, {"mean_us", t.mean_us}, {"min_us", t.min_us},
@@ -586,7 +554,11 @@ int Run(const Options& opt) {
                      {"child_skew", opt.child_skew}, {"key_dtype", opt.key_dtype},
                      {"flush", opt.flush},
                      {"launch", opt.launch},
-                     {"caller_keys", opt.caller_keys}};
+                     {"caller_keys", opt.caller_keys}, {"key_rank", opt.key_rank},
+                     {"modes", opt.modes}, {"torch_backends", opt.torch_backends},
+                     {"hbm_tbps_note", "roofline_fraction is bytes / time / hbm_tbps: the issue's nominal 4.3 TB/s, "
+                                       "which full attention on the H200 exceeds (fractions above 1)"}};
+  out["versions"] = bench::VersionsJson();
   out["full"] = json::array();
   out["op"] = json::array();
   out["speedups"] = json::array();
@@ -854,9 +826,15 @@ int Run(const Options& opt) {
                                   std::to_string(K) + " " + mode + " " + opt.key_dtype +
                                   " med=" + std::to_string(t.median_us));
           // HBM bytes: the KV rows, the dictionary rows the lookups can touch (shared by all
-          // requests: at most K rows per head), the gathered values, q/q_pre/o.
-          const double touched = std::min<double>(double(K), double(rows) * B) * KeyRowBytes(D, i8) * s.hkv;
-          const double bytes = kv_bytes + touched + 3.0 * B * s.hq * kHeadDim * 2 +
+          // requests: every parent, and at most K leaf rows per head), the whitening the op
+          // applies itself ([R, G d] and the mean, f32, per KV head), the gathered values,
+          // q/q_pre/o.
+          const double key_rows = hier ? double(dd.C1) + std::min<double>(double(K), double(rows - dd.C1) * B)
+                                       : double(K);
+          const double touched = key_rows * KeyRowBytes(D, i8) * s.hkv;
+          const double whitening =
+              opt.key_rank > 0 && !opt.caller_keys ? double(s.hkv) * (double(D) + 1.0) * G * kHeadDim * 4 : 0.0;
+          const double bytes = kv_bytes + touched + whitening + 3.0 * B * s.hq * kHeadDim * 2 +
                                double(B) * s.hq * kHeadDim * 2;
           const double roof = bytes / (t.median_us * 1e-6) / (opt.hbm_tbps * 1e12);
           const DecodePlan plan = PlanDecode(c);
@@ -927,7 +905,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", opt.out, "JSON results file");
   app.add_option("--commit", opt.commit, "git commit to record (default: $ASMEM_COMMIT or $GIT_COMMIT)");
   app.add_option("--iters", opt.iters, "timed calls per config (median reported)")->check(CLI::Range(30, 100000));
-  app.add_option("--warmup", opt.warmup, "untimed calls first");
+  app.add_option("--warmup", opt.warmup, "untimed calls first")->check(CLI::Range(1, 100000));
   app.add_option("--rest-tokens", opt.rest_tokens, "T, non-prefix tokens per request");
   app.add_option("--batches", opt.batches, "batch sizes B");
   app.add_option("--prefixes", opt.prefixes, "prefix lengths P (full-attention baseline)");
@@ -986,6 +964,9 @@ int main(int argc, char** argv) {
       if (app.count("--batches") == 0) opt.batches = {1, 32};
       if (app.count("--prefixes") == 0) opt.prefixes = {32768};
       if (app.count("--ks") == 0) opt.ks = {4096};
+    }
+    if (opt.check_only && !opt.out.empty()) {
+      throw asmem::InvalidArgument("--check-only times nothing: it writes no --out results");
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
     if (opt.caller_keys && opt.key_rank == 0) throw asmem::InvalidArgument("--caller-keys needs --key-rank");

@@ -18,12 +18,15 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from atomic_write import write_atomic
 
 SHAPES = {"llama-3.1-8b": (32, 8), "gqa-8": (32, 4)}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -68,6 +71,9 @@ def main():
     torch.manual_seed(0)
     results = []
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"bench_sdpa.py: error: unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
     for shape in args.shapes:
         hq, hkv = SHAPES[shape]
         for B in batches:
@@ -94,10 +100,11 @@ def main():
                 del qs, ks, vs
                 torch.cuda.empty_cache()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "commit": os.environ.get("ASMEM_COMMIT") or os.environ.get("GIT_COMMIT") or "",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "iters": args.iters, "warmup": args.warmup, "results": results}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+           "iters": args.iters, "warmup": args.warmup, "l2_flush": "none (rotated K/V views instead)",
+           "results": results}
+    write_atomic(args.out, json.dumps(out, indent=2))
     print(f"wrote {args.out}")
 
 
