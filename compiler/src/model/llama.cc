@@ -368,8 +368,15 @@ at::Tensor LlamaModel::prefill(const at::Tensor& tokens, KVCache& cache, int64_t
   const int64_t T = tokens.size(1);
   if (T == 0) throw InvalidArgument("prefill: no tokens");
   at::Tensor last;
-  for (int64_t s = 0; s < T; s += chunk) {
-    const int64_t n = std::min(chunk, T - s);
+  for (int64_t s = 0, n = 0; s < T; s += n) {
+    n = std::min(chunk, T - s);
+    // A hook sees a forward of one token per sequence as a decode step (forward()): with
+    // one, no chunk of a longer prompt is one token long (chunks of at least two; a chunk
+    // that would leave one token behind gives it one token fewer, or takes it along).
+    if (opts.hook && T - s > 1) {
+      n = std::max<int64_t>(n, 2);
+      if (T - s - n == 1) n = n > 2 ? n - 1 : n + 1;
+    }
     ForwardOptions o = opts;
     const bool final_chunk = s + n == T;
     o.logits = opts.logits && final_chunk;

@@ -181,6 +181,25 @@ INSTANTIATE_TEST_SUITE_P(Cases, MacNoHit,
                                            NoHitCase{"disabled", no_hit_disabled()}),
                          [](const ::testing::TestParamInfo<NoHitCase>& i) { return std::string(i.param.name); });
 
+// A prompt whose last prefill chunk would be one token: that token is still prefill (the
+// hook takes one-token forwards for decode steps), for any chunk size, so the engine counts
+// only the continuation's decode steps and its outputs equal exact decoding.
+TEST_F(MacEngine, NoPrefillChunkIsOneToken) {
+  std::vector<int32_t> prompt, cont;
+  split(9, &prompt, &cont);
+  const at::Tensor exact = run(nullptr, prompt, cont);
+  for (int64_t chunk : {int64_t(prompt.size()) - 1, int64_t(1), int64_t(2)}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    MacDecodeOptions o;
+    o.mac = no_hit_tau();
+    MacDecode mac(*model_, o);
+    const at::Tensor got = run(&mac, prompt, cont, chunk);
+    EXPECT_EQ(mac.stats().steps, int64_t(cont.size()) - 1);
+    const FidelityStats f = compare_next_token(exact, got);
+    EXPECT_EQ(f.agree, f.tokens);
+  }
+}
+
 TEST_F(MacEngine, BandCoveringTheContextIsExactEvenOnHits) {
   std::vector<int32_t> prompt, cont;
   split(15, &prompt, &cont);

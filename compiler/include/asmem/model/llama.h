@@ -121,7 +121,9 @@ class LlamaModel {
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const ForwardOptions& opts = {});
 
   // forward() over chunks of at most `chunk` tokens; returns the last position's logits
-  // [B, V]. `progress(done, total)` is called after each chunk when set.
+  // [B, V]. `progress(done, total)` is called after each chunk when set. With a hook, no
+  // chunk of a prompt longer than one token is one token long (a hook takes a one-token
+  // forward for a decode step): such a chunk is moved into its neighbour.
   at::Tensor prefill(const at::Tensor& tokens, KVCache& cache, int64_t chunk,
                      const ForwardOptions& opts = {},
                      const std::function<void(int64_t, int64_t)>& progress = nullptr);
