@@ -86,7 +86,8 @@ json to_json(const DictionaryFile& f) {
                 {"vocab", mf.vocab},
                 {"rope_theta", mf.rope_theta},
                 {"rope_scaling", mf.rope_scaling},
-                {"attn_weights_hash", hex(mf.attn_weights_hash)}};
+                {"attn_weights_hash", hex(mf.attn_weights_hash)},
+                {"weights_hash", hex(mf.weights_hash)}};
   j["tokenizer_hash"] = hex(m.tokenizer_hash);
   json chunks = json::array();
   for (uint64_t h : m.prefix.chunk_hashes) chunks.push_back(hex(h));
@@ -156,8 +157,9 @@ void print_text(const DictionaryFile& f) {
               mf.architecture.c_str(), (long long)mf.n_layers, (long long)mf.n_heads,
               (long long)mf.n_kv_heads, (long long)(mf.n_heads / mf.n_kv_heads),
               (long long)mf.head_dim, (long long)mf.hidden, (long long)mf.vocab);
-  std::printf("              rope theta %g, scaling %s, attention weights %s\n", mf.rope_theta,
-              mf.rope_scaling.c_str(), hex(mf.attn_weights_hash).c_str());
+  std::printf("              rope theta %g, scaling %s, attention weights %s, all weights %s\n", mf.rope_theta,
+              mf.rope_scaling.c_str(), hex(mf.attn_weights_hash).c_str(),
+              mf.weights_hash ? hex(mf.weights_hash).c_str() : "not recorded");
   std::printf("tokenizer:    %s\n", hex(m.tokenizer_hash).c_str());
   std::printf("prefix:       P=%lld tokens, text %s, tokens %s\n", (long long)p.n_tokens,
               hex(p.text_hash).c_str(), hex(p.token_hash).c_str());

@@ -448,6 +448,7 @@ void to_pb(const ModelFingerprint& f, pb::ModelFingerprint* o) {
   o->set_rope_theta(f.rope_theta);
   o->set_rope_scaling(f.rope_scaling);
   o->set_attn_weights_hash(f.attn_weights_hash);
+  o->set_weights_hash(f.weights_hash);
   o->set_name(f.name);
 }
 ModelFingerprint from_pb(const pb::ModelFingerprint& f) {
@@ -462,6 +463,7 @@ ModelFingerprint from_pb(const pb::ModelFingerprint& f) {
   o.rope_theta = f.rope_theta();
   o.rope_scaling = f.rope_scaling();
   o.attn_weights_hash = f.attn_weights_hash();
+  o.weights_hash = f.weights_hash();
   o.name = f.name();
   return o;
 }
@@ -730,6 +732,9 @@ std::string ModelFingerprint::mismatch(const ModelFingerprint& model) const {
     return differ("rope_scaling", rope_scaling, model.rope_scaling);
   if (attn_weights_hash != model.attn_weights_hash) {
     return differ("attn_weights_hash", hex64(attn_weights_hash), hex64(model.attn_weights_hash));
+  }
+  if (weights_hash != 0 && model.weights_hash != 0 && weights_hash != model.weights_hash) {
+    return differ("weights_hash (norms, MLPs or embeddings)", hex64(weights_hash), hex64(model.weights_hash));
   }
   return "";
 }

@@ -143,6 +143,7 @@ std::unique_ptr<Synth> make_synth(const Spec& spec) {
   m.model.rope_theta = 10000.0;
   m.model.rope_scaling = "none";
   m.model.attn_weights_hash = 0x0123456789abcdefull;
+  m.model.weights_hash = 0x5555aaaa5555aaaaull;
   m.model.name = "synthetic test model \xff";  // names from files need not be UTF-8
   m.tokenizer_hash = 0xfedcba9876543210ull;
   m.prefix.n_tokens = 1000;
@@ -219,6 +220,7 @@ void expect_manifest_eq(const DictionaryManifest& got, const DictionaryManifest&
   EXPECT_EQ(a.name, b.name);
   EXPECT_EQ(a.architecture, b.architecture);
   EXPECT_EQ(a.attn_weights_hash, b.attn_weights_hash);
+  EXPECT_EQ(a.weights_hash, b.weights_hash);
   EXPECT_EQ(got.tokenizer_hash, want.tokenizer_hash);
   EXPECT_EQ(got.prefix.n_tokens, want.prefix.n_tokens);
   EXPECT_EQ(got.prefix.text_hash, want.prefix.text_hash);
@@ -920,6 +922,8 @@ TEST_F(DictionaryTest, CheckModelNamesTheFirstDifferingField) {
        "rope_scaling=none, model has linear:2"},
       {[](ModelFingerprint& m) { m.attn_weights_hash ^= 1; },
        "attn_weights_hash=0x0123456789abcdef, model has 0x0123456789abcdee"},
+      {[](ModelFingerprint& m) { m.weights_hash ^= 2; },
+       "weights_hash (norms, MLPs or embeddings)=0x5555aaaa5555aaaa, model has 0x5555aaaa5555aaa8"},
   };
   for (const auto& [edit, text] : cases) {
     ModelFingerprint m = s->m.model;
@@ -927,6 +931,11 @@ TEST_F(DictionaryTest, CheckModelNamesTheFirstDifferingField) {
     EXPECT_EQ(s->m.model.mismatch(m), "model mismatch: dictionary was compiled for " + text);
     expect_error<InvalidArgument>([&] { f->check_model(m); }, {path + ": model mismatch", text});
   }
+  // A dictionary (or model) that recorded no weights_hash (0) is not compared on it.
+  ModelFingerprint m = s->m.model;
+  m.weights_hash = 0;
+  EXPECT_EQ(s->m.model.mismatch(m), "");
+  EXPECT_EQ(m.mismatch(s->m.model), "");
 }
 
 TEST(ModelFingerprintTest, RopeScalingSummaries) {
@@ -964,10 +973,13 @@ TEST(ModelFingerprintTest, BundledModelIsStableAndDiffersFromSynthetic) {
   // Pinned: if this changes, every dictionary compiled for the bundled model stops
   // verifying against it (the fingerprint scheme or the GGUF dequantization changed).
   EXPECT_EQ(a.attn_weights_hash, 0xbbba3d61002e635aull);
+  EXPECT_NE(a.weights_hash, 0u);
+  EXPECT_EQ(a.weights_hash, weights_hash(*w));
   // Stable: a second reading, through a second open, hashes the same.
   const ModelFingerprint b = fingerprint_of(*open_weights(test::model_path()));
   EXPECT_EQ(a.mismatch(b), "");
   EXPECT_EQ(a.attn_weights_hash, b.attn_weights_hash);
+  EXPECT_EQ(a.weights_hash, b.weights_hash);
 
   // A synthetic model of the same shape differs only in its weights; seeds differ too.
   auto s1 = make_synthetic_weights(w->config(), 1);

@@ -184,29 +184,5 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
   return true;
 }
 
-uint64_t weights_hash(const WeightSource& weights) {
-  XXH64_state_t* st = XXH64_createState();
-  if (!st) throw std::bad_alloc();
-  XXH64_reset(st, 0);
-  std::vector<float> buf;
-  try {
-    for (const std::string& name : weights.names()) {
-      const std::vector<int64_t> shape = weights.shape(name);
-      int64_t numel = 1;
-      for (int64_t s : shape) numel *= s;
-      XXH64_update(st, name.data(), name.size() + 1);  // with the terminating NUL
-      XXH64_update(st, shape.data(), shape.size() * sizeof(int64_t));
-      buf.resize(static_cast<size_t>(numel));
-      weights.read_f32(name, buf.data());
-      XXH64_update(st, buf.data(), buf.size() * sizeof(float));
-    }
-  } catch (...) {
-    XXH64_freeState(st);
-    throw;
-  }
-  const uint64_t h = XXH64_digest(st);
-  XXH64_freeState(st);
-  return h;
-}
 
 }  // namespace asmem

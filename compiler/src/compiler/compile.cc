@@ -620,7 +620,7 @@ void compile_dictionary(const CompileOptions& opt) {
   std::vector<int64_t> chunks_reused;
   std::vector<std::pair<int64_t, std::string>> chunks_recomputed;  // chunk (1-based), why
   if (use_chunk_files) {
-    chunk_ctx.weights_hash = weights_hash(*weights);
+    chunk_ctx.weights_hash = fp.weights_hash;  // weights_hash(*weights), computed by fingerprint_of
     chunk_ctx.dtype = model.dtype() == at::kBFloat16 ? "bf16" : model.dtype() == at::kHalf ? "fp16" : "fp32";
     chunk_ctx.device = device.is_cuda() ? "cuda" : "cpu";
     chunk_ctx.prefill_chunk = opt.chunk;

@@ -45,10 +45,14 @@ struct ModelFingerprint {
   double rope_theta = 0.0;
   std::string rope_scaling;   // summary, e.g. "none", "llama3:8:1:4:8192"
   uint64_t attn_weights_hash = 0;  // xxh64 over q/k/v/o projection weights (fp32 bytes)
+  // xxh64 over every tensor (name, shape, fp32 bytes): the prefix states depend on the norms,
+  // MLPs and embeddings below each layer too. 0: not recorded (files written before it).
+  uint64_t weights_hash = 0;
   std::string name;           // display only, not compared
   // "" when equal, else one line naming the first field that differs. Called on the
   // dictionary's fingerprint with the model's: "model mismatch: dictionary was compiled for
-  // n_layers=30, model has 32". Every field but `name` is compared (rope_theta exactly).
+  // n_layers=30, model has 32". Every field but `name` is compared (rope_theta exactly);
+  // weights_hash only where both sides recorded one.
   std::string mismatch(const ModelFingerprint& other) const;
 };
 

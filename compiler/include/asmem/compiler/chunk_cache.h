@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "asmem/model/llama.h"
+#include "asmem/compiler/fingerprint.h"  // weights_hash
 #include "asmem/model/weights.h"
 
 namespace asmem {
@@ -60,9 +61,5 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
                    const ChunkKeyContext& ctx, const LlamaModel& model, KVCache* kv,
                    std::string* why);
 
-// Hash of every weight a forward reads: XXH64 (seed 0) over, for every tensor name in
-// WeightSource::names() order, the name, its shape and its fp32 values (as read_f32
-// returns them). Reads the whole model once.
-uint64_t weights_hash(const WeightSource& weights);
 
 }  // namespace asmem

@@ -10,12 +10,18 @@
 
 namespace asmem {
 
-// Architecture, shapes and RoPE from the config; name from config().name; and
+// Architecture, shapes and RoPE from the config; name from config().name;
 // attn_weights_hash = XXH64 (seed 0) over the fp32 bytes (as read_f32 returns them) of, for
 // layer 0..L-1 in order, q_proj, k_proj, v_proj, o_proj weights, each followed by its bias
-// when the source has one. Reads every attention projection once (dequantizing quantized
-// files). Errors from the source propagate.
+// when the source has one; and weights_hash = weights_hash(weights). Reads the attention
+// projections twice and the other tensors once (dequantizing quantized files). Errors from
+// the source propagate.
 ModelFingerprint fingerprint_of(const WeightSource& weights);
+
+// Hash of every weight a forward reads: XXH64 (seed 0) over, for every tensor name in
+// WeightSource::names() order, the name, its shape and its fp32 values (as read_f32
+// returns them). Reads the whole model once.
+uint64_t weights_hash(const WeightSource& weights);
 
 // RoPE scaling in one line, the form ModelFingerprint::rope_scaling stores:
 //   none | linear:<factor> | llama3:<factor>:<low>:<high>:<original_max_position> |
