@@ -260,6 +260,9 @@ void CheckParams(const DecodeConfig& c, const DecodeParams& p, const char* fn) {
     if (!Aligned16(p.q_pre)) Fail(fn, "q_pre is not 16-byte aligned");
     CheckStride(p.q_pre_stride_b, "q_pre_stride_b", fn);
     CheckStride(p.q_pre_stride_h, "q_pre_stride_h", fn);
+    if (p.q_pre_stride_h < c.head_dim) {
+      Fail(fn, "q_pre_stride_h " + std::to_string(p.q_pre_stride_h) + " must be >= head_dim " + std::to_string(c.head_dim));
+    }
   }
   if (p.lookup_keys != nullptr) {
     if (p.dict_ids == nullptr) Fail(fn, "lookup_keys given without dict_ids");
@@ -445,7 +448,9 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
     if (invalid) throw InvalidArgument(std::string(fn) + ": " + why);
   }
   decode::CheckParams(c, p, fn);
-  // Every request's lengths, pages and dictionary id before any output is written.
+  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
+  const int64_t D = G * d;
+  // Every request's lengths, pages, dictionary id and views before any output is written.
   decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t id = p.dict_ids ? p.dict_ids[b] : -1;
@@ -454,9 +459,23 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
                             std::to_string(id) + " is outside [-1, " +
                             std::to_string(p.num_dicts) + ")");
     }
+    for (int64_t h = 0; id >= 0 && h < Hkv; ++h) {
+      const DictLayerView& v = p.dict_views[id * Hkv + h];
+      const std::string what = std::string(fn) + ": dictionary " + std::to_string(id) + " kv head " + std::to_string(h);
+      ValidateDictLayerView(v, int32_t(G), int32_t(d), true, what);
+      const int64_t R = DictKeyDim(v, D);
+      if (v.keys_dtype != KernelDType::kI8 && v.whitening && p.lookup_keys && R > p.lookup_keys_stride_h) {
+        throw InvalidArgument(what + " has key_dim " + std::to_string(R) + " above lookup_keys_stride_h " +
+                              std::to_string(p.lookup_keys_stride_h));
+      }
+    }
   }
-  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
-  const int64_t D = G * d;
+  // A view whose key width the config does not name (key_dims) gives NaN outputs, as on
+  // CUDA, for the widths the CUDA op serves; other widths (CPU-only shapes) are served.
+  auto width_named = [&](const DictLayerView& v) {
+    const int64_t R = DictKeyDim(v, D);
+    return c.key_dims == 0 || !DecodeKeyDimSupported(R) || (c.key_dims & DecodeKeyDimBit(R)) != 0u;
+  };
   const double scale = p.sm_scale > 0.f ? double(p.sm_scale) : 1.0 / std::sqrt(double(d));
   const KernelDType dt = c.dtype;
 
@@ -469,11 +488,17 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
       // Prefix state via the lookup.
       int32_t idx = -1;
       const DictLayerView* view = nullptr;
+      if (id >= 0 && !width_named(p.dict_views[id * Hkv + h])) {
+        if (p.lookup_index) p.lookup_index[b * Hkv + h] = -1;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          for (int64_t i = 0; i < d; ++i) StoreFromFloat(p.o, dt, b * p.o_stride_b + hq * p.o_stride_h + i, NAN);
+          if (p.lse) p.lse[b * Hq + hq] = NAN;
+        }
+        continue;
+      }
       if (id >= 0) {
-        view = &p.dict_views[id * Hkv + h];
-        ValidateDictLayerView(*view, int32_t(G), int32_t(d), true,
-                              std::string(fn) + ": dictionary " + std::to_string(id) +
-                                  " kv head " + std::to_string(h));
+        view = &p.dict_views[id * Hkv + h];  // validated above
         for (int64_t g = 0; g < G; ++g) {
           for (int64_t i = 0; i < d; ++i) {
             key[g * d + i] =
@@ -489,12 +514,7 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
         } else {
           const int64_t R = DictKeyDim(*view, D);  // validated: R == D without whitening
           std::vector<float> y(R);
-          if (view->whitening && p.lookup_keys) {  // the caller's keys, as given
-            if (R > p.lookup_keys_stride_h) {
-              throw InvalidArgument(std::string(fn) + ": dictionary " + std::to_string(id) + " kv head " +
-                                    std::to_string(h) + " has key_dim " + std::to_string(R) +
-                                    " above lookup_keys_stride_h " + std::to_string(p.lookup_keys_stride_h));
-            }
+          if (view->whitening && p.lookup_keys) {  // the caller's keys, as given (width checked above)
             for (int64_t i = 0; i < R; ++i) {
               y[i] = LoadAsFloat(p.lookup_keys, dt, b * p.lookup_keys_stride_b + h * p.lookup_keys_stride_h + i);
             }

@@ -562,7 +562,7 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
       // Complete.
       std::fill(out.begin(), out.end(), 0.f);
       float out_lse = -INFINITY;
-      if (p.prefix_o && p.prefix_lse[b * Hq + hq] > -INFINITY) {  // an empty state is (0, -inf)
+      if (p.prefix_o && p.prefix_lse[b * Hq + hq] != -INFINITY) {  // an empty state is (0, -inf); NaN propagates
         for (int64_t i = 0; i < d; ++i) {
           out[size_t(i)] = LoadAsFloat(p.prefix_o, dt, b * p.prefix_stride_b + hq * p.prefix_stride_h + i);
         }
@@ -624,6 +624,10 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
     std::vector<char> used(size_t(W), 0);
     for (int64_t n = 0; n < N; ++n) {
       const int32_t x = p.positions[b * N + n];
+      if (x < -1) {
+        mac::Fail(fn, "positions[" + std::to_string(b) + ", " + std::to_string(n) + "] = " + std::to_string(x) +
+                          " is neither a position nor -1 (skip)");
+      }
       if (x < 0) continue;
       if (x >= T) {
         mac::Fail(fn, "positions[" + std::to_string(b) + ", " + std::to_string(n) + "] = " +

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -147,7 +148,7 @@ void MacFill(const MacDecodeConfig& c, const MacFillParams& f, void* workspace, 
   a.part_o = reinterpret_cast<float*>(ws + L.part_o);
   a.part_lse = reinterpret_cast<float*>(ws + L.part_lse);
   const int64_t ctas = int64_t(f.batch) * f.num_positions * c.num_kv_heads * a.fill_splits;
-  if (ctas > int64_t(1) << 31) throw InvalidArgument(std::string(fn) + ": too many positions");
+  if (ctas > INT32_MAX) throw InvalidArgument(std::string(fn) + ": too many positions");
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
     constexpr int HEAD_DIM = decltype(hd)::value;

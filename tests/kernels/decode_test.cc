@@ -880,6 +880,39 @@ TEST(DecodeCpu, RequestDataIsCheckedBeforeAnyOutput) {
   EXPECT_NO_THROW(DecodeAttentionCpu(pb.config, pb.params));
 }
 
+// Views are checked for every request before any output (a bad view of request 1 leaves
+// request 0's output unwritten), and a view whose key width the config's key_dims does not
+// name gives NaN outputs for its heads, as the CUDA op does, while other requests are served.
+TEST(DecodeCpu, ViewsAreCheckedFirstAndUnnamedWidthsGiveNaN) {
+  CaseSpec s;
+  s.T = {20, 9, 5};
+  s.dicts = {DictSpec{12, 0, 0}, DictSpec{7, 0, 0}};
+  s.dict_ids = {0, 1, -1};
+  Problem pb;
+  BuildProblem(s, 3, &pb);
+  pb.views[1 * s.Hkv + 1].K = 0;  // dictionary 1, kv head 1: invalid
+  std::fill(pb.o.bytes.begin(), pb.o.bytes.end(), uint8_t(0x5a));
+  test::expect_error<InvalidArgument>([&] { DecodeAttentionCpu(pb.config, pb.params); },
+                                      {"DecodeAttentionCpu: dictionary 1 kv head 1", "K"});
+  EXPECT_TRUE(std::all_of(pb.o.bytes.begin(), pb.o.bytes.end(), [](uint8_t x) { return x == 0x5a; }));
+  BuildProblem(s, 3, &pb);
+  const int64_t D = int64_t(s.Hq / s.Hkv) * s.d;
+  ASSERT_TRUE(DecodeKeyDimSupported(D));
+  DecodeConfig c = pb.config;
+  c.key_dims = DecodeKeyDimBit(D == 64 ? 128 : 64);  // names another width only
+  DecodeAttentionCpu(c, pb.params);
+  for (int64_t b = 0; b < 3; ++b) {
+    for (int64_t hq = 0; hq < s.Hq; ++hq) {
+      EXPECT_EQ(std::isnan(pb.lse[size_t(b * s.Hq + hq)]), b < 2) << "request " << b << " head " << hq;
+    }
+  }
+  EXPECT_EQ(pb.lookup_index[0], -1);
+  c.key_dims |= DecodeKeyDimBit(D);  // now named: served
+  DecodeAttentionCpu(c, pb.params);
+  for (float l : pb.lse) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_GE(pb.lookup_index[0], 0);
+}
+
 TEST(DecodeDictView, ValidateNamesTheField) {
   std::vector<float> buf(64 * 4 + 4);
   const std::vector<int32_t> off = {0, 2, 1};

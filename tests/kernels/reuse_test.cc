@@ -955,6 +955,7 @@ TEST(MacCpu, BadFillArgumentsThrow) {
   expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.num_positions = 9; }, "num_positions 9");
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 21; }, "is not below seq_lens");
   expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = 10; }, "collide modulo window");
+  expect_bad([](MacFillParams&, std::vector<int32_t>& pos) { pos[1] = -5; }, "= -5 is neither a position nor -1");
   expect_bad([](MacFillParams& g, std::vector<int32_t>&) { g.positions = nullptr; }, "positions is null");
   int32_t past = int32_t(f.block_table_stride * t.c.page_size + 1);
   expect_bad([&](MacFillParams& g, std::vector<int32_t>&) { g.seq_lens = &past; }, "block_table_stride is");

@@ -131,8 +131,8 @@ inline const float* KeysI8Scales(const void* keys, int64_t rows, int64_t D) {
 // Bytes of `rows` int8 key rows of D dims with their scales: rows * KeysI8RowBytes(D) + 4 * rows.
 int64_t KeysI8Bytes(int64_t rows, int64_t D);
 // Quantizes fp32 key rows [n, D] into `out` (KeysI8Bytes(n, D) bytes, 4-byte aligned): per
-// row, scale = max |x| / 127 and q = round(x / scale) (to nearest even), a zero row gets
-// scale 0; the padding bytes are zero. Throws InvalidArgument for n < 0, D < 1 or a
+// row, a = max |x|, scale = a / 127 and q = rint(x * (127 / a)) (ties to even; computed as
+// x * (127 / a), which rounds a few halves otherwise than x / scale), a zero row gets scale 0; the padding bytes are zero. Throws InvalidArgument for n < 0, D < 1 or a
 // non-finite value.
 void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out);
 // The lookup key's quantization, as the CUDA lookup does it: a = max |x|; a == 0 gives

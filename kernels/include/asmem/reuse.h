@@ -52,7 +52,8 @@
 //  head masking what it does not need. Hits and misses are decided before the attention work
 //  is divided, so an all-miss step costs what full attention costs (plus the match scan).
 //  T == 0: nothing is attended or written; out = prefix state (or (0, -inf) without one; a
-//  prefix state with lse = -inf is empty: (0, -inf) whatever its o).
+//  prefix state with lse = -inf and a finite o is empty: (0, -inf)). A prefix o that is not
+//  finite, or a NaN lse, makes the output NaN.
 //
 // Staleness. A ring entry is served only when its tag matches the slot's current epoch and
 // the wanted position, and the slot is ready. Handing a slot to a new request: bump its epoch
@@ -259,9 +260,9 @@ size_t MacWorkspaceBytes(const MacDecodeConfig& config);
 // The CUDA step. Throws UnsupportedError / InvalidArgument; asmem::Error without CUDA.
 void MacAttention(const MacDecodeConfig& config, const MacParams& params, void* workspace,
                   size_t workspace_bytes, cudaStream_t stream);
-// The CPU reference: naive loops, double accumulation, the same arguments and results
-// (distances in double; the CUDA op's fp32 distances agree except within fp32 rounding of a
-// tie or of the threshold). Accepts any head dim and group size.
+// The CPU reference: naive loops, double accumulation of the attention, the same arguments
+// and results; its distances are MacQueryDistance's fp32 sequence, the CUDA op's, so the
+// decisions agree bit for bit. Accepts any head dim and group size.
 void MacAttentionCpu(const MacDecodeConfig& config, const MacParams& params);
 
 // Prefill: entries for given positions, computed exactly from the KV.

@@ -90,7 +90,9 @@ struct State {
 // (lse_sum_combine), so the sides can be spread over threads. The pairwise merge's rules
 // hold: +inf sides absorb the others, -inf sides weigh 0, all -inf is empty. Several +inf
 // sides get equal weights (pairwise merging weighs them by merge order; with at most two,
-// as in decode, both agree).
+// as in decode, both agree). A NaN lse is outside this contract: pairwise it propagates,
+// here it may be dropped (fmaxf ignores NaN), so the two merges can differ. Dictionaries
+// with a NaN lse are refused when they load (asmem/dictionary.h).
 struct LseSum {
   float max;  // largest lse below +inf (-inf: none)
   float sum;  // sum of exp(l - max) over those
