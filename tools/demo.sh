@@ -10,6 +10,11 @@
 # The dictionary is cached under $ASMEM_CACHE_DIR/dicts/, keyed by the inputs' hash; a
 # second run reuses it and prints the saved report. ASMEM_DEMO_ENTRIES sets K (1024).
 set -euo pipefail
+# Relative paths in these settings name places under the caller's directory; the tests run
+# elsewhere (ctest's working directories), so make them absolute.
+for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR; do
+  if [ -n "${!v:-}" ]; then export "$v=$(realpath -m "${!v}")"; fi
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
 "$ROOT/tools/setup.sh" asmem
@@ -21,14 +26,18 @@ K="${ASMEM_DEMO_ENTRIES:-1024}"
 KEY="$(cat "$EX/handbook.md" "$EX/traces.jsonl" <(echo "K=$K") "$ASMEM" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
 DICT="$CACHE/dicts/rulebook-$KEY.asmd"
 mkdir -p "$CACHE/dicts"
-if [ -f "$DICT" ] && "$ASMEM" verify "$DICT" >/dev/null 2>&1; then
+# A cached dictionary counts only with its log (written last, by rename): a compile that
+# stopped after the dictionary is compiled again.
+if [ -f "$DICT" ] && [ -f "$DICT.log" ] && "$ASMEM" verify "$DICT" >/dev/null 2>&1; then
   printf '\n== asmem compile: cached %s\n' "$DICT"
   cat "$DICT.log"
 else
   printf '\n== asmem compile (examples/rulebook, K=%s)\n' "$K"
+  trap 'rm -f "$DICT.log.tmp"' EXIT
   "$ASMEM" compile --prefix "$EX/handbook.md" --traces "$EX/traces.jsonl" --entries "$K" \
     --out "$DICT" --max-response-tokens 64 2>&1 | tee "$DICT.log.tmp"
   mv -f "$DICT.log.tmp" "$DICT.log"
+  trap - EXIT
 fi
 
 printf '\n== asmem inspect\n'

@@ -9,6 +9,11 @@
 #   ASMEM_JOBS        parallel build jobs (default: nproc)
 set -euo pipefail
 
+# Relative paths in these settings name places under the caller's directory; the tests run
+# elsewhere (ctest's working directories), so make them absolute.
+for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR; do
+  if [ -n "${!v:-}" ]; then export "$v=$(realpath -m "${!v}")"; fi
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
 JOBS="${ASMEM_JOBS:-$(nproc)}"
@@ -46,9 +51,10 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 export CCACHE_DIR="${CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ccache}"
 step "configure ($BUILD)"
-cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$BUILD.configure.log" 2>&1 \
-  || { cat "$BUILD.configure.log"; exit 1; }
-grep -E '^-- asmem:' "$BUILD.configure.log" || true
+mkdir -p "$BUILD"
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$BUILD/configure.log" 2>&1 \
+  || { cat "$BUILD/configure.log"; exit 1; }
+grep -E '^-- asmem:' "$BUILD/configure.log" || true
 step "build (${*:-all targets}, $JOBS jobs)"
 if [ $# -gt 0 ]; then
   cmake --build "$BUILD" -j "$JOBS" --target "$@"

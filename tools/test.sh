@@ -4,6 +4,11 @@
 #
 #   tools/test.sh [extra ctest arguments...]
 set -euo pipefail
+# Relative paths in these settings name places under the caller's directory; the tests run
+# elsewhere (ctest's working directories), so make them absolute.
+for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR; do
+  if [ -n "${!v:-}" ]; then export "$v=$(realpath -m "${!v}")"; fi
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ASMEM_BUILD_DIR:-$ROOT/build}"
 "$ROOT/tools/setup.sh" asmem asmem_kernels_tests asmem_format_tests asmem_tokenizer_tests \

@@ -20,9 +20,12 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
 run("install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}" --component runtime)
-foreach(f lib/cmake/asmem/asmemConfig.cmake lib/cmake/asmem/asmemConfigVersion.cmake
-          lib/cmake/asmem/asmemTargets.cmake include/asmem/runtime.h include/asmem/decode.h
-          lib/libasmem_runtime.a)
+if(NOT DEFINED LIBDIR)
+  set(LIBDIR lib)
+endif()
+foreach(f ${LIBDIR}/cmake/asmem/asmemConfig.cmake ${LIBDIR}/cmake/asmem/asmemConfigVersion.cmake
+          ${LIBDIR}/cmake/asmem/asmemTargets.cmake include/asmem/runtime.h include/asmem/decode.h
+          ${LIBDIR}/libasmem_runtime.a)
   if(NOT EXISTS "${prefix}/${f}")
     message(FATAL_ERROR "not installed: ${prefix}/${f}")
   endif()
