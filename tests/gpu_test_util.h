@@ -37,17 +37,19 @@ inline std::string GpuMissing(bool* error) {
 }  // namespace asmem
 
 // In a test body (or SetUp): skip without a usable device, fail where the runtime errs or
-// ASMEM_REQUIRE_GPU=1. `extra` is a further reason to skip (empty: none), e.g. torch
-// built without CUDA.
+// ASMEM_REQUIRE_GPU=1. `extra` is a further reason to skip that is the build's, not the
+// machine's (empty: none), e.g. torch built without CUDA: it skips even with
+// ASMEM_REQUIRE_GPU=1.
 #define ASMEM_SKIP_WITHOUT_GPU_OR(extra)                                                  \
   do {                                                                                     \
     bool asmem_gpu_error_ = false;                                                         \
-    std::string asmem_gpu_why_ = ::asmem::test::GpuMissing(&asmem_gpu_error_);             \
-    if (asmem_gpu_why_.empty()) asmem_gpu_why_ = (extra);                                  \
+    const std::string asmem_gpu_why_ = ::asmem::test::GpuMissing(&asmem_gpu_error_);       \
     if (asmem_gpu_error_) FAIL() << asmem_gpu_why_;                                         \
     if (!asmem_gpu_why_.empty()) {                                                         \
       if (::asmem::test::GpuRequired()) FAIL() << asmem_gpu_why_ << " (ASMEM_REQUIRE_GPU=1)"; \
       GTEST_SKIP() << asmem_gpu_why_;                                                      \
     }                                                                                      \
+    const std::string asmem_build_why_ = (extra);                                          \
+    if (!asmem_build_why_.empty()) GTEST_SKIP() << asmem_build_why_;                       \
   } while (0)
 #define ASMEM_SKIP_WITHOUT_GPU() ASMEM_SKIP_WITHOUT_GPU_OR(std::string())

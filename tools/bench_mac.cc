@@ -296,12 +296,12 @@ HitStats ReadHits(const Batch& x, const MacConfig& mc, int ctx) {
   return {double(hits) / double(nh), double(tokens) / (double(ng) * ctx)};
 }
 
-// Both pools filled with random bf16 values (a 64 MB random chunk repeated).
 // The baseline of a config: the best full attention over the same requests, our own
-// DecodeAttention (timed by the caller: `ours_us`) or torch SDPA's backends (bench_torch.h) over
-// contiguous [B, Hkv, ctx, d] views of the same KV pools, timed the same way (eager, the L2
-// emptied before each call as --flush says). Without a CUDA torch (or with --no-torch) the
-// baseline is ours alone and `torch` says so.
+// DecodeAttention (timed by the caller: `ours_us`, launched as --launch says, a CUDA graph by
+// default) or torch SDPA's backends (bench_torch.h) over contiguous [B, Hkv, ctx, d] views of
+// the same KV pools, called eagerly as a serving stack calls them; both with the L2 emptied
+// before each call as --flush says. Without a CUDA torch (or with --no-torch) the baseline is
+// ours alone and `torch` says so.
 std::string BaselineText(const Options& opt) {
   if (!bench::kHaveTorchSdpa) return "ours only: torch SDPA MISSING (this build has no CUDA torch)";
   if (!opt.torch) return "ours only: torch SDPA skipped (--no-torch)";
@@ -351,6 +351,7 @@ Baseline BestFull(double ours_us, int B, int hq, int hkv, int d, int ctx, const 
   return b;
 }
 
+// Both pools filled with random bf16 values (a 64 MB random chunk repeated).
 void FillPools(const DevMem& kpool, const DevMem& vpool, size_t bytes, Rng& rng) {
   DevMem chunk = Upload(RandomBF16(size_t(32) << 20, rng));
   FillRandom(kpool.p, bytes, chunk);

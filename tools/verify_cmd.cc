@@ -27,7 +27,7 @@ void run_verify(const std::string& path, const std::string& model_path) {
   std::string model_note;
   if (!model_path.empty()) {
     std::unique_ptr<WeightSource> w = open_weights(model_path);
-    f->check_model(fingerprint_of(*w));
+    f->check_model(fingerprint_of(*w, m.model.weights_hash != 0));
     model_note = ", model " + model_path + " matches";
     // Synthetic sources have no tokenizer; a dictionary may not have recorded one (0).
     if (w->format() != "synthetic" && m.tokenizer_hash != 0) {

@@ -470,11 +470,13 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
       }
     }
   }
-  // A view whose key width the config does not name (key_dims) gives NaN outputs, as on
-  // CUDA, for the widths the CUDA op serves; other widths (CPU-only shapes) are served.
+  // A view whose key width the config does not name (key_dims; 0: G*d only) gives NaN
+  // outputs, as on CUDA, for the widths the CUDA op serves; other widths (CPU-only shapes)
+  // are served.
+  const uint32_t named = c.key_dims != 0 ? c.key_dims : DecodeKeyDimBit(D);
   auto width_named = [&](const DictLayerView& v) {
     const int64_t R = DictKeyDim(v, D);
-    return c.key_dims == 0 || !DecodeKeyDimSupported(R) || (c.key_dims & DecodeKeyDimBit(R)) != 0u;
+    return !DecodeKeyDimSupported(R) || (named & DecodeKeyDimBit(R)) != 0u;
   };
   const double scale = p.sm_scale > 0.f ? double(p.sm_scale) : 1.0 / std::sqrt(double(d));
   const KernelDType dt = c.dtype;

@@ -39,9 +39,9 @@
 //       1/sqrt(d) (negative: an error).
 //       o [B, Hq, d] in q's dtype; lse [B, Hq] f32. max_seq_len <= 0: max_pages * page_size
 //       (a planning hint only). Capturable in a CUDA graph (the workspace comes from the
-//       caching allocator). lookup_keys [B, Hkv, W] in q's dtype, contiguous in its last two
-//       dims (W a multiple of 8, at least the widest key width of the resident dictionaries,
-//       G*d when a plain one is resident; rows of G*d always pass): the
+//       caching allocator). lookup_keys [B, Hkv, width] in q's dtype, contiguous in its last
+//       two dims (width a multiple of 8, at least the widest key width of the resident
+//       dictionaries, G*d when a plain one is resident; rows of G*d always pass): the
 //       lookup keys of requests whose dictionary has whitening, computed by the caller
 //       (DecodeArgs::lookup_keys; e.g. W folded into the query projection), so that the op
 //       does not whiten q_pre.
@@ -262,9 +262,13 @@ void replace_dictionary(int64_t slot, std::string path, std::string device, int6
   const Device d = ParseDevice(op, device);
   const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
   const int32_t s = Slot(op, slot, *rt);
+  auto empty = [&] {
+    if (!rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is empty (use load_dictionary)");
+  };
+  empty();  // before the slow prepare
   PreparedDictionary p = rt->prepare(path, MakeLoad(op, top_m, verify_data, int8_keys));
   std::lock_guard<std::mutex> lock(registry().switch_mu);
-  if (!rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is empty (use load_dictionary)");
+  empty();  // and again where no other op can unload it before the publish
   rt->publish(p, s, CurrentStream(d));
 }
 
@@ -417,6 +421,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
                  std::to_string(d) + "] (" + kv_layout + "), got " + ShapeText(k_cache));
   }
   const int64_t page_size = k_cache.size(t_dim);
+  if (page_size < 1) Fail(op, "k_cache has pages of " + std::to_string(page_size) + " tokens, got " + ShapeText(k_cache));
   // block table, seq lens, dict ids
   CheckLike(op, block_table, "block_table", q, "q");
   CheckLike(op, seq_lens, "seq_lens", q, "q");
@@ -468,15 +473,15 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     CheckLike(op, *lookup_keys, "lookup_keys", q, "q");
     if (lookup_keys->scalar_type() != q.scalar_type()) Fail(op, "lookup_keys must have q's dtype");
     if (lookup_keys->dim() != 3 || lookup_keys->size(0) != B || lookup_keys->size(1) != Hkv) {
-      Fail(op, "lookup_keys must be [" + std::to_string(B) + ", " + std::to_string(Hkv) + ", W], got " +
+      Fail(op, "lookup_keys must be [" + std::to_string(B) + ", " + std::to_string(Hkv) + ", width], got " +
                    ShapeText(*lookup_keys));
     }
     if (lookup_keys->stride(2) != 1 || lookup_keys->stride(1) != lookup_keys->size(2) ||
         lookup_keys->stride(0) < Hkv * lookup_keys->size(2)) {
-      Fail(op, "lookup_keys must be contiguous in its last two dims (rows of W values, no broadcast)");
+      Fail(op, "lookup_keys must be contiguous in its last two dims (rows of width values, no broadcast)");
     }
     if (lookup_keys->size(2) % 8 != 0) {
-      Fail(op, "lookup_keys' width W = " + std::to_string(lookup_keys->size(2)) + " must be a multiple of 8");
+      Fail(op, "lookup_keys' width " + std::to_string(lookup_keys->size(2)) + " must be a multiple of 8");
     }
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
   }

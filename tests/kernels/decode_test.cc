@@ -911,6 +911,22 @@ TEST(DecodeCpu, ViewsAreCheckedFirstAndUnnamedWidthsGiveNaN) {
   DecodeAttentionCpu(c, pb.params);
   for (float l : pb.lse) EXPECT_TRUE(std::isfinite(l));
   EXPECT_GE(pb.lookup_index[0], 0);
+  // key_dims 0 names G*d only: plain views are served, a projected view of R < G*d is not.
+  c.key_dims = 0;
+  DecodeAttentionCpu(c, pb.params);
+  for (float l : pb.lse) EXPECT_TRUE(std::isfinite(l));
+  CaseSpec sr = s;
+  sr.dicts = {DictSpec{12, 0, 0, KernelDType::kBF16, KernelDType::kBF16, true, 64}, DictSpec{7, 0, 0}};
+  Problem pr;
+  BuildProblem(sr, 4, &pr);
+  DecodeConfig cr = pr.config;
+  cr.key_dims = 0;
+  DecodeAttentionCpu(cr, pr.params);
+  EXPECT_TRUE(std::isnan(pr.lse[0])) << "request 0's dictionary has 64-dim keys, not named by key_dims 0";
+  EXPECT_TRUE(std::isfinite(pr.lse[size_t(s.Hq)])) << "request 1's dictionary has G*d keys";
+  cr.key_dims = DecodeKeyDimBit(64) | DecodeKeyDimBit(D);
+  DecodeAttentionCpu(cr, pr.params);
+  EXPECT_TRUE(std::isfinite(pr.lse[0]));
 }
 
 TEST(DecodeDictView, ValidateNamesTheField) {

@@ -975,6 +975,10 @@ TEST(ModelFingerprintTest, BundledModelIsStableAndDiffersFromSynthetic) {
   EXPECT_EQ(a.attn_weights_hash, 0xbbba3d61002e635aull);
   EXPECT_NE(a.weights_hash, 0u);
   EXPECT_EQ(a.weights_hash, weights_hash(*w));
+  const ModelFingerprint attn_only = fingerprint_of(*w, /*all_weights=*/false);
+  EXPECT_EQ(attn_only.weights_hash, 0u);
+  EXPECT_EQ(attn_only.attn_weights_hash, a.attn_weights_hash);
+  EXPECT_EQ(a.mismatch(attn_only), "");  // not recorded on one side: not compared
   // Stable: a second reading, through a second open, hashes the same.
   const ModelFingerprint b = fingerprint_of(*open_weights(test::model_path()));
   EXPECT_EQ(a.mismatch(b), "");

@@ -334,6 +334,8 @@ inline StepOutputs RunReference(const HostStep& s, int32_t layer,
     }
     std::copy(slot_views.begin(), slot_views.end(), views.begin() + ptrdiff_t(i * size_t(s.Hkv)));
   }
+  // The key widths served: those of the views (as the runtime names its resident ones).
+  for (const DictLayerView& v : views) c.key_dims |= DecodeKeyDimBit(DictKeyDim(v, int64_t(s.Hq / s.Hkv) * s.d));
   DecodeParams p;
   const DecodeArgs a = s.args(out.o.data(), out.lse.data(), out.index.data());
   p.batch = s.B;

@@ -327,7 +327,7 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
         call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0, "HND",
              at::zeros({2, 3, 24}, x.q.options()));
       },
-      {"asmem.decode: lookup_keys must be [2, 2, W], got [2, 3, 24]"});
+      {"asmem.decode: lookup_keys must be [2, 2, width], got [2, 3, 24]"});
   expect_error<InvalidArgument>(
       [&] {
         call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, "HND",

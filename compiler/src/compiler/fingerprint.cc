@@ -56,7 +56,7 @@ std::string rope_scaling_summary(const RopeScaling& rs) {
                         "' is not one of: none, llama3, linear, factors");
 }
 
-ModelFingerprint fingerprint_of(const WeightSource& weights) {
+ModelFingerprint fingerprint_of(const WeightSource& weights, bool all_weights) {
   const ModelConfig& c = weights.config();
   ModelFingerprint fp;
   fp.architecture = c.architecture;
@@ -92,7 +92,7 @@ ModelFingerprint fingerprint_of(const WeightSource& weights) {
     }
   }
   fp.attn_weights_hash = XXH64_digest(h.st);
-  fp.weights_hash = weights_hash(weights);
+  if (all_weights) fp.weights_hash = weights_hash(weights);
   return fp;
 }
 

@@ -560,7 +560,7 @@ DictionaryServing load_dictionary_serving(const std::string& dict_path, const st
   DictionaryServing s;
   s.dict = DictionaryFile::open(dict_path);
   std::unique_ptr<WeightSource> weights = open_weights(model_path);
-  s.dict->check_model(fingerprint_of(*weights));
+  s.dict->check_model(fingerprint_of(*weights, s.dict->manifest().model.weights_hash != 0));
   s.tok = Tokenizer::from_model_path(model_path);
   check_dictionary_tokenizer(*s.dict, *s.tok);
   s.model = std::make_unique<LlamaModel>(*weights, device, dtype);

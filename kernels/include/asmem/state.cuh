@@ -92,7 +92,7 @@ struct State {
 // sides get equal weights (pairwise merging weighs them by merge order; with at most two,
 // as in decode, both agree). A NaN lse is outside this contract: pairwise it propagates,
 // here it may be dropped (fmaxf ignores NaN), so the two merges can differ. Dictionaries
-// with a NaN lse are refused when they load (asmem/dictionary.h).
+// with a NaN lse are refused when they load with data verification (asmem/dictionary.h).
 struct LseSum {
   float max;  // largest lse below +inf (-inf: none)
   float sum;  // sum of exp(l - max) over those
