@@ -443,21 +443,8 @@ constexpr bool kHaveTorch = false;
 std::vector<TorchResult> TimeTorch(const Shape& s, int B, int L, int R, const DevMem& q,
                                    const DevMem& kpool, const DevMem& vpool, const Options& opt,
                                    cudaStream_t stream, DevMem& spin, const DevMem& flush) {
-  bench::SdpaProblem p;
-  p.B = B;
-  p.hq = s.hq;
-  p.hkv = s.hkv;
-  p.L = L;
-  p.d = kHeadDim;
-  p.rotations = R;
-  p.q = &q;
-  p.kpool = &kpool;
-  p.vpool = &vpool;
-  bench::SdpaTiming how;
-  how.backends = opt.torch_backends;
-  how.warmup = opt.warmup;
-  how.iters = opt.iters;
-  how.flush_mode = opt.flush;
+  const bench::SdpaProblem p{B, s.hq, s.hkv, L, kHeadDim, R, &q, &kpool, &vpool};
+  const bench::SdpaTiming how{opt.torch_backends, opt.warmup, opt.iters, opt.flush};
   std::vector<TorchResult> out;
   for (const bench::SdpaResult& r : bench::TimeSdpa(p, how, stream, spin, flush)) {
     TorchResult res;

@@ -321,20 +321,8 @@ Baseline BestFull(double ours_us, int B, int hq, int hkv, int d, int ctx, const 
     b.torch = bench::kHaveTorchSdpa ? "skipped (--no-torch)" : "missing (no CUDA torch in this build)";
     return b;
   }
-  bench::SdpaProblem p;
-  p.B = B;
-  p.hq = hq;
-  p.hkv = hkv;
-  p.L = ctx;
-  p.d = d;
-  p.q = &q;
-  p.kpool = &kpool;
-  p.vpool = &vpool;
-  bench::SdpaTiming how;
-  how.backends = opt.torch_backends;
-  how.warmup = opt.warmup;
-  how.iters = opt.iters;
-  how.flush_mode = opt.flush;
+  const bench::SdpaProblem p{B, hq, hkv, ctx, d, /*rotations=*/1, &q, &kpool, &vpool};
+  const bench::SdpaTiming how{opt.torch_backends, opt.warmup, opt.iters, opt.flush};
   b.torch = json::object();
   for (const bench::SdpaResult& r : bench::TimeSdpa(p, how, stream, spin, flush)) {
     if (!r.ok) {
