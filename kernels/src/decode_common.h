@@ -118,9 +118,10 @@ std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, 
 
 // Host-side checks of per-request data the CPU references read (the CUDA paths cannot read
 // it without a sync): every seq_lens[b] in [0, block_table_stride * page_size] and the
-// pages it covers non-negative. Throws InvalidArgument naming `fn`, the request and the value.
+// pages it covers in [0, num_pages) (num_pages 0: not given, only >= 0). Throws
+// InvalidArgument naming `fn`, the request and the value.
 void CheckSeqLens(const int32_t* seq_lens, int64_t batch, const int32_t* block_table,
-                  int64_t block_table_stride, int32_t page_size, const char* fn);
+                  int64_t block_table_stride, int32_t page_size, int64_t num_pages, const char* fn);
 
 struct LookupPartial {
   float score;    // best dot product in the split (-inf: none)

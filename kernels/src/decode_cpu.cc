@@ -190,7 +190,7 @@ std::string KvStrideRangeError(int64_t kv_stride_page, int64_t kv_stride_token, 
 }
 
 void CheckSeqLens(const int32_t* seq_lens, int64_t batch, const int32_t* block_table,
-                  int64_t block_table_stride, int32_t page_size, const char* fn) {
+                  int64_t block_table_stride, int32_t page_size, int64_t num_pages, const char* fn) {
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t T = seq_lens[b];
     const std::string req = "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T);
@@ -202,9 +202,10 @@ void CheckSeqLens(const int32_t* seq_lens, int64_t batch, const int32_t* block_t
     }
     for (int64_t j = 0; j < pages; ++j) {
       const int32_t page = block_table[b * block_table_stride + j];
-      if (page < 0) {
+      if (page < 0 || (num_pages > 0 && page >= num_pages)) {
         Fail(fn, "block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(page) +
-                     " is negative (request " + std::to_string(b) + " holds " + std::to_string(T) + " tokens)");
+                     (page < 0 ? " is negative" : " is not a page of the cache (num_pages " + std::to_string(num_pages) + ")") +
+                     " (request " + std::to_string(b) + " holds " + std::to_string(T) + " tokens)");
       }
     }
   }
@@ -250,6 +251,7 @@ void CheckParams(const DecodeConfig& c, const DecodeParams& p, const char* fn) {
   const std::string range = KvStrideRangeError(p.kv_stride_page, p.kv_stride_token, c.page_size);
   if (!range.empty()) Fail(fn, range);
   if (p.block_table_stride < 1) Fail(fn, "block_table_stride must be >= 1");
+  if (p.num_pages < 0) Fail(fn, "num_pages " + std::to_string(p.num_pages) + " is negative");
   if (!std::isfinite(p.sm_scale)) Fail(fn, "sm_scale is not finite");
   if (p.dict_ids != nullptr) {
     if (!c.use_dictionaries) Fail(fn, "dict_ids given but config.use_dictionaries is false");
@@ -451,7 +453,7 @@ void DecodeAttentionCpu(const DecodeConfig& c, const DecodeParams& p) {
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t D = G * d;
   // Every request's lengths, pages, dictionary id and views before any output is written.
-  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, p.num_pages, fn);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t id = p.dict_ids ? p.dict_ids[b] : -1;
     if (id < -1 || id >= p.num_dicts) {

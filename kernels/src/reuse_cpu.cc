@@ -505,7 +505,7 @@ void MacAttentionCpu(const MacDecodeConfig& c, const MacParams& p) {
   mac::CheckConfig(c, fn, false);
   mac::CheckParams(c, p, fn);
   mac::CheckDistinctSlots(p.slot_ids, p.batch, c.num_slots, fn);
-  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, 0, fn);
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t W = c.mac.window;
   const int32_t F = c.mac.front_sink, r = c.mac.band;
@@ -615,7 +615,7 @@ void MacFillCpu(const MacDecodeConfig& c, const MacFillParams& p) {
   mac::CheckConfig(c, fn, false);
   mac::CheckFillParams(c, p, fn);
   mac::CheckDistinctSlots(p.slot_ids, p.batch, c.num_slots, fn);
-  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, fn);
+  decode::CheckSeqLens(p.seq_lens, p.batch, p.block_table, p.block_table_stride, c.page_size, 0, fn);
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, d = c.head_dim, G = Hq / Hkv;
   const int64_t W = c.mac.window, N = p.num_positions;
   // Every request's positions before any ring entry is written.

@@ -547,7 +547,6 @@ std::string serialize(const pb::Manifest& m) {
 // Writing
 // ---------------------------------------------------------------------------------------
 
-// The temp file beside the destination; removed on destruction unless renamed into place.
 // Why an existing `path` must not be replaced by a rename (empty: it may). The writers
 // replace regular files only: a rename over a symbolic link replaces the link (the file it
 // points to stays as it was), and one over a device or pipe replaces the node.
@@ -560,6 +559,7 @@ std::string destination_problem(const std::string& path) {
   return "";
 }
 
+// The temp file beside the destination; removed on destruction unless renamed into place.
 class TempFile {
  public:
   explicit TempFile(const std::string& path)

@@ -177,12 +177,19 @@ struct DecodeRuntime::Impl {
   std::mutex mu;                         // serializes publish / unload
   std::shared_ptr<const Snapshot> snap;  // read with std::atomic_load
   uint64_t generation = 0;               // guarded by mu
-  // CUDA: a decode() holds it shared from reading the snapshot's plan inputs until its
-  // launches are enqueued; install() holds it exclusively across the table copy and the
-  // snapshot's store. So a step enqueued after a switch's copy is planned for the
-  // dictionaries that copy installs (a plan without a newly resident key width would give
-  // NaN for that dictionary's requests), and one planned before it is enqueued before it.
+  // The CUDA steps' plan inputs (the snapshot's fields of the same names). A decode() holds
+  // plan_mu shared from reading them until its launches are enqueued; install() holds it
+  // exclusively across the table copy and their update. So a step enqueued after a switch's
+  // copy is planned for the dictionaries that copy installs (a plan without a newly resident
+  // key width would give NaN for that dictionary's requests), and one planned before it is
+  // enqueued before it.
+  struct Plan {
+    int64_t max_lookup_rows = 0, max_keys = 0;
+    bool whitening = false;
+    uint32_t can_probe = 0, key_dims = 0;
+  };
   mutable std::shared_mutex plan_mu;
+  Plan plan;  // guarded by plan_mu
 
   std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snap); }
 
@@ -250,6 +257,7 @@ struct DecodeRuntime::Impl {
       next->can_probe |= s->can_probe;
       next->key_dims |= s->key_dims;
     }
+    plan = Plan{next->max_lookup_rows, next->max_keys, next->whitening, next->can_probe, next->key_dims};
     std::atomic_store(&snap, std::shared_ptr<const Snapshot>(std::move(next)));
     return old;
   }
@@ -660,6 +668,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   if (n_kv != 0 && n_kv != 3) fail("give all three KV strides or none (none: the HND layout)");
   p.block_table = a.block_table;
   p.block_table_stride = a.block_table_stride;
+  p.num_pages = a.num_pages;
   p.seq_lens = a.seq_lens;
   p.o = a.o;
   p.o_stride_h = a.o_stride_h ? a.o_stride_h : d;
@@ -703,9 +712,8 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
   }
 
   std::shared_lock<std::shared_mutex> plan_lock(s.plan_mu);
-  const std::shared_ptr<const Snapshot> snap = s.snapshot();
-  const DecodeConfig c =
-      s.config(step, snap->max_lookup_rows, snap->whitening, snap->can_probe, snap->max_keys, snap->key_dims);
+  const Impl::Plan& pl = s.plan;
+  const DecodeConfig c = s.config(step, pl.max_lookup_rows, pl.whitening, pl.can_probe, pl.max_keys, pl.key_dims);
   SetKvStrides(c, a, n_kv == 0, &p);
   set_lookup_keys();
   if (a.dict_ids) {

@@ -876,6 +876,13 @@ TEST(DecodeCpu, RequestDataIsCheckedBeforeAnyOutput) {
   // Request 1 (4 tokens) maps one page; the table's other columns are -1 (unmapped).
   expect_untouched(int32_t(stride * ps), {"block_table[1, 1] = -1 is negative", "request 1 holds"});
   expect_untouched(-3, {"seq_lens[1] = -3 is negative"});
+  // With num_pages given, a page id past the cache is refused too.
+  pb.params.num_pages = pb.num_pages;
+  const int32_t page = pb.block_table[size_t(stride)];  // request 1's first page
+  pb.block_table[size_t(stride)] = int32_t(pb.num_pages);
+  expect_untouched(4, {"block_table[1, 0] = " + std::to_string(pb.num_pages),
+                       "is not a page of the cache (num_pages " + std::to_string(pb.num_pages) + ")"});
+  pb.block_table[size_t(stride)] = page;
   pb.seq_lens[1] = 4;
   EXPECT_NO_THROW(DecodeAttentionCpu(pb.config, pb.params));
 }

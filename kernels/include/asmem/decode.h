@@ -54,7 +54,7 @@
 //                             block_table[b*block_table_stride + t / page_size], slot
 //                             t % page_size. Entries past ceil(T/page_size) are not read.
 //   seq_lens     [B] int32    T per request, 0 <= T <= block_table_stride * page_size, the
-//                             pages it covers mapped (>= 0) (0: empty rest). T may exceed
+//                             pages it covers in [0, num_pages) (0: empty rest). T may exceed
 //                             config.max_seq_len: still correct, only the split plan is off.
 //                             The CPU reference checks every request before writing any
 //                             output; the CUDA path cannot read them and does not check.
@@ -280,6 +280,8 @@ struct DecodeParams {
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;  // >= pages the longest request needs
+  int64_t num_pages = 0;           // pages the KV cache holds (0: not given); the CPU reference
+                                   // refuses a page id at or past it (CUDA cannot check)
   const int32_t* seq_lens = nullptr;
   const int32_t* dict_ids = nullptr;          // null: no dictionaries this step
   const DictLayerView* dict_views = nullptr;  // [num_dicts, Hkv]

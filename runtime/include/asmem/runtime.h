@@ -234,6 +234,8 @@ struct DecodeArgs {
   int64_t kv_stride_page = 0, kv_stride_head = 0, kv_stride_token = 0;  // all 0: HND
   const int32_t* block_table = nullptr;    // [B, block_table_stride] page ids
   int64_t block_table_stride = 0;          // >= pages of the longest request
+  int64_t num_pages = 0;                   // pages in the KV cache (0: not given); the CPU
+                                           // runtime refuses page ids at or past it
   const int32_t* seq_lens = nullptr;       // [B] non-prefix tokens T >= 0
   const int32_t* dict_ids = nullptr;       // [B] slot or -1; null: no request has one
   void* o = nullptr;                       // [B, Hq, d] output, the step dtype
