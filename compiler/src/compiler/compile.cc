@@ -468,13 +468,13 @@ void compile_dictionary(const CompileOptions& opt) {
     throw InvalidArgument("give exactly one of --prefix and --prefix-tokens");
   }
   if (opt.out_path.empty()) throw InvalidArgument("--out is required");
-  check_output_path(opt.out_path, "--out");  // before the model and the traces' generation
-  check_output_path(opt.out_path + ".report.json", "--out's report");
-  check_output_path(opt.out_path + ".responses.jsonl", "--out's stored responses");
-  for (const std::string& o : {opt.out_path, opt.out_path + ".report.json", opt.out_path + ".responses.jsonl"}) {
-    check_not_an_input(o, o == opt.out_path ? "--out" : "--out's sidecar",
-                       {{"--prefix", opt.prefix_path}, {"--prefix-tokens", opt.prefix_tokens_path},
-                        {"--traces", opt.traces_path}, {"--model", opt.model_path}});
+  // The three outputs, before the model and the traces' generation.
+  for (const auto& [path, what] : {std::pair<std::string, const char*>{opt.out_path, "--out"},
+                                   {opt.out_path + ".report.json", "--out's report"},
+                                   {opt.out_path + ".responses.jsonl", "--out's stored responses"}}) {
+    check_output_path(path, what);
+    check_not_an_input(path, what, {{"--prefix", opt.prefix_path}, {"--prefix-tokens", opt.prefix_tokens_path},
+                                    {"--traces", opt.traces_path}, {"--model", opt.model_path}});
   }
   const DType vdtype = parse_value_dtype(opt.value_dtype);
   if (opt.key_mode != "pre_rope" && opt.key_mode != "rope_unified") {
@@ -1042,14 +1042,15 @@ void compile_dictionary(const CompileOptions& opt) {
     std::fprintf(stderr, "\n");
   }
   // The dictionary is in place: a sidecar that cannot be written says so.
-  for (const auto& [path, text] : {std::pair<std::string, const std::string*>{opt.out_path + ".responses.jsonl", &responses_jsonl},
-                                   {opt.out_path + ".report.json", nullptr}}) {
+  auto write_sidecar = [&](const std::string& path, const std::string& text) {
     try {
-      write_file_atomic(path, text ? *text : rep.dump(2) + "\n");
+      write_file_atomic(path, text);
     } catch (const IoError& e) {
       throw IoError(std::string(e.what()) + " (the dictionary " + opt.out_path + " was written)");
     }
-  }
+  };
+  write_sidecar(opt.out_path + ".responses.jsonl", responses_jsonl);
+  write_sidecar(opt.out_path + ".report.json", rep.dump(2) + "\n");
   const std::string k_text = k_min == opt.entries ? "K=" + std::to_string(opt.entries)
                                                    : "K=" + std::to_string(opt.entries) + ", " + std::to_string(k_min) +
                                                          "-" + std::to_string(k_max) + " entries per section";
