@@ -132,11 +132,11 @@ struct Best {
   int32_t index;  // -1: none yet
 };
 
-// Whether (s, i) beats (bs, bi): larger score, ties to the smaller index.
+// Whether (s, i) beats (bs, bi): larger score, ties to the smaller index; an index below 0
+// (none) never beats and is beaten by any other. One expression, evaluated whole: as early
+// returns it became branches with convergence barriers around each use.
 __device__ __forceinline__ bool Beats(float s, int32_t i, float bs, int32_t bi) {
-  if (i < 0) return false;
-  if (bi < 0) return true;
-  return s > bs || (s == bs && i < bi);
+  return (i >= 0) & ((bi < 0) | (s > bs) | ((s == bs) & (i < bi)));
 }
 
 __device__ __forceinline__ void WarpArgmax(Best& b) {
@@ -991,11 +991,9 @@ struct KeyRing {
   }
 };
 
-// The best of two row groups' bests: `lo` from the lane of the lower g. Beats' order, as a
-// select (Beats' early returns became branches, each with its convergence barrier).
+// The best of two row groups' bests: `lo` from the lane of the lower g.
 __device__ __forceinline__ Best BestOfPair(Best lo, Best hi) {
-  const bool w = (hi.index >= 0) & ((lo.index < 0) | (hi.score > lo.score) | ((hi.score == lo.score) & (hi.index < lo.index)));
-  return w ? hi : lo;
+  return Beats(hi.score, hi.index, lo.score, lo.index) ? hi : lo;
 }
 
 // A segment's end (WarpSegScanTc): lane (g, t4) holds, for each of 8 pairs k, the best of
