@@ -56,18 +56,27 @@ inline int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) {
   return 0;  // go on with the rest
 }
 
+}  // namespace detail
+
+// Removes `path` and everything under it (links not followed), as std::filesystem::remove_all
+// would. Tests call this instead: in a binary linked with pip torch, libtorch.so exports its
+// own copy of std::filesystem's functions (pytorch/pytorch#133437) and the calls may bind to
+// it; its remove_all jumps to address 0 (H200, torch 2.11: asmem_engine_gpu_tests at exit,
+// asmem_torch_ops_tests in a TearDown).
+inline void remove_tree(const std::string& path) {
+  nftw(path.c_str(), detail::RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+namespace detail {
 // Directories made by temp_dir(), removed when the test process exits (not by forked
 // children, which may exit first). ASMEM_KEEP_TEST_DIRS=1 keeps them for a look.
-// The removal uses nftw, not std::filesystem: in a binary linked with pip torch, libtorch
-// exports its own std::filesystem::remove_all, which faulted (a call through null) when
-// run from this static destructor at exit (H200, asmem_engine_gpu_tests).
 struct TempDirs {
   std::vector<std::string> paths;
   pid_t owner = getpid();
   ~TempDirs() {
     if (getpid() != owner) return;
     if (const char* keep = std::getenv("ASMEM_KEEP_TEST_DIRS"); keep && *keep && *keep != '0') return;
-    for (const std::string& p : paths) nftw(p.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+    for (const std::string& p : paths) remove_tree(p);
   }
 };
 inline TempDirs& temp_dirs() {

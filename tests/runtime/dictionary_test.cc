@@ -271,7 +271,7 @@ void expect_manifest_eq(const DictionaryManifest& got, const DictionaryManifest&
 class DictionaryTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = test::temp_dir("dict"); }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { asmem::test::remove_tree(dir_); }
   std::string file(const std::string& name) const { return dir_ + "/" + name; }
   std::string dir_;
 };

@@ -136,7 +136,7 @@ class RuntimeGpu : public ::testing::Test {
     seed_ = test::test_seed(41);
   }
   void TearDown() override {
-    if (!dir_.empty()) fs::remove_all(dir_);
+    if (!dir_.empty()) asmem::test::remove_tree(dir_);
   }
   std::string write(const std::string& name, SynthSpec s) {
     s.seed += seed_;

@@ -61,7 +61,7 @@ class RuntimeTest : public ::testing::Test {
     dir_ = test::temp_dir("runtime");
     seed_ = test::test_seed(11);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { asmem::test::remove_tree(dir_); }
   std::string file(const std::string& name) const { return dir_ + "/" + name; }
   // Writes a synthetic dictionary named `name` and returns its path.
   std::string write(const std::string& name, SynthSpec s) {

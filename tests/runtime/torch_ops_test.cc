@@ -99,7 +99,7 @@ class TorchOpsTest : public ::testing::Test {
   }
   void TearDown() override {
     Op<ReleaseFn>("asmem::release_runtime").call("cpu");
-    fs::remove_all(dir_);
+    asmem::test::remove_tree(dir_);
   }
   std::string write(const std::string& name, SynthSpec s) {
     s.seed += seed_;

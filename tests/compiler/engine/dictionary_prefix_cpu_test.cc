@@ -154,7 +154,7 @@ TEST(DictionaryPrefixCpu, BatchedLookupEqualsTheReferenceOverShapesKeyTypesAndHi
       }
     }
   }
-  std::filesystem::remove_all(dir);
+  asmem::test::remove_tree(dir);
 }
 
 // ---- Near-ties ----
@@ -347,7 +347,7 @@ TEST(DictionaryPrefixCpu, NearTiesThatBreakAPlainFp32ArgmaxChooseAsTheReference)
               (long long)plain_wrong_linear, (long long)lookups, (long long)plain_wrong_hier, (long long)(3 * lookups));
   EXPECT_GT(plain_wrong_linear, 0) << "the near-ties do not break a plain fp32 argmax: the test could not fail";
   EXPECT_GT(plain_wrong_hier, 0) << "the parent near-ties do not break a plain fp32 top_m";
-  std::filesystem::remove_all(dir);
+  asmem::test::remove_tree(dir);
 }
 
 }  // namespace

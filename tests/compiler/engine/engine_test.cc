@@ -475,7 +475,7 @@ TEST(EngineInt8Keys, LookupsEqualTheInt8ReferenceAndMostlyThe16BitOnes) {
   test::WriteSynthDictionary(dir + "/w.asmd", white);
   auto wd = DictionaryFile::open(dir + "/w.asmd");
   EXPECT_EQ(DictionaryPrefix(*wd, model, {0, false, true}).int8_sections(), 0);
-  std::filesystem::remove_all(dir);
+  asmem::test::remove_tree(dir);
 }
 
 TEST_F(Engine, RejectsAnotherModelAnotherTokenizerAndABadFile) {

@@ -39,10 +39,7 @@ std::string scratch_dir(const std::string& tag) {
   struct Dirs {
     std::vector<std::string> paths;
     ~Dirs() {
-      for (const std::string& p : paths) {
-        std::error_code ec;
-        std::filesystem::remove_all(p, ec);
-      }
+      for (const std::string& p : paths) asmem::test::remove_tree(p);
     }
   };
   static Dirs dirs;
