@@ -126,8 +126,9 @@ cudaStream_t CurrentStream(const Device& d) {
 struct Registry {
   std::mutex mu;
   std::map<std::string, std::shared_ptr<DecodeRuntime>> runtimes;
-  // Held by load / replace / unload from their slot check to their switch (the slow
-  // prepare runs outside it), so that two loads into one slot cannot both pass the check.
+  // Held by load_dictionary from its slot check to its publish (the slow prepare runs
+  // outside it), so that two loads into one slot cannot both pass the check (a publish into
+  // an occupied slot replaces). replace and unload check under the runtime's own lock.
   std::mutex switch_mu;
 };
 Registry& registry() {
@@ -262,23 +263,16 @@ void replace_dictionary(int64_t slot, std::string path, std::string device, int6
   const Device d = ParseDevice(op, device);
   const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
   const int32_t s = Slot(op, slot, *rt);
-  auto empty = [&] {
-    if (!rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is empty (use load_dictionary)");
-  };
-  empty();  // before the slow prepare
-  PreparedDictionary p = rt->prepare(path, MakeLoad(op, top_m, verify_data, int8_keys));
-  std::lock_guard<std::mutex> lock(registry().switch_mu);
-  empty();  // and again where no other op can unload it before the publish
-  rt->publish(p, s, CurrentStream(d));
+  if (!rt->info(s)) Fail(op, path + ": slot " + std::to_string(s) + " is empty (use load_dictionary)");
+  // The runtime checks the slot again under its switch lock (an unload since is an error).
+  rt->replace(s, path, MakeLoad(op, top_m, verify_data, int8_keys), CurrentStream(d));
 }
 
 void unload_dictionary(int64_t slot, std::string device) {
   const std::string op = "unload_dictionary";
   const Device d = ParseDevice(op, device);
   const std::shared_ptr<DecodeRuntime> rt = Require(op, d);
-  const int32_t s = Slot(op, slot, *rt);
-  std::lock_guard<std::mutex> lock(registry().switch_mu);
-  rt->unload(s, CurrentStream(d));
+  rt->unload(Slot(op, slot, *rt), CurrentStream(d));
 }
 
 std::string dictionary_info(int64_t slot, std::string device) {

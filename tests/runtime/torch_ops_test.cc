@@ -216,6 +216,9 @@ TEST_F(TorchOpsTest, ReplaceUnloadAndInfo) {
   expect_error<InvalidArgument>([&] { decode(x, 1); }, {"dict_ids[0] = 0 names an empty slot"});
   expect_error<InvalidArgument>([&] { Op<UnloadFn>("asmem::unload_dictionary").call(0, "cpu"); },
                                 {"slot 0 is empty"});
+  expect_error<InvalidArgument>(
+      [&] { Op<ReplaceFn>("asmem::replace_dictionary").call(0, a, "cpu", 0, true, false); },
+      {"asmem.replace_dictionary: " + a + ": slot 0 is empty (use load_dictionary)"});
 }
 
 // lookup_keys=: the caller's keys reach the reference's lookups (rows of G d, default strides).

@@ -184,5 +184,4 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
   return true;
 }
 
-
 }  // namespace asmem

@@ -132,8 +132,9 @@ inline const float* KeysI8Scales(const void* keys, int64_t rows, int64_t D) {
 int64_t KeysI8Bytes(int64_t rows, int64_t D);
 // Quantizes fp32 key rows [n, D] into `out` (KeysI8Bytes(n, D) bytes, 4-byte aligned): per
 // row, a = max |x|, scale = a / 127 and q = rint(x * (127 / a)) (ties to even; computed as
-// x * (127 / a), which rounds a few halves otherwise than x / scale), a zero row gets scale 0; the padding bytes are zero. Throws InvalidArgument for n < 0, D < 1 or a
-// non-finite value.
+// x * (127 / a), which rounds a few halves otherwise than x / scale); a zero row gets scale
+// 0; the padding bytes are zero. Throws InvalidArgument for n < 0, D < 1 or a non-finite
+// value.
 void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out);
 // The lookup key's quantization, as the CUDA lookup does it: a = max |x|; a == 0 gives
 // zeros; else q[i] = rint(x[i] * (127 / a)) in fp32 (each operation rounded to nearest

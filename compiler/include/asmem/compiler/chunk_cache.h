@@ -61,5 +61,4 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
                    const ChunkKeyContext& ctx, const LlamaModel& model, KVCache* kv,
                    std::string* why);
 
-
 }  // namespace asmem
