@@ -607,11 +607,11 @@ __device__ __forceinline__ LseSum QuadLseSum(LseSum sum) { return LseSumXor(LseS
 // KV head h, s) of reps x Hkv x S serves every dictionary whose first request b0 has
 // b0 % reps == r, for all of that dictionary's requests ("members") at once. Its warp w
 // takes unit u = kLookupUnits s + w of the U = kLookupUnits S units per KV head (SegList):
-//   hierarchical view (C1 > 0): unit 0 the C1 parent rows; the children of every parent
-//     are cut into pieces of at most R = PieceRows(K, U) rows (about K / (U - 1), at least
-//     64: a parent of many children takes several units, however unequal the k-means
-//     clusters), and
-//     unit u >= 1 takes pieces u - 1, u - 1 + (U - 1), ...;
+//   hierarchical view (C1 > 0): units u < P = ParentUnits(U) the parent rows
+//     [C1 u / P, C1 (u + 1) / P); the children of every parent are cut into pieces of at
+//     most R = PieceRows(K, U) rows (about K / (U - P), at least 64: a parent of many
+//     children takes several units, however unequal the k-means clusters), and
+//     unit u >= P takes pieces u - P, u - P + (U - P), ...;
 //   linear view: one slice per unit, key rows [K u/U, K (u+1)/U).
 // Per (member b, KV head h) it writes to the workspace every parent's score (pscore) and
 // the best (score, row) of every piece (pbest[i] for piece i) or linear slice (pbest[u]).
@@ -676,15 +676,30 @@ struct Seg {
   bool parents = false;
 };
 
-// Rows per piece of a hierarchical view scanned by U units (unit 0 takes the parents, units
-// 1 .. U - 1 the pieces): K / (U - 1) rounded up to a multiple of 16, and at least
-// kMinPieceRows. The lookup and the combine derive the pieces from it and the child offsets
-// alike. The floor keeps parents of a few chunks whole: measured on the H200 (B = 8 / 32 / 64,
-// K = 1024, 32 children per parent), 16-row pieces took 41.0 / 71.7 / 110.4 us per op
-// against 35.4 / 67.6 / 99.9 with whole parents.
+// Units of U that scan a hierarchical view's parent rows (the first ones, CTA s = 0's warps):
+// one per 32 units, 1 to kLookupUnits. A unit of parent rows also stores every row's score
+// for every member; with all the parents on unit 0 the CTAs s = 0 ended the lookup last
+// (H200, LLaMA-8B B = 32, K = 4096, C1 = 64, 68 units: 2.0-4.6 us after their warps 1, the
+// other CTAs a median of 1.3 us after, session 59). Measured (session 63, keys of 64 dims,
+// K = 4096, C1 = 64, four alternating rounds, op us by the rounds' means): one per 32 units
+// against unit 0 alone, LLaMA-8B B = 32 hierarchical 49.10 -> 48.55 (one per 16: 48.78),
+// GQA-8 B = 32 50.22 -> 48.27 (132 units: four either way); B = 64, full keys and linear
+// cells (no parents: the code moved, nothing else) within 0.45; B = 1 hierarchical +0.38 /
+// +0.88 (not explained).
+__device__ __forceinline__ int ParentUnits(int U) {
+  const int q = U / 32;
+  return q < 1 ? 1 : (q > kLookupUnits ? kLookupUnits : q);
+}
+
+// Rows per piece of a hierarchical view scanned by U units (units u < ParentUnits(U) take
+// the parents, the others the pieces): K / (U - ParentUnits(U)) rounded up to a multiple of
+// 16, and at least kMinPieceRows. The lookup and the combine derive the pieces from it and
+// the child offsets alike. The floor keeps parents of a few chunks whole: measured on the
+// H200 (B = 8 / 32 / 64, K = 1024, 32 children per parent), 16-row pieces took 41.0 / 71.7 /
+// 110.4 us per op against 35.4 / 67.6 / 99.9 with whole parents.
 constexpr int kMinPieceRows = 64;
 __device__ __forceinline__ int PieceRows(int64_t K, int U) {
-  const int64_t units = U > 1 ? U - 1 : 1;
+  const int64_t units = U > ParentUnits(U) ? U - ParentUnits(U) : 1;
   const int64_t per = (K + units - 1) / units;
   const int64_t rows = (per + 15) / 16 * 16;
   return int(rows < kMinPieceRows ? kMinPieceRows : rows);
@@ -727,26 +742,28 @@ __device__ __forceinline__ PieceChunk LoadPieceChunk(const int32_t* off, int C1,
 // The segments of unit u of U over view v (see above), in order: Next() gives the next one
 // (call it with every lane of the warp; it may search the child offsets warp-wide).
 //   linear view: one slice, rows [K u/U, K (u+1)/U), slot u (possibly empty);
-//   hierarchical view: unit 0 the C1 parent rows; unit u >= 1 the pieces u - 1, u - 1 +
-//     (U - 1), ... (piece i: part k of parent p's children, rows off[p] + k R .. at most
-//     R rows, p and k such that i - k is the count of the pieces of parents before p),
-//     slot i. Empty parents have no pieces.
+//   hierarchical view: unit u < P = ParentUnits(U) the parent rows [C1 u / P,
+//     C1 (u + 1) / P) (possibly empty); unit u >= P the pieces u - P, u - P + (U - P), ...
+//     (piece i: part k of parent p's children, rows off[p] + k R .. at most R rows, p and k
+//     such that i - k is the count of the pieces of parents before p), slot i. Empty parents
+//     have no pieces.
 struct SegList {
   const DictLayerView* v;
-  int u, U, R;
-  int next_i;          // hierarchical unit >= 1: the next piece; else 0 (to give) or 1 (done)
+  int u, U, R, P;
+  int next_i;          // hierarchical unit >= P: the next piece; else 0 (to give) or 1 (done)
   int c0 = 0, f0 = 0;  // piece search: parents from c0 on, whose pieces start at f0
   __device__ SegList(const DictLayerView& view, int u_, int U_) : v(&view), u(u_), U(U_) {
+    P = view.C1 > 0 ? ParentUnits(U_) : 0;
     R = view.C1 > 0 ? PieceRows(view.K, U_) : 0;
-    next_i = view.C1 > 0 && u_ > 0 ? u_ - 1 : 0;
+    next_i = view.C1 > 0 && u_ >= P ? u_ - P : 0;
   }
   __device__ bool Next(Seg& s) {
-    if (v->C1 == 0 || u == 0) {
+    if (v->C1 == 0 || u < P) {
       if (next_i != 0) return false;
       next_i = 1;
       s.parents = v->C1 > 0;
-      s.lo = s.parents ? 0 : int(v->K * u / U);
-      s.hi = s.parents ? int(v->C1) : int(v->K * (u + 1) / U);
+      s.lo = s.parents ? int(v->C1 * u / P) : int(v->K * u / U);
+      s.hi = s.parents ? int(v->C1 * (u + 1) / P) : int(v->K * (u + 1) / U);
       s.slot = u;
       return true;
     }
@@ -763,7 +780,7 @@ struct SegList {
         s.lo = lo + k * R;
         s.hi = min(hi, s.lo + R);
         s.slot = i;
-        next_i = i + (U - 1);
+        next_i = i + (U - P);
         return true;
       }
       f0 += pc.total;
