@@ -790,12 +790,11 @@ std::unique_ptr<Tokenizer> Tokenizer::from_model_path(const std::string& path) {
     return from_hf_json(tj.string());
   }
   if (!fs::exists(p, ec)) throw IoError(path + ": no such file or directory");
-  if (p.extension() == ".gguf") {
-    const GgufFile file(path);
-    return from_gguf(file);
-  }
   if (p.extension() == ".json") return from_hf_json(path);
-  throw UnsupportedError(path + ": not a .gguf file, a tokenizer.json or a model directory");
+  // Any other file is read as GGUF, whatever its name (open_weights does the same): a file
+  // that is not one fails on its magic.
+  const GgufFile file(path);
+  return from_gguf(file);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -826,9 +826,20 @@ TEST(GgufTokenizer, Errors) {
   expect_error<FormatError>([&] { Tokenizer::from_model_path(p); }, p, "bos_token_id 263");
 
   const std::string dir = scratch_dir("txt");
-  write_file(dir + "/model.bin", "x");
-  expect_error<UnsupportedError>([&] { Tokenizer::from_model_path(dir + "/model.bin"); },
-                                 dir + "/model.bin", "not a .gguf");
+  write_file(dir + "/model.bin", "xxxxxxxxxxxxxxxxxxxxxxxx");
+  expect_error<FormatError>([&] { Tokenizer::from_model_path(dir + "/model.bin"); },
+                            dir + "/model.bin", "not a GGUF file");
+}
+
+// A GGUF file loads by its content, not its name (an extension-less cache blob, .GGUF).
+TEST(GgufTokenizer, LoadsWhateverTheFileName) {
+  const std::string path = synth_gguf("llama-bpe").write("named");
+  const std::string dir = scratch_dir("blob");
+  for (const std::string name : {"blob", "model.GGUF", "model.bin"}) {
+    std::filesystem::copy_file(path, dir + "/" + name);
+    auto tok = Tokenizer::from_model_path(dir + "/" + name);
+    EXPECT_EQ(tok->vocab_size(), 263) << name;
+  }
 }
 
 // ---------------------------------------------------------------------------------------
