@@ -15,7 +15,7 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--model", o->model_path, "GGUF file or Hugging Face directory")->capture_default_str();
   cmd->add_option("--prefix", o->prefix_path, "Prefix text file (rendered as the system message)");
   cmd->add_option("--prefix-tokens", o->prefix_tokens_path,
-                  "Prefix token ids (JSON array or whitespace-separated), used as is");
+                  "Prefix token ids (JSON array or whitespace-separated), used as is; the traces as plain text");
   cmd->add_option("--traces", o->traces_path, "JSONL traces: {\"prompt\": ..., \"response\": ...}")->required();
   cmd->add_option("--entries", o->entries, "Dictionary entries K per layer and KV group")->capture_default_str();
   cmd->add_option("--out", o->out_path, "Dictionary file to write (.asmd)")->required();
@@ -36,8 +36,8 @@ void add_compile_command(CLI::App& app) {
                   "auto | cpu (FAISS) | cuda | reference (the CUDA path's CPU reference)")->capture_default_str();
   cmd->add_flag("--whitening", o->whitening, "Whiten lookup keys with the training keys' Sigma^-1/2");
   cmd->add_option("--key-rank", o->key_rank,
-                  "Reduce lookup keys to r dims (their top principal directions; a multiple of 64 below G*d; "
-                  "0: all G*d dims)")
+                  "Reduce lookup keys to r dims (their top principal directions; below G*d, a multiple of 64 up to "
+                  "512 or of 128 up to 1024; 0: all G*d dims)")
       ->capture_default_str();
   cmd->add_option("--key-mode", o->key_mode, "Lookup keys: pre_rope | rope_unified")->capture_default_str();
   cmd->add_option("--rope-position", o->rope_position,

@@ -399,14 +399,25 @@ std::string fmt(double x) {
   return b;
 }
 
+// How a compile lays out the traces' turns and ends a response: "chatml" / "llama3" (chat)
+// or "raw", then the end-of-turn token id. A stored response is reused only under the same
+// layout: a raw compile's responses are text continuations ending in EOS, a chat compile's
+// are assistant turns.
+std::string layout_key(const PromptLayout& layout, int32_t eot) {
+  const char* name = !layout.chat ? "raw" : layout.format == ChatFormat::kLlama3 ? "llama3" : "chatml";
+  return std::string(name) + " " + std::to_string(eot);
+}
+
 // The responses an earlier compile generated (OLD.asmd.responses.jsonl, one JSON object per
-// line: prompt, response, response_ids, model, max_response_tokens), keyed by prompt: those
-// of this model (`model_key`) and this --max-response-tokens. A missing file holds none; a
-// line that is not such an object, or whose ids lie outside [0, vocab), throws FormatError
-// "FILE:LINE: ...".
+// line: prompt, response, response_ids, model, max_response_tokens, layout), keyed by prompt:
+// those of this model (`model_key`), this --max-response-tokens and this layout (`layout`,
+// layout_key; a line without one, from before it was stored, is not reused). A missing file
+// holds none; a line that is not such an object, or whose ids lie outside [0, vocab), throws
+// FormatError "FILE:LINE: ...".
 std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(const std::string& path,
                                                                             const std::string& model_key,
                                                                             int64_t max_response_tokens,
+                                                                            const std::string& layout,
                                                                             int64_t vocab) {
   std::unordered_map<std::string, std::vector<int32_t>> out;
   std::error_code ec;
@@ -434,6 +445,9 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
       throw bad("\"max_response_tokens\" is missing or not an integer");
     }
     if (model->get<std::string>() != model_key || max_tok->get<int64_t>() != max_response_tokens) continue;
+    const auto lay = j.find("layout");
+    if (lay != j.end() && !lay->is_string()) throw bad("\"layout\" is not a string");
+    if (lay == j.end() || lay->get<std::string>() != layout) continue;
     const auto prompt = j.find("prompt"), ids = j.find("response_ids");
     if (prompt == j.end() || !prompt->is_string()) throw bad("\"prompt\" is missing or not a string");
     if (ids == j.end() || !ids->is_array() || ids->empty()) throw bad("\"response_ids\" is missing or not a non-empty array");
@@ -553,6 +567,10 @@ void compile_dictionary(const CompileOptions& opt) {
     prefix_ids = layout_prefix_tokens(*tok, layout, prefix_text);
   }
   const int64_t P = int64_t(prefix_ids.size());
+  if (P == 0) {
+    throw InvalidArgument((opt.prefix_tokens_path.empty() ? opt.prefix_path : opt.prefix_tokens_path) +
+                          ": the prefix has no tokens");
+  }
   TraceFileStats tstats;
   std::vector<Trace> traces = read_traces(opt.traces_path, opt.skip_malformed, &tstats, "--skip-malformed");
   if (tstats.skipped) {
@@ -565,6 +583,9 @@ void compile_dictionary(const CompileOptions& opt) {
   for (size_t i = 0; i < traces.size(); ++i) {
     tt[i].prompt = traces[i].prompt;
     tt[i].turn = layout_turn_tokens(*tok, layout, traces[i].prompt);
+    if (tt[i].turn.empty()) {  // raw text the tokenizer maps to nothing
+      throw InvalidArgument(opt.traces_path + ":" + std::to_string(traces[i].line) + ": the prompt has no tokens");
+    }
     if (traces[i].response) tt[i].response = layout_response_tokens(*tok, layout, *traces[i].response);
     max_trace = std::max<int64_t>(max_trace, int64_t(tt[i].turn.size()) +
                                                  (traces[i].response ? int64_t(tt[i].response.size())
@@ -601,7 +622,8 @@ void compile_dictionary(const CompileOptions& opt) {
   if (!opt.update_path.empty()) {
     old = DictionaryFile::open(opt.update_path, /*verify_data=*/false);
     old->check_model(fp);
-    reuse = read_stored_responses(opt.update_path + ".responses.jsonl", model_key, opt.max_response_tokens, cfg.vocab);
+    reuse = read_stored_responses(opt.update_path + ".responses.jsonl", model_key, opt.max_response_tokens,
+                                  layout_key(layout, eot), cfg.vocab);
   }
 
   // --- prefill ------------------------------------------------------------------------------
@@ -747,7 +769,8 @@ void compile_dictionary(const CompileOptions& opt) {
                           {"response", tok->decode(body)},
                           {"response_ids", t.response},
                           {"model", model_key},
-                          {"max_response_tokens", opt.max_response_tokens}};
+                          {"max_response_tokens", opt.max_response_tokens},
+                          {"layout", layout_key(layout, eot)}};
       side += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     }
   }

@@ -15,6 +15,7 @@
 #include "asmem/compiler/compile.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
+#include "asmem/model/prompt_layout.h"
 #include "asmem/model/tokenizer.h"
 #include "model_test_util.h"
 
@@ -132,6 +133,23 @@ TEST_F(CompileSmall, WritesValidDictionaryReportAndIsDeterministic) {
   EXPECT_EQ(urep.at("reused_responses").get<int64_t>(), rep.at("generated_responses").get<int64_t>());
   EXPECT_EQ(slurp(dir_ + "/c.asmd.responses.jsonl"), slurp(a + ".responses.jsonl"));
   EXPECT_NO_THROW(DictionaryFile::open(dir_ + "/c.asmd"));
+  // The stored responses name their prompt layout; a raw compile reuses none of a chat
+  // compile's (assistant turns ending in <|im_end|>, not text continuations ending in EOS).
+  const auto first_line = [&](const std::string& path) {
+    const std::string text = slurp(path);
+    return nlohmann::json::parse(text.substr(0, text.find('\n')));
+  };
+  const std::string chat_layout = first_line(a + ".responses.jsonl").at("layout").get<std::string>();
+  EXPECT_EQ(chat_layout.rfind("chatml ", 0), 0u) << chat_layout;
+  CompileOptions r = options(dir_ + "/d.asmd");
+  r.update_path = a;
+  r.raw = true;
+  compile_dictionary(r);
+  nlohmann::json rrep = nlohmann::json::parse(slurp(dir_ + "/d.asmd.report.json"));
+  EXPECT_EQ(rrep.at("reused_responses").get<int64_t>(), 0);
+  EXPECT_EQ(rrep.at("generated_responses").get<int64_t>(), rep.at("generated_responses").get<int64_t>());
+  const std::string raw_layout = first_line(dir_ + "/d.asmd.responses.jsonl").at("layout").get<std::string>();
+  EXPECT_EQ(raw_layout.rfind("raw ", 0), 0u) << raw_layout;
 }
 
 TEST_F(CompileSmall, RopeUnifiedKeysAndWhitening) {
@@ -449,6 +467,19 @@ TEST_F(CompileSmall, RejectsBadInputsWithOneLineErrors) {
     EXPECT_NE(std::string(e.what()).find("bad.jsonl:2:"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd"));
+  // Raw text the tokenizer maps to no token (SmolLM2 has none for byte 0x04): a prefix or a
+  // prompt of no tokens is refused by name, before the prefill.
+  o = options(dir_ + "/x.asmd");
+  o.raw = true;
+  std::ofstream(dir_ + "/ctl.txt") << "\x04\x04";
+  o.prefix_path = dir_ + "/ctl.txt";
+  test::expect_error<InvalidArgument>([&] { compile_dictionary(o); }, {dir_ + "/ctl.txt: the prefix has no tokens"});
+  o = options(dir_ + "/x.asmd");
+  o.raw = true;
+  std::ofstream(dir_ + "/ctl.jsonl") << "{\"prompt\": \"Hi\"}\n{\"prompt\": \"\\u0004\"}\n";
+  o.traces_path = dir_ + "/ctl.jsonl";
+  test::expect_error<InvalidArgument>([&] { compile_dictionary(o); }, {dir_ + "/ctl.jsonl:2: the prompt has no tokens"});
+  EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd"));
 }
 
 // --update reads the old compile's stored responses before any work; a malformed line is a
@@ -463,7 +494,12 @@ TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
   o.entries = 4;
   compile_dictionary(o);
   const std::string key = std::to_string(DictionaryFile::open(dir_ + "/old.asmd")->manifest().model.attn_weights_hash);
-  const std::string ours = "\"model\": \"" + key + "\", \"max_response_tokens\": 6";
+  const std::string ours_key = "\"model\": \"" + key + "\", \"max_response_tokens\": 6";
+  // This compile's prompt layout (chat, ChatML, ending a turn with <|im_end|>), as a
+  // generated response would be stored.
+  const auto tok = Tokenizer::from_model_path(test::model_path());
+  const int32_t eot = layout_end_of_turn(*tok, make_prompt_layout(*tok, true));
+  const std::string ours = ours_key + ", \"layout\": \"chatml " + std::to_string(eot) + "\"";
   const std::string other = "{\"model\": \"1\", \"max_response_tokens\": 6, \"prompt\": \"x\", \"response_ids\": [1]}";
   struct Case {
     std::string line, want;
@@ -475,6 +511,7 @@ TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
       {"{" + ours + ", \"response_ids\": [1, 2]}", "\"prompt\" is missing"},
       {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": \"x\"}", "\"response_ids\" is missing or not"},
       {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": [1, 99999999]}", "holds 99999999, not a token id"},
+      {"{" + ours_key + ", \"layout\": 3, \"prompt\": \"Hi\", \"response_ids\": [1]}", "\"layout\" is not a string"},
   };
   o = options(dir_ + "/new.asmd");
   o.update_path = dir_ + "/old.asmd";
