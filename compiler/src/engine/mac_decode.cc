@@ -215,6 +215,11 @@ void MacDecode::clear_stats() {
   stats_.layers.assign(size_t(L_), MacLayerStats{});
 }
 
+void MacDecode::begin_forward(int64_t T, bool decode) {
+  decode_forward_ = decode;
+  if (opt_.inner) opt_.inner->begin_forward(T, decode);
+}
+
 AttnState MacDecode::prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
                                   const at::Tensor& positions, const AttnState& exact_prefix) {
   AttnState st = opt_.inner ? opt_.inner->prefix_state(layer, q_pre, q, positions, exact_prefix) : exact_prefix;
@@ -231,7 +236,7 @@ AttnState MacDecode::prefix_state(int64_t layer, const at::Tensor& q_pre, const 
     chunk_start_ = seen_;
     seen_ += T;
   }
-  if (T > 1) {
+  if (!decode_forward_) {  // a prompt's chunk (of any length): its queries go into the rings
     Layer& ly = *layers_[size_t(layer)];
     if (record_queries_) record_queries(ly, q_pre, chunk_start_, false);
     const int64_t W = opt_.mac.window;

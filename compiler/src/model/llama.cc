@@ -309,6 +309,9 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
   auto [cos, sin] = rope_tables(positions);
   at::Tensor key_start;
   if (!cache.start.empty()) key_start = at::tensor(cache.start, at::TensorOptions().dtype(at::kLong));
+  // A decode step: one new token per sequence, no left padding, not a prompt's chunk.
+  const bool decode = opts.hook != nullptr && T == 1 && !opts.prefill && cache.start.empty();
+  if (opts.hook) opts.hook->begin_forward(T, decode);
 
   at::Tensor x = embed_.index_select(0, tokens.reshape({-1})).reshape({B, T, cfg_.hidden});
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
@@ -336,7 +339,7 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens_in, KVCache& cache,
     }
     if (opts.hook) prefix = opts.hook->prefix_state(l, q_pre, q, positions, prefix);
     AttnState own, st;
-    if (opts.hook && T == 1 && cache.start.empty()) {
+    if (decode) {
       st = opts.hook->decode_state(l, q_pre, q, cache.k[l], cache.v[l], cache.length + 1, prefix);
     }
     if (!st.defined()) {
@@ -370,14 +373,8 @@ at::Tensor LlamaModel::prefill(const at::Tensor& tokens, KVCache& cache, int64_t
   at::Tensor last;
   for (int64_t s = 0, n = 0; s < T; s += n) {
     n = std::min(chunk, T - s);
-    // A hook sees a forward of one token per sequence as a decode step (forward()): with
-    // one, no chunk of a longer prompt is one token long (chunks of at least two; a chunk
-    // that would leave one token behind gives it one token fewer, or takes it along).
-    if (opts.hook && T - s > 1) {
-      n = std::max<int64_t>(n, 2);
-      if (T - s - n == 1) n = n > 2 ? n - 1 : n + 1;
-    }
     ForwardOptions o = opts;
+    o.prefill = true;
     const bool final_chunk = s + n == T;
     o.logits = opts.logits && final_chunk;
     o.last_logits_only = true;

@@ -27,6 +27,10 @@ namespace {
 class Twin : public AttentionHook {
  public:
   Twin(MacDecode* gpu, MacDecode* cpu) : gpu_(gpu), cpu_(cpu) {}
+  void begin_forward(int64_t T, bool decode) override {
+    cpu_->begin_forward(T, decode);
+    gpu_->begin_forward(T, decode);
+  }
   AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
                          const AttnState& exact_prefix) override {
     cpu_->prefix_state(layer, host(q_pre), host(q), positions, {});

@@ -50,6 +50,7 @@ Loaded& loaded() {
 class MacObserver : public AttentionHook {
  public:
   explicit MacObserver(MacDecode* mac) : mac_(mac) {}
+  void begin_forward(int64_t T, bool decode) override { mac_->begin_forward(T, decode); }
   AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q, const at::Tensor& positions,
                          const AttnState& exact_prefix) override {
     return mac_->prefix_state(layer, q_pre, q, positions, exact_prefix);
@@ -181,10 +182,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, MacNoHit,
                                            NoHitCase{"disabled", no_hit_disabled()}),
                          [](const ::testing::TestParamInfo<NoHitCase>& i) { return std::string(i.param.name); });
 
-// A prompt whose last prefill chunk would be one token: that token is still prefill (the
-// hook takes one-token forwards for decode steps), for any chunk size, so the engine counts
-// only the continuation's decode steps and its outputs equal exact decoding.
-TEST_F(MacEngine, NoPrefillChunkIsOneToken) {
+// Prefill chunks of one token (a chunk size of 1, a last chunk of one token, a one-token
+// prompt) are prefill, not decode steps: the engine counts only the continuation's decode
+// steps and its outputs equal exact decoding.
+TEST_F(MacEngine, OneTokenPrefillChunksAreNoDecodeSteps) {
   std::vector<int32_t> prompt, cont;
   split(9, &prompt, &cont);
   const at::Tensor exact = run(nullptr, prompt, cont);
@@ -198,6 +199,16 @@ TEST_F(MacEngine, NoPrefillChunkIsOneToken) {
     const FidelityStats f = compare_next_token(exact, got);
     EXPECT_EQ(f.agree, f.tokens);
   }
+  // A one-token prompt (its forward was taken for a decode step: one step too many).
+  const std::vector<int32_t> one(ids_.begin(), ids_.begin() + 1), next(ids_.begin() + 1, ids_.begin() + 6);
+  const at::Tensor exact1 = run(nullptr, one, next);
+  MacDecodeOptions o;
+  o.mac = no_hit_tau();
+  MacDecode mac(*model_, o);
+  const at::Tensor got1 = run(&mac, one, next);
+  EXPECT_EQ(mac.stats().steps, int64_t(next.size()) - 1);
+  const FidelityStats f1 = compare_next_token(exact1, got1);
+  EXPECT_EQ(f1.agree, f1.tokens);
 }
 
 TEST_F(MacEngine, BandCoveringTheContextIsExactEvenOnHits) {

@@ -248,6 +248,38 @@ TEST(LlamaForward, SharedPrefixSegmentEqualsOneSequence) {
   EXPECT_GT(rel_err(no_prefix, got), 1e-3);  // the prefix mattered
 }
 
+// begin_forward says which forwards are decode steps: one token per sequence outside a
+// prompt; prefill chunks never are, one-token ones (a one-token prompt, chunk 1) included.
+TEST(LlamaForward, BeginForwardMarksDecodeSteps) {
+  struct Forwards : AttentionHook {
+    std::vector<std::pair<int64_t, bool>> calls;
+    int64_t decode_calls = 0;
+    void begin_forward(int64_t T, bool decode) override { calls.emplace_back(T, decode); }
+    AttnState prefix_state(int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const AttnState& exact) override {
+      return exact;
+    }
+    AttnState decode_state(int64_t layer, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t, const AttnState&) override {
+      if (layer == 0) ++decode_calls;
+      return {};
+    }
+  };
+  TinyWeights w(tiny_config(), 3);
+  LlamaModel m(w, at::Device(at::kCPU), at::kFloat);
+  Forwards hook;
+  ForwardOptions fo;
+  fo.hook = &hook;
+  KVCache c = m.new_cache(1, 8);
+  m.prefill(random_tokens(1, 1, 50, 1), c, 4, fo);  // a one-token prompt
+  m.prefill(random_tokens(1, 3, 50, 2), c, 1, fo);  // chunks of one token
+  m.forward(random_tokens(1, 1, 50, 3), c, fo);     // a decode step
+  m.forward(random_tokens(1, 2, 50, 4), c, fo);     // two tokens: not one
+  using Call = std::pair<int64_t, bool>;
+  EXPECT_EQ(hook.calls, (std::vector<Call>{{1, false}, {1, false}, {1, false}, {1, false}, {1, true}, {2, false}}));
+  EXPECT_EQ(hook.decode_calls, 1);
+}
+
 // Chunked calibration: independently prefilled parts become segments; the prefix state is
 // the merge of the states over each part, and traces start after the longest part.
 TEST(LlamaForward, PrefixPartsMergeTheirStates) {

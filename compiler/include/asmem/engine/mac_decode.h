@@ -113,6 +113,7 @@ class MacDecode : public AttentionHook {
   // decode step was recorded.
   QueryTrace query_trace(const std::string& model_name) const;
 
+  void begin_forward(int64_t T, bool decode) override;
   AttnState prefix_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
                          const at::Tensor& positions, const AttnState& exact_prefix) override;
   AttnState decode_state(int64_t layer, const at::Tensor& q_pre, const at::Tensor& q,
@@ -146,6 +147,7 @@ class MacDecode : public AttentionHook {
   bool slots_dirty_ = true;
   int64_t seen_ = 0;            // own tokens seen since reset() (counted at layer 0)
   int64_t chunk_start_ = 0;     // own index of the forward in progress's first token
+  bool decode_forward_ = false;  // the forward in progress is a decode step (begin_forward)
   MacStats stats_;
   bool record_hits_ = false;
   bool record_queries_ = false;

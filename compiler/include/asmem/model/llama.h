@@ -55,6 +55,11 @@ struct KVCache {
 class AttentionHook {
  public:
   virtual ~AttentionHook() = default;
+  // Called once at the start of every forward of T tokens per sequence, before any layer:
+  // `decode` says whether it is a decode step (one new token per sequence, no left padding,
+  // not a prompt's chunk: ForwardOptions::prefill), the forwards decode_state() is called in.
+  // A hook that wraps another forwards it. Default: nothing.
+  virtual void begin_forward(int64_t T, bool decode) {}
   // q_pre: [B, T, Hq, d] pre-RoPE queries; q: the same after RoPE (model dtype).
   // positions: [B, T] int64 absolute positions of the chunk's tokens (left-padding slots
   // carry the position of their sequence's first real token).
@@ -87,6 +92,8 @@ struct ForwardOptions {
   AttentionHook* hook = nullptr;   // null: use the exact prefix state as is
   bool logits = true;              // compute logits at all
   bool last_logits_only = false;   // logits of the last position only ([B, 1, V])
+  bool prefill = false;            // a prompt's tokens (prefill() sets it): never a decode
+                                   // step, a one-token prompt included
 };
 
 class LlamaModel {
@@ -121,9 +128,8 @@ class LlamaModel {
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const ForwardOptions& opts = {});
 
   // forward() over chunks of at most `chunk` tokens; returns the last position's logits
-  // [B, V]. `progress(done, total)` is called after each chunk when set. With a hook, no
-  // chunk of a prompt longer than one token is one token long (a hook takes a one-token
-  // forward for a decode step): such a chunk is moved into its neighbour.
+  // [B, V]. `progress(done, total)` is called after each chunk when set. The chunks are
+  // prefill forwards (ForwardOptions::prefill), whatever their length.
   at::Tensor prefill(const at::Tensor& tokens, KVCache& cache, int64_t chunk,
                      const ForwardOptions& opts = {},
                      const std::function<void(int64_t, int64_t)>& progress = nullptr);
