@@ -68,6 +68,10 @@ struct GenerateArgs {
 // With --save-queries: the trace of the MAC run (asmem/query_trace.h), written atomically.
 void save_query_trace(const GenerateArgs& a, const MacDecode& mac) {
   if (a.save_queries.empty()) return;
+  if (mac.stats().steps == 0) {
+    throw InvalidArgument("--save-queries: no decode step ran (the generation stopped at its first new token), "
+                          "so no query trace was written");
+  }
   const QueryTrace t = mac.query_trace(std::filesystem::path(a.model).filename().string());
   write_query_trace(a.save_queries, t);
   std::fprintf(stderr, "query trace: %s (%d layers, %lld positions from %lld, first decode step at %lld)\n",
@@ -425,6 +429,10 @@ void add_generate_command(CLI::App& app) {
     if (args->use_mac) ValidateMacConfig(args->mac);
     if (!args->save_queries.empty() && !args->use_mac) throw InvalidArgument("--save-queries applies only with --mac");
     if (!args->save_queries.empty()) {
+      if (args->max_new_tokens < 2) {
+        throw InvalidArgument("--save-queries needs --max-new-tokens of at least 2 (the first new token comes from "
+                              "the prompt's forward; the trace needs decode steps)");
+      }
       check_output_path(args->save_queries, "--save-queries");
       check_not_an_input(args->save_queries, "--save-queries",
                          {{"--prompt-file", args->prompt_file}, {"--system-file", args->system_file},

@@ -54,6 +54,9 @@ CASES = [
      ["--json '@FILE' is the --dict input"]),
     (["generate", "--prompt", "hi", "--mac", "--system-file", "@FILE", "--save-queries", "@FILE"],
      ["--save-queries '@FILE' is the --system-file input"]),
+    # A query trace holds decode steps: one new token has none (it failed after the run).
+    (["generate", "--prompt", "hi", "--mac", "--max-new-tokens", "1", "--save-queries", "@DIR/q.asmq"],
+     ["--save-queries needs --max-new-tokens of at least 2"]),
 ]
 
 
