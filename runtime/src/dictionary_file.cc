@@ -4,6 +4,7 @@
 #include "asmem/dictionary.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cinttypes>
 #include <cmath>
@@ -559,15 +560,22 @@ std::string destination_problem(const std::string& path) {
   return "";
 }
 
-// The temp file beside the destination; removed on destruction unless renamed into place.
+// The temp file beside the destination, `<path>.tmp.<pid>.<n>` (n counts this process's
+// temp files), created exclusively: two writers of one path in a process never share one,
+// and a file or symbolic link already at the name is never written through (the next n is
+// tried). Removed on destruction unless renamed into place.
 class TempFile {
  public:
-  explicit TempFile(const std::string& path)
-      : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
+  explicit TempFile(const std::string& path) : path_(path) {
     const std::string why = destination_problem(path);
     if (!why.empty()) throw IoError(path + ": " + why);
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("cannot create " + tmp_);
+    static std::atomic<uint64_t> counter{0};
+    const std::string base = path + ".tmp." + std::to_string(::getpid()) + ".";
+    for (int attempt = 0; fd_ < 0; ++attempt) {
+      tmp_ = base + std::to_string(counter.fetch_add(1));
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+      if (fd_ < 0 && (errno != EEXIST || attempt == 63)) fail("cannot create " + tmp_);
+    }
   }
   ~TempFile() {
     if (fd_ >= 0) ::close(fd_);
@@ -643,9 +651,10 @@ bool older_or_same(const struct timespec& a, const struct timespec& b) {
   return a.tv_sec < b.tv_sec || (a.tv_sec == b.tv_sec && a.tv_nsec <= b.tv_nsec);
 }
 
-// Removes `<name>.tmp.<pid>` siblings of `path` left by writers that died (SIGKILL, power
-// loss): the pid names no live process on this host and the file was last modified no later
-// than the file just written. Best effort: failures are ignored.
+// Removes `<name>.tmp.<pid>.<n>` (and the older `<name>.tmp.<pid>`) siblings of `path` left
+// by writers that died (SIGKILL, power loss): the pid names no live process on this host and
+// the file was last modified no later than the file just written. Best effort: failures are
+// ignored.
 void remove_stale_temps(const std::string& path, const struct timespec& written) {
   const std::string dir = TempFile::directory_of(path);
   const std::string prefix = std::filesystem::path(path).filename().string() + ".tmp.";
@@ -654,10 +663,13 @@ void remove_stale_temps(const std::string& path, const struct timespec& written)
   while (const struct dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string digits = name.substr(prefix.size());
-    if (digits.size() > 9 ||
-        !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
+    const std::string rest = name.substr(prefix.size());
+    const size_t dot = rest.find('.');
+    const std::string digits = rest.substr(0, dot), n = dot == std::string::npos ? "1" : rest.substr(dot + 1);
+    auto all_digits = [](const std::string& x) {
+      return !x.empty() && std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (digits.size() > 9 || !all_digits(digits) || n.size() > 19 || !all_digits(n)) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(digits));
     if (pid <= 0 || pid == ::getpid()) continue;
     if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)

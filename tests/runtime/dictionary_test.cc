@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
@@ -1201,12 +1203,19 @@ TEST_F(DictionaryWrite, SigkillMidWriteLeavesTheOriginalIntact) {
       }
       ::_exit(0);
     }
-    const std::string tmp = path_ + ".tmp." + std::to_string(pid);
+    // The writer's temp file: dict.asmd.tmp.<pid>.<n>, n its process's count of temp files.
+    const std::string tmp_prefix = fs::path(path_).filename().string() + ".tmp." + std::to_string(pid) + ".";
+    std::string tmp;
     bool killed = false;
     int status = 0;
     for (;;) {
+      if (tmp.empty()) {
+        for (const std::string& n : dir_entries(dir_)) {
+          if (n.rfind(tmp_prefix, 0) == 0) tmp = dir_ + "/" + n;
+        }
+      }
       struct stat st {};
-      if (::stat(tmp.c_str(), &st) == 0 && st.st_size >= 16 * 1024 * 1024) {
+      if (!tmp.empty() && ::stat(tmp.c_str(), &st) == 0 && st.st_size >= 16 * 1024 * 1024) {
         ::kill(pid, SIGKILL);
         killed = true;
         break;
@@ -1254,28 +1263,68 @@ TEST_F(DictionaryWrite, StaleTempFilesOfDeadWritersAreRemoved) {
   const pid_t dead = dead_pid(), dead2 = dead_pid();
   ASSERT_GT(dead, 0);
   ASSERT_GT(dead2, 0);
+  // Temp files are named <name>.tmp.<pid>.<n>; <name>.tmp.<pid> of earlier writers too.
   const std::string stale = "dict.asmd.tmp." + std::to_string(dead);
-  const std::string live = "dict.asmd.tmp." + std::to_string(::getppid());  // a live process
-  const std::string future = "dict.asmd.tmp." + std::to_string(dead2);      // newer than the write
-  const std::string other = "other.asmd.tmp." + std::to_string(dead);       // another file's
+  const std::string stale_n = "dict.asmd.tmp." + std::to_string(dead) + ".7";
+  const std::string live = "dict.asmd.tmp." + std::to_string(::getppid()) + ".0";  // a live process
+  const std::string future = "dict.asmd.tmp." + std::to_string(dead2) + ".0";      // newer than the write
+  const std::string other = "other.asmd.tmp." + std::to_string(dead);              // another file's
   const std::string not_pid = "dict.asmd.tmp.x1";
-  for (const auto& n : {stale, live, future, other, not_pid}) write_file(file(n), "partial");
+  const std::string not_n = "dict.asmd.tmp." + std::to_string(dead) + ".x";
+  for (const auto& n : {stale, stale_n, live, future, other, not_pid, not_n}) write_file(file(n), "partial");
   // Stale files are old; the one from the future must survive the mtime rule even if its
   // pid is not alive.
   struct timespec times[2] = {{0, UTIME_OMIT}, {0, 0}};
   times[1].tv_sec = ::time(nullptr) - 3600;
-  for (const auto& n : {stale, live, other, not_pid})
+  for (const auto& n : {stale, stale_n, live, other, not_pid, not_n})
     ASSERT_EQ(::utimensat(AT_FDCWD, file(n).c_str(), times, 0), 0);
   times[1].tv_sec = ::time(nullptr) + 3600;
   ASSERT_EQ(::utimensat(AT_FDCWD, file(future).c_str(), times, 0), 0);
 
   write_dictionary(path_, synth_->m);
   EXPECT_FALSE(fs::exists(file(stale)));
+  EXPECT_FALSE(fs::exists(file(stale_n)));
   EXPECT_TRUE(fs::exists(file(live)));
   EXPECT_TRUE(fs::exists(file(other)));
   EXPECT_TRUE(fs::exists(file(not_pid)));
+  EXPECT_TRUE(fs::exists(file(not_n)));
   EXPECT_TRUE(fs::exists(file(future)));
-  expect_original_intact({future, live, not_pid, other});
+  expect_original_intact({future, live, not_pid, not_n, other});
+}
+
+// Writers of one path in one process each have a temp file of their own: every write
+// succeeds and the file always holds one writer's whole content (they shared one temp file:
+// renames failed and a file mixed both). A link at a temp name is never written through.
+TEST(WriteFileAtomic, ConcurrentWritersOfOnePathNeverMix) {
+  const std::string dir = test::temp_dir("atomic_race");
+  const std::string p = dir + "/out.json", victim = dir + "/victim.txt";
+  std::ofstream(victim) << "keep";
+  // Links where a writer's temp files could be named (this process's pid, small counters).
+  for (int n = 0; n < 8; ++n) {
+    std::filesystem::create_symlink(victim, p + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(n));
+  }
+  const std::string a(1 << 20, 'A'), b(1 << 19, 'B');
+  std::atomic<int> errors{0};
+  auto writer = [&](const std::string& text) {
+    for (int i = 0; i < 50; ++i) {
+      try {
+        write_file_atomic(p, text);
+      } catch (const IoError&) {
+        ++errors;
+      }
+    }
+  };
+  std::thread t1(writer, a), t2(writer, b);
+  t1.join();
+  t2.join();
+  EXPECT_EQ(errors.load(), 0);
+  std::ifstream in(p, std::ios::binary);
+  const std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(got == a || got == b) << "a file of " << got.size() << " bytes mixing both writers";
+  std::ifstream v(victim);
+  const std::string kept((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "keep");
+  EXPECT_FALSE(std::filesystem::is_symlink(p));
 }
 
 }  // namespace

@@ -139,7 +139,8 @@ class DictionaryFile {
   bool copied_ = false;           // map_ is a private copy (free()), not a mapping
 };
 
-// Writes a dictionary: manifest + 64-byte aligned blobs, to `path` + ".tmp.<pid>", fsync,
+// Writes a dictionary: manifest + 64-byte aligned blobs, to `path` + ".tmp.<pid>.<n>" (a
+// name of its own, created exclusively), fsync,
 // rename over `path`, fsync the directory. An existing file at `path` is untouched until
 // the rename; on any error the temp file is removed. Section TensorRefs point at caller
 // memory in the dtypes they declare.
@@ -151,7 +152,7 @@ class DictionaryFile {
 // the file always gets the current one. Sections are written in (layer, kv_head) order
 // whatever their order in `manifest`; the same manifest and data give the same bytes.
 // A writer killed mid-write (SIGKILL, power loss) leaves only its temp file; the next
-// successful write of the same path removes `<name>.tmp.<pid>` siblings whose pid is not
+// successful write of the same path removes `<name>.tmp.<pid>[.<n>]` siblings whose pid is not
 // a live process and that are no newer than the file it wrote. I/O failures: asmem::IoError.
 void write_dictionary(const std::string& path, const DictionaryManifest& manifest);
 
