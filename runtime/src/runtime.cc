@@ -342,9 +342,9 @@ DecodeRuntime::~DecodeRuntime() {
 const RuntimeOptions& DecodeRuntime::options() const { return impl_->opt; }
 Device DecodeRuntime::device() const { return impl_->opt.device; }
 
-size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
-  const Impl& s = *impl_;
-  const char* fn = "DecodeRuntime::workspace_bytes";
+namespace {
+// StepConfig's rules (runtime.h) for `fn`'s message; the CPU runtime's dtypes: f32, f16, bf16.
+void CheckStep(const StepConfig& step, bool cuda, const char* fn) {
   if (step.max_batch < 1) {
     throw InvalidArgument(std::string(fn) + ": step.max_batch must be >= 1, got " +
                           str(step.max_batch));
@@ -356,14 +356,18 @@ size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
   if (step.max_seq_len < 0) {
     throw InvalidArgument(std::string(fn) + ": step.max_seq_len must be >= 0");
   }
-  if (!s.cuda) {
-    if (step.dtype != KernelDType::kF32 && step.dtype != KernelDType::kF16 &&
-        step.dtype != KernelDType::kBF16) {
-      throw InvalidArgument(std::string(fn) + ": step.dtype " + str(int32_t(step.dtype)) +
-                            " is not f32, f16 or bf16");
-    }
-    return 0;
+  if (!cuda && step.dtype != KernelDType::kF32 && step.dtype != KernelDType::kF16 &&
+      step.dtype != KernelDType::kBF16) {
+    throw InvalidArgument(std::string(fn) + ": step.dtype " + str(int32_t(step.dtype)) +
+                          " is not f32, f16 or bf16");
   }
+}
+}  // namespace
+
+size_t DecodeRuntime::workspace_bytes(const StepConfig& step) const {
+  const Impl& s = *impl_;
+  CheckStep(step, s.cuda, "DecodeRuntime::workspace_bytes");
+  if (!s.cuda) return 0;
   // max_dict_keys 0 (unknown): the plan of the most KV splits, whose workspace also holds
   // the one-wave plan that known dictionary sizes may give (DecodeConfig::max_dict_keys).
   return PlanDecode(s.config(step, kPlanAllRows, true, 0u)).workspace_bytes;
@@ -686,6 +690,7 @@ void DecodeRuntime::decode(int32_t layer, const StepConfig& step, const DecodeAr
     p.lookup_keys_stride_b = a.lookup_keys_stride_b ? a.lookup_keys_stride_b : s.Hkv * p.lookup_keys_stride_h;
   };
   if (!s.cuda) {
+    CheckStep(step, false, fn);  // the CUDA op checks its own (WhyUnsupported)
     // The snapshot keeps every dictionary this call may read alive until it returns.
     const std::shared_ptr<const Snapshot> snap = s.snapshot();
     // key_dims: the resident widths, as on CUDA (lookup_keys rows must hold the widest).

@@ -175,6 +175,16 @@ TEST_F(RuntimeTest, DecodeArgumentsAreChecked) {
   small.max_batch = 1;
   expect_error<InvalidArgument>([&] { rt.decode(0, small, args3, nullptr, 0); },
                                 {"batch 2 is outside [1, max_batch = 1]"});
+  // The step's dtype and page size (StepConfig's rules; the CPU runtime read an i8 step's
+  // f32 inputs as int8 and left o unwritten for an unknown dtype, without an error).
+  StepConfig odd = st.step_config();
+  odd.dtype = KernelDType::kI8;
+  expect_error<InvalidArgument>([&] { rt.decode(0, odd, args, nullptr, 0); },
+                                {"DecodeRuntime::decode: step.dtype", "is not f32, f16 or bf16"});
+  odd = st.step_config();
+  odd.page_size = 3;
+  expect_error<InvalidArgument>([&] { rt.decode(0, odd, args, nullptr, 0); },
+                                {"DecodeRuntime::decode: step.page_size 3 is not a power of two"});
   // No own workspace configured (options.step.max_batch == 0).
   expect_error<InvalidArgument>([&] { rt.decode(0, args3); }, {"has no workspace of its own"});
   DecodeArgs partial = args;
