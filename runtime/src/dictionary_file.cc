@@ -752,6 +752,50 @@ std::string ModelFingerprint::mismatch(const ModelFingerprint& model) const {
 }
 
 // ---------------------------------------------------------------------------------------
+// Reading
+// ---------------------------------------------------------------------------------------
+
+namespace {
+// Opens `path` for reading if it is a regular file (its stat in *st). O_NONBLOCK: opening a
+// FIFO would wait for a writer; it then fails the regular-file check at once (the flag does
+// nothing to a regular file's reads). Throws IoError "<path>: <problem>".
+int open_regular(const std::string& path, struct stat* st) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw IoError(path + ": cannot open: " + errno_text(errno));
+  if (::fstat(fd, st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw IoError(path + ": cannot stat: " + errno_text(e));
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    throw IoError(path + ": not a regular file");
+  }
+  return fd;
+}
+}  // namespace
+
+std::string read_regular_file(const std::string& path) {
+  struct stat st {};
+  const int fd = open_regular(path, &st);
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      throw IoError(path + ": read error: " + errno_text(e));
+    }
+    if (n == 0) break;
+    out.append(buf, size_t(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
 // DictionaryFile
 // ---------------------------------------------------------------------------------------
 
@@ -764,18 +808,8 @@ std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bo
                                                      bool private_copy) {
   std::unique_ptr<DictionaryFile> f(new DictionaryFile());
   f->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw IoError(path + ": cannot open: " + errno_text(errno));
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    throw IoError(path + ": cannot stat: " + errno_text(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw IoError(path + ": not a regular file");
-  }
+  const int fd = open_regular(path, &st);
   f->size_ = static_cast<uint64_t>(st.st_size);
   if (f->size_ > 0 && private_copy) {
     // 64-byte aligned like a mapping's tensors; the size rounded up as aligned_alloc needs.

@@ -5,10 +5,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
-#include <fstream>
-#include <iterator>
-#include <sstream>
 
 #include "asmem/atomic_file.h"
 #include "asmem/error.h"
@@ -87,12 +85,13 @@ void write_query_trace(const std::string& path, const QueryTrace& t) {
 }
 
 QueryTrace read_query_trace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(path + ": cannot open the query trace");
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw IoError(path + ": read error");
+  const std::string bytes = read_regular_file(path);
   auto bad = [&](const std::string& m) { throw FormatError(path + ": " + m); };
   if (bytes.size() < sizeof(kMagic)) bad("truncated: " + std::to_string(bytes.size()) + " bytes, no header");
+  // A protobuf message holds less than 2 GiB (its parser takes an int length).
+  if (bytes.size() - sizeof(kMagic) > size_t(INT32_MAX)) {
+    bad(std::to_string(bytes.size()) + " bytes: larger than a query trace can be (2 GiB)");
+  }
   if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     bad("not an asmem query trace: wrong magic (expected \"ASMQTRC\\0\")");
   }

@@ -513,6 +513,9 @@ TEST_F(DictionaryReadErrors, MissingFileIsIoError) {
   expect_error<IoError>([&] { DictionaryFile::open(file("absent.asmd")); },
                         {file("absent.asmd") + ": cannot open: No such file or directory"});
   expect_error<IoError>([&] { DictionaryFile::open(dir_); }, {dir_ + ": not a regular file"});
+  // A FIFO is refused at once (opening it waited for a writer, forever).
+  ASSERT_EQ(::mkfifo(file("pipe.asmd").c_str(), 0600), 0);
+  expect_error<IoError>([&] { DictionaryFile::open(file("pipe.asmd")); }, {file("pipe.asmd") + ": not a regular file"});
 }
 
 TEST_F(DictionaryReadErrors, WrongMagic) {

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -73,6 +75,11 @@ TEST(QueryTrace, BadFilesAreOneLineErrors) {
   const std::string p = dir + "/bad.asmq";
 
   test::expect_error<IoError>([&] { read_query_trace(dir + "/missing.asmq"); }, {"missing.asmq", "cannot open"});
+  // Not a regular file: refused with the contract's IoError (a directory threw
+  // std::ios_base::failure; a FIFO blocked waiting for a writer).
+  test::expect_error<IoError>([&] { read_query_trace(dir); }, {dir + ": not a regular file"});
+  ASSERT_EQ(::mkfifo((dir + "/pipe.asmq").c_str(), 0600), 0);
+  test::expect_error<IoError>([&] { read_query_trace(dir + "/pipe.asmq"); }, {"pipe.asmq: not a regular file"});
   WriteBytes(p, "ASMQ");
   test::expect_error<FormatError>([&] { read_query_trace(p); }, {"bad.asmq", "truncated"});
   WriteBytes(p, "ASMDICT" + std::string(1, '\0') + bytes.substr(8));

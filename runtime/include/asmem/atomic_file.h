@@ -13,6 +13,10 @@ namespace asmem {
 // file (a directory, symbolic link, device...) is refused: a rename would replace it.
 void write_file_atomic(const std::string& path, const std::string& content);
 
+// Reads the whole of `path`, a regular file: anything else (a directory, a FIFO, a device)
+// is refused without blocking. Throws asmem::IoError "<path>: <problem>".
+std::string read_regular_file(const std::string& path);
+
 // Checks that `path` can be written the way write_file_atomic and write_dictionary write
 // it: its directory exists, is a directory and can be written, and `path` is absent or a
 // regular file. Commands call it before long work, so that a bad output path fails at once
