@@ -366,23 +366,25 @@ size_t CudaState::release_retired() {
   Impl& s = *impl_;
   ScopedDevice guard(s.device);
   std::vector<std::shared_ptr<DeviceBlob>> to_free;
+  cudaError_t err = cudaSuccess;  // the first failed query; thrown once `pending` is consistent
   {
     std::lock_guard<std::mutex> lock(s.mu);
     std::vector<Impl::Pending> still;
     for (Impl::Pending& p : s.pending) {
-      const cudaError_t e = cudaEventQuery(p.done);
-      if (e == cudaErrorNotReady) {
-        (void)cudaGetLastError();
+      const cudaError_t e = err != cudaSuccess ? err : cudaEventQuery(p.done);
+      if (e == cudaErrorNotReady) (void)cudaGetLastError();
+      if (e != cudaSuccess) {  // kept (a throw mid-loop left released entries in the list)
+        if (e != cudaErrorNotReady) err = e;
         still.push_back(std::move(p));
         continue;
       }
-      ASMEM_CUDA_CHECK(e);
       (void)cudaEventDestroy(p.done);
       s.staging_pool.push_back(p.staging);
       if (p.retired) to_free.push_back(std::move(p.retired));
     }
     s.pending = std::move(still);
   }
+  ASMEM_CUDA_CHECK(err);
   const size_t n = to_free.size();
   if (n > 0) {
     Trace("release_retired: free", n);
