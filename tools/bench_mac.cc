@@ -181,6 +181,14 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
   return t;
 }
 
+// NaN into o and lse before a checked call, so that CheckFinite also fails on an output the
+// call never wrote (0xff bytes: NaN in bf16 and f32).
+void PoisonOutputs(const DevMem& o, const DevMem& lse) {
+  ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
+  ASMEM_CUDA_CHECK(cudaMemset(lse.p, 0xff, lse.n));
+  ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 void CheckFinite(const DevMem& o, size_t n, const DevMem& lse, size_t nl, const std::string& what) {
   std::vector<uint16_t> h(n);
   std::vector<float> l(nl);
@@ -472,6 +480,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       const DecodeConfig dc = FullConfig(x, ctx);
       const DecodeParams dp = FullParams(dc, x);
       DevMem dws(DecodeWorkspaceBytes(dc));
+      PoisonOutputs(o, lse);
       DecodeAttention(dc, dp, dws.p, dws.n, stream);
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       CheckFinite(o, qn, lse, size_t(B) * Hq, "full attention");
@@ -480,6 +489,7 @@ int RunTrace(const Options& opt, const QueryTrace& tr, const cudaDeviceProp& pro
       const Baseline base = BestFull(full.median_us, B, Hq, Hkv, d, ctx, q, kpool, vpool, opt, stream, spin, flush);
 
       const MacParams mp = MacStepParams(mcfg, x, slots, state);
+      PoisonOutputs(o, lse);
       MacAttention(mcfg, mp, ws.p, ws.n, stream);
       ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
       CheckFinite(o, qn, lse, size_t(B) * Hq, "MAC");
@@ -637,8 +647,7 @@ int Run(const Options& opt) {
         const DecodeConfig dc = FullConfig(x, ctx);
         const DecodeParams dp = FullParams(dc, x);
         if (ddec_ws.n < DecodeWorkspaceBytes(dc)) ddec_ws = DevMem(DecodeWorkspaceBytes(dc));
-        ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
-        ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+        PoisonOutputs(o, lse);
         DecodeAttention(dc, dp, ddec_ws.p, ddec_ws.n, stream);
         ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
         CheckFinite(o, qn, lse, size_t(B) * s.hq, s.name + " full attention");
@@ -691,8 +700,7 @@ int Run(const Options& opt) {
               }
             }
             Put(q_pre, qp);
-            ASMEM_CUDA_CHECK(cudaMemset(o.p, 0xff, o.n));
-            ASMEM_CUDA_CHECK(cudaDeviceSynchronize());
+            PoisonOutputs(o, lse);
             MacAttention(mcfg, mp, ws.p, ws.n, stream);
             ASMEM_CUDA_CHECK(cudaStreamSynchronize(stream));
             CheckFinite(o, qn, lse, size_t(nh), s.name + " MAC");
