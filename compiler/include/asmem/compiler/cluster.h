@@ -19,7 +19,7 @@ struct KMeansParams {
   uint64_t seed = 1234;                 // initialization and subsampling seed
   int64_t max_points_per_centroid = 256;  // subsample to k * this many points for training (0: all)
   bool spherical = true;                // renormalize centroids each iteration (cosine)
-  std::string backend = "cpu";          // "cpu" (FAISS) | "cuda" (FAISS-GPU if built in, else ours)
+  std::string backend = "cpu";          // "cpu" (FAISS) | "cuda" (our cuBLAS k-means)
                                         // | "reference" (our naive CPU k-means, the CUDA
                                         // path's reference; also what "cpu" runs without FAISS)
 };
@@ -30,8 +30,7 @@ struct KMeansResult {
   std::vector<float> centroids;  // [k, dim]
   std::vector<int32_t> assign;   // [n] nearest centroid of every input point (all n, not the subsample)
   double inertia = 0.0;          // sum over points of squared L2 distance to its centroid
-  std::string backend;           // what actually ran ("faiss-cpu", "faiss-gpu", "asmem-cuda",
-                                 // "asmem-reference")
+  std::string backend;           // what actually ran ("faiss-cpu", "asmem-cuda", "asmem-reference")
   int64_t splits = 0;            // empty clusters re-seeded, summed over the iterations
   int64_t dropped = 0;           // centroids without a point after the final assignment,
                                  // removed from the result
