@@ -21,7 +21,7 @@ void add_compile_command(CLI::App& app) {
   cmd->add_option("--out", o->out_path, "Dictionary file to write (.asmd)")->required();
   cmd->add_option("--max-response-tokens", o->max_response_tokens,
                   "Longest generated response (traces without \"response\")")->capture_default_str();
-  cmd->add_option("--holdout", o->holdout, "Fraction of traces held out for the report")->capture_default_str();
+  cmd->add_option("--holdout", o->holdout, "Fraction of distinct prompts held out for the report (all their traces)")->capture_default_str();
   cmd->add_option("--dtype", o->value_dtype, "Stored keys/values: bf16 | fp16 | fp32")->capture_default_str();
   cmd->add_option("--device", o->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--model-dtype", o->model_dtype, "Forward dtype: auto | fp32 | bf16 | fp16")->capture_default_str();

@@ -601,19 +601,32 @@ void compile_dictionary(const CompileOptions& opt) {
                           ") exceed the model's context of " + std::to_string(cfg.max_context) +
                           " tokens" + (chunked ? "" : "; --calib-chunk N encodes the prefix in chunks"));
   }
-  // Deterministic holdout split.
-  std::vector<size_t> idx(tt.size());
+  // Deterministic holdout split, by distinct prompt: every trace of a prompt falls on the same
+  // side (a repeated prompt gives the same greedy response and queries, so a copy held out
+  // beside one trained on scored the dictionary on its own training keys). With distinct
+  // prompts this is the split of the traces themselves.
+  std::vector<size_t> group(tt.size());  // the trace's prompt, numbered by first appearance
+  size_t n_prompts = 0;
+  {
+    std::unordered_map<std::string, size_t> first;
+    for (size_t i = 0; i < tt.size(); ++i) group[i] = first.emplace(tt[i].prompt, first.size()).first->second;
+    n_prompts = first.size();
+  }
+  std::vector<size_t> idx(n_prompts);
   std::iota(idx.begin(), idx.end(), 0);
   std::mt19937_64 rng(opt.seed);
   std::shuffle(idx.begin(), idx.end(), rng);
-  const size_t n_hold = size_t(std::llround(opt.holdout * double(tt.size())));
-  for (size_t i = 0; i < n_hold; ++i) tt[idx[i]].holdout = true;
+  const size_t n_hold_prompts = size_t(std::llround(opt.holdout * double(n_prompts)));
+  std::vector<char> held(n_prompts, 0);
+  for (size_t i = 0; i < n_hold_prompts && i < n_prompts; ++i) held[idx[i]] = 1;
+  size_t n_hold = 0;
+  for (size_t i = 0; i < tt.size(); ++i) n_hold += (tt[i].holdout = held[group[i]] != 0);
   if (n_hold >= tt.size()) {
     throw InvalidArgument("no training traces left after the holdout split (" + std::to_string(n_hold) + " of " +
                           std::to_string(tt.size()) + " traces held out; lower --holdout)");
   }
-  std::fprintf(stderr, "compile: prefix %lld tokens; %zu traces (%zu held out)\n", (long long)P,
-               tt.size(), n_hold);
+  std::fprintf(stderr, "compile: prefix %lld tokens; %zu traces of %zu distinct prompts (%zu held out)\n",
+               (long long)P, tt.size(), n_prompts, n_hold);
 
   // The dictionary to update (its responses, and in chunked mode its chunk files).
   std::unique_ptr<DictionaryFile> old;

@@ -482,6 +482,30 @@ TEST_F(CompileSmall, RejectsBadInputsWithOneLineErrors) {
   EXPECT_FALSE(test::file_exists(dir_ + "/x.asmd"));
 }
 
+// The holdout split takes whole prompts: a repeated prompt (the same greedy response and
+// queries) never has copies on both sides, where the held-out copy would be scored on its
+// own training keys. 4 prompts x 3 copies at --holdout 0.3: one prompt, 3 traces (by trace,
+// round(0.3 x 12) = 4).
+TEST_F(CompileSmall, HoldoutSplitKeepsAPromptsCopiesTogether) {
+  ASMEM_REQUIRE_MODEL();
+  {
+    std::ofstream t(dir_ + "/dup.jsonl");
+    for (int copy = 0; copy < 3; ++copy) {
+      for (const char* p : {"Fees?", "Loans?", "Renewals?", "Lost card?"}) {
+        t << "{\"prompt\": \"" << p << "\", \"response\": \"See the rules.\"}\n";
+      }
+    }
+  }
+  CompileOptions o = options(dir_ + "/dup.asmd");
+  o.traces_path = dir_ + "/dup.jsonl";
+  o.holdout = 0.3;
+  o.entries = 4;
+  compile_dictionary(o);
+  const nlohmann::json rep = nlohmann::json::parse(slurp(dir_ + "/dup.asmd.report.json"));
+  EXPECT_EQ(rep.at("traces").get<int64_t>(), 12);
+  EXPECT_EQ(rep.at("holdout_traces").get<int64_t>(), 3);
+}
+
 // --update reads the old compile's stored responses before any work; a malformed line is a
 // one-line FormatError naming the file and line (it was an uncaught JSON library error).
 TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
