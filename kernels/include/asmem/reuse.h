@@ -36,8 +36,12 @@
 //           The best candidate has the smallest
 //           distance, ties to the earlier position. Hit iff mac.enable, slots[slot].ready != 0,
 //           T >= mac.min_context, a candidate exists and dist < MacThreshold(mac, d)
-//           = float(2 d (1 - tau)^2) (strict). Otherwise miss. The 8-bit copies move a
-//           distance by about 1% of the query norm (amax / 127 per value at most).
+//           = float(2 d (1 - tau)^2) (strict). Otherwise miss. Each 8-bit value is within
+//           amax / 254 of the row's (amax: its largest |value|), so a row with one large
+//           value and many small ones moves most: its copy can lose the small values
+//           altogether (about 1% of the norm on random rows, 4.4% on a constructed one),
+//           and a near-tie or a distance near the threshold can then go the other way than
+//           exact L2 on the bf16 queries would.
 //  Complete. Hit at p: band start bs = max(F_m, e(p));
 //             entry'  = merge(entry(p), exact over [bs, e(m)))      (built by construction)
 //           Miss:   entry' = exact over [F_m, e(m)).
