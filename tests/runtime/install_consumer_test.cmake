@@ -30,6 +30,15 @@ foreach(f ${LIBDIR}/cmake/asmem/asmemConfig.cmake ${LIBDIR}/cmake/asmem/asmemCon
     message(FATAL_ERROR "not installed: ${prefix}/${f}")
   endif()
 endforeach()
+# The exported targets name no library file of the build host (a consumer elsewhere has
+# its own): only the prefix's own files, and other packages' targets.
+file(GLOB exports "${prefix}/${LIBDIR}/cmake/asmem/asmemTargets*.cmake")
+foreach(f ${exports})
+  file(READ "${f}" text)
+  if(text MATCHES "\"(/[^\"$]*\\.(so|a)(\\.[0-9]+)*)\"")
+    message(FATAL_ERROR "${f} names a library file of the build host: ${CMAKE_MATCH_1}")
+  endif()
+endforeach()
 # Installed public headers must not need torch, protobuf or device code.
 file(GLOB headers "${prefix}/include/asmem/*.h")
 foreach(h ${headers})
