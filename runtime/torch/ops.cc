@@ -20,6 +20,12 @@
 //   replace_dictionary(int slot, str path, str device="cpu", int top_m=0,
 //                      bool verify_data=True, bool int8_keys=False) -> ()
 //       Hot swap: the new file is validated and uploaded first; on error the old one stays.
+//       On CUDA the switch is ordered on the calling thread's current stream of that device
+//       (DecodeRuntime::replace's `stream`): decode calls enqueued on it before read the old
+//       dictionary, after it the new one, and the old one's memory is freed once the switch
+//       there has completed. Decode on another stream must be ordered against that one
+//       (torch.cuda.Event / Stream.wait_stream), or it may read freed memory. The same for
+//       load_dictionary into a slot and unload_dictionary.
 //   unload_dictionary(int slot, str device="cpu") -> ()
 //   dictionary_info(int slot, str device="cpu") -> str
 //       JSON: path, generation, shapes, entries, bytes, prefix tokens, int8_sections
