@@ -302,25 +302,29 @@ DecodeRuntime::DecodeRuntime(const RuntimeOptions& options) : impl_(std::make_un
   if (o.step.max_batch < 0) fail("step.max_batch must be >= 0, got " + str(o.step.max_batch));
   if (o.step.max_batch > 0) own_workspace = workspace_bytes(o.step);  // checks the step
   if (s.cuda) {
-    s.cs =
-        std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv, own_workspace);
     // The decode kernels are loaded now, not at a step's first launch: with lazy module
     // loading that launch could synchronize the device (LoadDecodeKernels in decode.h).
-    // Without a step of its own the runtime may serve either 16-bit dtype.
+    // Without a step of its own the runtime may serve either 16-bit dtype. A shape (head
+    // dim, group size) or the own step's dtype that the CUDA op cannot run is refused here
+    // (it was found only at the first decode, after dictionaries had been loaded).
     std::vector<KernelDType> dtypes;
     if (o.step.max_batch > 0) {
       dtypes.push_back(o.step.dtype);
     } else {
       dtypes = {KernelDType::kBF16, KernelDType::kF16};
     }
-    detail::ScopedDevice guard(o.device.index);
-    for (KernelDType t : dtypes) {
-      try {
-        LoadDecodeKernels(t, s.d, s.G);
-      } catch (const UnsupportedError&) {
-        // decode() reports the unsupported combination when it is asked to run it.
+    {
+      detail::ScopedDevice guard(o.device.index);
+      for (KernelDType t : dtypes) {
+        try {
+          LoadDecodeKernels(t, s.d, s.G);
+        } catch (const UnsupportedError& e) {
+          throw UnsupportedError(std::string(fn) + ": device " + o.device.str() + ": " + e.what());
+        }
       }
     }
+    s.cs =
+        std::make_unique<detail::CudaState>(o.device.index, s.L, s.max_dicts, s.Hkv, own_workspace);
     detail::Trace("DecodeRuntime: CUDA state ready, decode kernels loaded");
   }
   auto snap = std::make_shared<Snapshot>();

@@ -163,6 +163,29 @@ class RuntimeGpu : public ::testing::Test {
 using GpuCase = test::StepShape;
 class RuntimeGpuShapes : public RuntimeGpu, public ::testing::WithParamInterface<GpuCase> {};
 
+// A shape or own step dtype the CUDA op cannot run is refused when the runtime is built
+// (it used to be found only at the first decode, after dictionaries were loaded).
+TEST_F(RuntimeGpu, UnservableShapesAreRefusedAtConstruction) {
+  auto options = [](int32_t hq, int32_t hkv, int32_t d, int32_t max_batch, KernelDType dt) {
+    RuntimeOptions o;
+    o.device = Device::Cuda(0);
+    o.num_layers = 2;
+    o.num_q_heads = hq;
+    o.num_kv_heads = hkv;
+    o.head_dim = d;
+    o.step.max_batch = max_batch;
+    o.step.dtype = dt;
+    return o;
+  };
+  test::expect_error<UnsupportedError>([&] { DecodeRuntime rt(options(32, 8, 96, 0, KernelDType::kBF16)); },
+                                       {"DecodeRuntime", "cuda:0", "head_dim 96"});
+  test::expect_error<UnsupportedError>([&] { DecodeRuntime rt(options(32, 2, 128, 0, KernelDType::kBF16)); },
+                                       {"DecodeRuntime", "group size 16"});
+  test::expect_error<UnsupportedError>([&] { DecodeRuntime rt(options(32, 8, 128, 4, KernelDType::kF32)); },
+                                       {"dtype f32"});
+  EXPECT_NO_THROW(DecodeRuntime rt(options(32, 8, 128, 4, KernelDType::kBF16)));
+}
+
 TEST_P(RuntimeGpuShapes, MatchesTheCpuRuntime) {
   const GpuCase& c = GetParam();
   SCOPED_TRACE(test::seed_trace(seed_));

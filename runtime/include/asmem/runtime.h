@@ -248,7 +248,9 @@ struct DecodeArgs {
 class DecodeRuntime {
  public:
   // Checks the options (InvalidArgument / UnsupportedError naming the field) and, on CUDA,
-  // allocates the per-layer view tables and the workspace for options.step.
+  // loads the decode kernels (UnsupportedError for a head dim, group size or own step
+  // dtype the CUDA op does not run) and allocates the per-layer view tables and the
+  // workspace for options.step.
   explicit DecodeRuntime(const RuntimeOptions& options);
   ~DecodeRuntime();
   DecodeRuntime(const DecodeRuntime&) = delete;
