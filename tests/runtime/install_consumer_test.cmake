@@ -30,23 +30,24 @@ foreach(f ${LIBDIR}/cmake/asmem/asmemConfig.cmake ${LIBDIR}/cmake/asmem/asmemCon
     message(FATAL_ERROR "not installed: ${prefix}/${f}")
   endif()
 endforeach()
+# Fails naming the first file of the glob `pattern` whose text matches `regex`.
+function(refuse_matching pattern regex what)
+  file(GLOB files "${pattern}")
+  foreach(f ${files})
+    file(READ "${f}" text)
+    if(text MATCHES "${regex}")
+      message(FATAL_ERROR "${f} ${what}: ${CMAKE_MATCH_0}")
+    endif()
+  endforeach()
+endfunction()
 # The exported targets name no library file of the build host (a consumer elsewhere has
 # its own): only the prefix's own files, and other packages' targets.
-file(GLOB exports "${prefix}/${LIBDIR}/cmake/asmem/asmemTargets*.cmake")
-foreach(f ${exports})
-  file(READ "${f}" text)
-  if(text MATCHES "\"(/[^\"$]*\\.(so|a)(\\.[0-9]+)*)\"")
-    message(FATAL_ERROR "${f} names a library file of the build host: ${CMAKE_MATCH_1}")
-  endif()
-endforeach()
+refuse_matching("${prefix}/${LIBDIR}/cmake/asmem/asmemTargets*.cmake" "\"/[^\"$]*\\.(so|a)(\\.[0-9]+)*\""
+                "names a library file of the build host")
 # Installed public headers must not need torch, protobuf or device code.
-file(GLOB headers "${prefix}/include/asmem/*.h")
-foreach(h ${headers})
-  file(READ "${h}" text)
-  if(text MATCHES "#include [<\"](torch|ATen|c10|google/protobuf)|__global__ +void|\\.pb\\.h")
-    message(FATAL_ERROR "${h} exposes torch / protobuf / device code")
-  endif()
-endforeach()
+refuse_matching("${prefix}/include/asmem/*.h"
+                "#include [<\"](torch|ATen|c10|google/protobuf)|__global__ +void|\\.pb\\.h"
+                "exposes torch / protobuf / device code")
 
 run("synthetic dictionary" "${SYNTH}" "${WORK_DIR}/test.asmd" 3 6 2 8 11 3 7 1)
 
