@@ -777,21 +777,20 @@ int open_regular(const std::string& path, struct stat* st) {
 
 std::string read_regular_file(const std::string& path) {
   struct stat st {};
-  const int fd = open_regular(path, &st);
+  struct Fd {
+    int fd;
+    ~Fd() { ::close(fd); }
+  } f{open_regular(path, &st)};
   std::string out;
+  out.reserve(static_cast<size_t>(st.st_size));
   char buf[1 << 16];
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    const ssize_t n = ::read(f.fd, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int e = errno;
-      ::close(fd);
-      throw IoError(path + ": read error: " + errno_text(e));
-    }
+    if (n < 0) throw IoError(path + ": read error: " + errno_text(errno));
     if (n == 0) break;
     out.append(buf, size_t(n));
   }
-  ::close(fd);
   return out;
 }
 
