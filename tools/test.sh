@@ -6,7 +6,7 @@
 set -euo pipefail
 # Relative paths in these settings name places under the caller's directory; the tests run
 # elsewhere (ctest's working directories), so make them absolute.
-for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR; do
+for v in ASMEM_CACHE_DIR ASMEM_MODEL ASMEM_BUILD_DIR XDG_CACHE_HOME; do
   if [ -n "${!v:-}" ]; then export "$v=$(realpath -m "${!v}")"; fi
 done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
