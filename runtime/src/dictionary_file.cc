@@ -664,12 +664,13 @@ void remove_stale_temps(const std::string& path, const struct timespec& written)
     const std::string name = e->d_name;
     if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string rest = name.substr(prefix.size());
-    const size_t dot = rest.find('.');
-    const std::string digits = rest.substr(0, dot), n = dot == std::string::npos ? "1" : rest.substr(dot + 1);
+    const size_t dot = rest.find('.');  // <pid>.<n>, or <pid> alone (the older form)
+    const std::string digits = rest.substr(0, dot);
     auto all_digits = [](const std::string& x) {
       return !x.empty() && std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
     };
-    if (digits.size() > 9 || !all_digits(digits) || n.size() > 19 || !all_digits(n)) continue;
+    if (digits.size() > 9 || !all_digits(digits)) continue;
+    if (dot != std::string::npos && !all_digits(rest.substr(dot + 1))) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(digits));
     if (pid <= 0 || pid == ::getpid()) continue;
     if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)

@@ -618,9 +618,12 @@ void compile_dictionary(const CompileOptions& opt) {
   std::shuffle(idx.begin(), idx.end(), rng);
   const size_t n_hold_prompts = size_t(std::llround(opt.holdout * double(n_prompts)));
   std::vector<char> held(n_prompts, 0);
-  for (size_t i = 0; i < n_hold_prompts && i < n_prompts; ++i) held[idx[i]] = 1;
+  for (size_t i = 0; i < n_hold_prompts; ++i) held[idx[i]] = 1;  // holdout < 1: at most n_prompts
   size_t n_hold = 0;
-  for (size_t i = 0; i < tt.size(); ++i) n_hold += (tt[i].holdout = held[group[i]] != 0);
+  for (size_t i = 0; i < tt.size(); ++i) {
+    tt[i].holdout = held[group[i]] != 0;
+    n_hold += tt[i].holdout ? 1 : 0;
+  }
   if (n_hold >= tt.size()) {
     throw InvalidArgument("no training traces left after the holdout split (" + std::to_string(n_hold) + " of " +
                           std::to_string(tt.size()) + " traces held out; lower --holdout)");
