@@ -51,6 +51,9 @@
 //       lookup keys of requests whose dictionary has whitening, computed by the caller
 //       (DecodeArgs::lookup_keys; e.g. W folded into the query projection), so that the op
 //       does not whiten q_pre.
+//       Meta tensors (torch.compile's fake tensors, torch.export) get o and lse of these
+//       shapes without a runtime; shapes that need the runtime's model are checked when the
+//       op runs.
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
 // The plugin carries its own (static) copy of the asmem runtime: a process should not also
 // link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
@@ -544,6 +547,41 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   return {o, lse};
 }
 
+// decode's shapes, for tracing (torch.compile's fake tensors, torch.export, meta tensors):
+// no runtime and no data. Checks what needs neither; the real kernel checks the rest.
+std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const OptionalTensor& q_pre,
+                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                               const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                               const OptionalTensor& dict_ids, int64_t layer, double sm_scale,
+                                               int64_t /*max_seq_len*/, std::string kv_layout,
+                                               const OptionalTensor& lookup_keys) {
+  const std::string op = "decode";
+  if (q.dim() != 3) Fail(op, "q must be [B, Hq, d], got " + ShapeText(q));
+  KernelType(op, q, "q");
+  if (q_pre && q_pre->sizes() != q.sizes()) {
+    Fail(op, "q_pre must have q's shape " + ShapeText(q) + ", got " + ShapeText(*q_pre));
+  }
+  if (kv_layout != "HND" && kv_layout != "NHD") Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
+  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
+  if (k_cache.sizes() != v_cache.sizes()) Fail(op, "k_cache and v_cache must have the same shape");
+  if (block_table.dim() != 2 || block_table.size(0) != q.size(0)) {
+    Fail(op, "block_table must be [" + std::to_string(q.size(0)) + ", max_pages >= 1], got " +
+                 ShapeText(block_table));
+  }
+  if (seq_lens.dim() != 1 || seq_lens.size(0) != q.size(0)) {
+    Fail(op, "seq_lens must be [" + std::to_string(q.size(0)) + "], got " + ShapeText(seq_lens));
+  }
+  if (dict_ids && !q_pre) Fail(op, "dict_ids given without q_pre (the lookup keys)");
+  if (lookup_keys && !dict_ids) Fail(op, "lookup_keys given without dict_ids");
+  if (layer < 0) Fail(op, "layer " + std::to_string(layer) + " is negative");
+  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
+    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  }
+  at::Tensor o = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  return {o, lse};
+}
+
 }  // namespace
 }  // namespace torch_ops
 }  // namespace asmem
@@ -572,6 +610,10 @@ TORCH_LIBRARY(asmem, m) {
 }
 
 TORCH_LIBRARY_IMPL(asmem, CPU, m) { m.impl("decode", &asmem::torch_ops::decode); }
+TORCH_LIBRARY_IMPL(asmem, Meta, m) { m.impl("decode", &asmem::torch_ops::decode_meta); }
+// Meta tensors pass autograd as CPU and CUDA ones do (torch 1.x has no AutogradMeta
+// fallthrough of its own).
+TORCH_LIBRARY_IMPL(asmem, AutogradMeta, m) { m.impl("decode", torch::CppFunction::makeFallthrough()); }
 
 #ifdef ASMEM_TORCH_CUDA
 TORCH_LIBRARY_IMPL(asmem, CUDA, m) { m.impl("decode", &asmem::torch_ops::decode); }

@@ -275,6 +275,47 @@ TEST_F(TorchOpsTest, Int8KeysOnLoadAndReplace) {
   EXPECT_TRUE(SameAs(decode(x, 1), RunReference(st, 1, {fa.get()})));
 }
 
+// Meta tensors (what torch.compile and torch.export trace with) get outputs of the right
+// shapes and dtypes without a runtime or any data; bad shapes fail as on the CPU.
+TEST_F(TorchOpsTest, MetaTensorsGiveOutputShapesWithoutARuntime) {
+  const at::TensorOptions meta = at::TensorOptions().device(at::kMeta);
+  const at::Tensor q = at::empty({5, 32, 128}, meta.dtype(at::kBFloat16));
+  const at::Tensor kv = at::empty({40, 8, 16, 128}, meta.dtype(at::kBFloat16));
+  const at::Tensor bt = at::empty({5, 8}, meta.dtype(at::kInt)), sl = at::empty({5}, meta.dtype(at::kInt));
+  const at::Tensor ids = at::empty({5}, meta.dtype(at::kInt));
+  auto [o, lse] = Op<DecodeFn>("asmem::decode").call(q, q, kv, kv, bt, sl, ids, 3, 0.0, 0, "HND", OptionalTensor());
+  EXPECT_TRUE(o.is_meta());
+  EXPECT_TRUE(lse.is_meta());
+  EXPECT_EQ(o.sizes(), q.sizes());
+  EXPECT_EQ(o.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(o.is_contiguous());
+  EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{5, 32}));
+  EXPECT_EQ(lse.scalar_type(), at::kFloat);
+  const at::Tensor q16 = at::empty({5, 32, 128}, meta.dtype(at::kHalf));
+  EXPECT_EQ(std::get<0>(Op<DecodeFn>("asmem::decode")
+                            .call(q16, OptionalTensor(), kv, kv, bt, sl, OptionalTensor(), 0, 0.0, 0, "NHD",
+                                  OptionalTensor()))
+                .scalar_type(),
+            at::kHalf);
+  expect_error<InvalidArgument>(
+      [&] {
+        Op<DecodeFn>("asmem::decode")
+            .call(q.reshape({5, -1}), q, kv, kv, bt, sl, ids, 0, 0.0, 0, "HND", OptionalTensor());
+      },
+      {"asmem.decode: q must be [B, Hq, d], got [5, 4096]"});
+  expect_error<InvalidArgument>(
+      [&] {
+        Op<DecodeFn>("asmem::decode").call(q, q, kv, kv, bt.narrow(0, 0, 2), sl, ids, 0, 0.0, 0, "HND", OptionalTensor());
+      },
+      {"asmem.decode: block_table must be [5, max_pages >= 1], got [2, 8]"});
+  expect_error<InvalidArgument>(
+      [&] { Op<DecodeFn>("asmem::decode").call(q, OptionalTensor(), kv, kv, bt, sl, ids, 0, 0.0, 0, "HND", OptionalTensor()); },
+      {"dict_ids given without q_pre"});
+  expect_error<InvalidArgument>(
+      [&] { Op<DecodeFn>("asmem::decode").call(q, q, kv, kv, bt, sl, ids, 0, 0.0, 0, "XYZ", OptionalTensor()); },
+      {"kv_layout 'XYZ' is not HND or NHD"});
+}
+
 TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
   SynthSpec s;
   Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 2);
