@@ -51,8 +51,8 @@
 //     from a private stream-ordered pool (cudaMallocFromPoolAsync / cudaFreeAsync on that
 //     stream), and retired memory is freed only after its event has completed. Exceptions:
 //     on a device without memory pools the fallback cudaMalloc / cudaFree may synchronize
-//     the device, and an update() that needs a third table staging buffer allocates it
-//     with cudaMallocHost, which may too. ASMEM_RUNTIME_TRACE=1 prints
+//     the device, and a switch (load / replace / unload / publish) that needs a third
+//     table staging buffer allocates it with cudaMallocHost, which may too. ASMEM_RUNTIME_TRACE=1 prints
 //     the phases of load / replace / publish with timestamps to stderr.
 //   * CPU: each decode() call takes a shared snapshot of the slot table when it starts; a
 //     call running in another thread during the switch finishes on the dictionary it
