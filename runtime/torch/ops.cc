@@ -164,10 +164,9 @@ std::shared_ptr<DecodeRuntime> Require(const std::string& op, const Device& d) {
 std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, int64_t L, int64_t Hq,
                                       int64_t Hkv, int64_t dim, int64_t max_dicts) {
   Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.runtimes.find(d.str());
-  if (it != r.runtimes.end()) {
-    const RuntimeOptions& o = it->second->options();
+  // The runtime of `d` where it exists: the same shape (and max_dicts, when given) or an error.
+  auto existing = [&](const std::shared_ptr<DecodeRuntime>& rt) {
+    const RuntimeOptions& o = rt->options();
     if (o.num_layers != L || o.num_q_heads != Hq || o.num_kv_heads != Hkv || o.head_dim != dim ||
         (max_dicts > 0 && o.max_dicts != max_dicts)) {
       Fail(op, "a runtime with another shape exists on " + d.str() +
@@ -175,8 +174,9 @@ std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, in
                    " Hkv=" + std::to_string(o.num_kv_heads) + " d=" + std::to_string(o.head_dim) +
                    " max_dicts=" + std::to_string(o.max_dicts) + "): release_runtime first");
     }
-    return it->second;
-  }
+    return rt;
+  };
+  if (std::shared_ptr<DecodeRuntime> rt = Find(d)) return existing(rt);
   for (int64_t v : {L, Hq, Hkv, dim, max_dicts}) {
     if (v < 1 || v > (int64_t(1) << 30))
       Fail(op, "shape value " + std::to_string(v) + " is out of range");
@@ -189,9 +189,13 @@ std::shared_ptr<DecodeRuntime> Create(const std::string& op, const Device& d, in
   o.head_dim = int32_t(dim);
   o.max_dicts = int32_t(max_dicts);
   // No own workspace: every decode brings its StepConfig and a caching-allocator workspace.
-  auto rt = std::make_shared<DecodeRuntime>(o);
-  r.runtimes[d.str()] = rt;
-  return rt;
+  // Built outside the registry's lock (a CUDA runtime allocates and creates streams), so
+  // decode on other devices is not held up; a runtime another thread published meanwhile
+  // wins, and this one is dropped after the lock.
+  std::shared_ptr<DecodeRuntime> rt = std::make_shared<DecodeRuntime>(o);
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto [it, inserted] = r.runtimes.emplace(d.str(), rt);
+  return inserted ? rt : existing(it->second);
 }
 
 // A slot of `rt` (or -1 where `any_ok`: the lowest free one).
