@@ -1,5 +1,6 @@
 // asmem eval: next-token fidelity of a dictionary vs the full prefix over a prompt set
 // (asmem/engine/eval.h): top-1 agreement and KL for the dictionary and for no prefix.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -25,6 +26,7 @@ struct EvalArgs {
   std::string dict, system_file, prompts, json_out;
   EvalSettings settings;
   bool no_linear = false;
+  bool include_train_prompts = false;
   int64_t limit = 0;
   std::string device = "cpu";
   std::string dtype = "auto";
@@ -52,10 +54,9 @@ void run_eval(const EvalArgs& a) {
   }
   configure_cpu_threads(a.threads);
   const std::string prefix_text = read_text_file(a.system_file, "system");
-  std::vector<Trace> traces = read_traces(a.prompts);
-  if (a.limit > 0 && int64_t(traces.size()) > a.limit) traces.resize(size_t(a.limit));
-  std::vector<std::string> prompts;
-  for (const Trace& t : traces) prompts.push_back(t.prompt);
+  const std::vector<Trace> traces = read_traces(a.prompts);
+  std::vector<std::string> all_prompts;
+  for (const Trace& t : traces) all_prompts.push_back(t.prompt);
 
   const at::Device device = parse_device(a.device);
   const at::ScalarType dtype = parse_dtype(a.dtype, device);
@@ -63,6 +64,31 @@ void run_eval(const EvalArgs& a) {
   const DictionaryManifest& m = sv.dict->manifest();
   // A wrong prefix fails here, before any forward work.
   verified_prefix_tokens(m, *sv.tok, prefix_text, a.system_file);
+
+  // Prompts the dictionary was trained on score its own training keys: left out unless asked.
+  EvalPromptSelection sel;
+  try {
+    sel = select_eval_prompts(m.compile, all_prompts, a.include_train_prompts, a.limit);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(a.prompts + ": " + e.what());
+  }
+  if (!sel.recorded) {
+    std::fprintf(stderr,
+                 "eval: %s records no training prompts (written before asmem recorded them): overlap with %s "
+                 "is not checked\n",
+                 a.dict.c_str(), a.prompts.c_str());
+  } else if (sel.trained > 0 && a.include_train_prompts) {
+    std::fprintf(stderr,
+                 "eval: %lld of %zu prompts are training prompts of the dictionary, kept (--include-train-prompts): "
+                 "the numbers are not held-out\n",
+                 (long long)sel.trained, all_prompts.size());
+  } else if (sel.trained > 0) {
+    std::fprintf(stderr,
+                 "eval: left out %lld of %zu prompts that the dictionary was trained on (--include-train-prompts "
+                 "keeps them)\n",
+                 (long long)sel.trained, all_prompts.size());
+  }
+  const std::vector<std::string>& prompts = sel.prompts;
   EvalSettings st = a.settings;
   st.linear_too = !a.no_linear;
   std::fprintf(stderr,
@@ -140,6 +166,10 @@ void run_eval(const EvalArgs& a) {
       {"prefix_file", a.system_file},
       {"prompts_file", a.prompts},
       {"prompts", r.prompts.size()},
+      {"train_prompts",
+       {{"recorded", sel.recorded},
+        {"in_prompts_file", sel.trained},
+        {"left_out", a.include_train_prompts ? 0 : sel.trained}}},
       {"max_new_tokens", st.max_new_tokens},
       {"batch", st.batch},
       {"summary", summary},
@@ -172,7 +202,9 @@ void add_eval_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--no-linear", a->no_linear, "Skip the exact-linear-lookup variant");
   cmd->add_flag("--int8-keys", a->settings.int8_keys, kInt8KeysHelp);
-  cmd->add_option("--limit", a->limit, "Evaluate only the first N prompts (0: all)")->capture_default_str();
+  cmd->add_flag("--include-train-prompts", a->include_train_prompts,
+                "Also score prompts the dictionary was trained on (left out by default)");
+  cmd->add_option("--limit", a->limit, "Evaluate only the first N prompts left (0: all)")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on CUDA)")
       ->capture_default_str();

@@ -116,6 +116,7 @@ json to_json(const DictionaryFile& f) {
                   {"n_traces", c.n_traces},
                   {"n_train_tokens", c.n_train_tokens},
                   {"n_holdout_tokens", c.n_holdout_tokens},
+                  {"train_prompts_recorded", c.train_prompt_hashes.size()},
                   {"max_response_tokens", c.max_response_tokens},
                   {"tool_version", c.tool_version},
                   {"extra", extra}};
@@ -182,9 +183,10 @@ void print_text(const DictionaryFile& f) {
       (long long)c.entries, (long long)c.parents, (long long)c.top_m, c.value_dtype.c_str(),
       keys.c_str(), c.kmeans_iters, c.seed, c.key_rank > 0 ? "projection" : c.whitening ? "yes" : "no");
   std::printf(
-      "traces:       %lld, train tokens %lld, holdout tokens %lld, max response tokens %lld\n",
+      "traces:       %lld, train tokens %lld, holdout tokens %lld, max response tokens %lld, training prompts "
+      "recorded %zu\n",
       (long long)c.n_traces, (long long)c.n_train_tokens, (long long)c.n_holdout_tokens,
-      (long long)c.max_response_tokens);
+      (long long)c.max_response_tokens, c.train_prompt_hashes.size());
   std::printf("written by:   %s\n", c.tool_version.empty() ? "(unknown)" : c.tool_version.c_str());
   if (!c.extra_json.empty()) std::printf("extra:        %s\n", printable(c.extra_json).c_str());
 

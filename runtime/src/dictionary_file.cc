@@ -505,6 +505,7 @@ void to_pb(const CompileInfo& c, pb::CompileInfo* o) {
   o->set_max_response_tokens(c.max_response_tokens);
   o->set_tool_version(c.tool_version);
   o->set_extra_json(c.extra_json);
+  for (uint64_t h : c.train_prompt_hashes) o->add_train_prompt_hashes(h);
 }
 CompileInfo from_pb(const pb::CompileInfo& c) {
   CompileInfo o;
@@ -524,6 +525,7 @@ CompileInfo from_pb(const pb::CompileInfo& c) {
   o.max_response_tokens = c.max_response_tokens();
   o.tool_version = c.tool_version();
   o.extra_json = c.extra_json();
+  o.train_prompt_hashes.assign(c.train_prompt_hashes().begin(), c.train_prompt_hashes().end());
   return o;
 }
 

@@ -173,6 +173,7 @@ std::unique_ptr<Synth> make_synth(const Spec& spec) {
   m.compile.max_response_tokens = 512;
   m.compile.tool_version = "asmem 0.1.0 test";
   m.compile.extra_json = R"({"stage_seconds":{"cluster":1.5}})";
+  m.compile.train_prompt_hashes = {3, 0x8000000000000001ull, 0xfedcba9876543210ull};
   const int64_t G = spec.Hq / spec.Hkv, d = spec.d;
   for (int64_t l = 0; l < spec.L; ++l) {
     for (int64_t h = 0; h < spec.Hkv; ++h) {
@@ -246,6 +247,7 @@ void expect_manifest_eq(const DictionaryManifest& got, const DictionaryManifest&
   EXPECT_EQ(c.max_response_tokens, w.max_response_tokens);
   EXPECT_EQ(c.tool_version, w.tool_version);
   EXPECT_EQ(c.extra_json, w.extra_json);
+  EXPECT_EQ(c.train_prompt_hashes, w.train_prompt_hashes);
   ASSERT_EQ(got.sections.size(), want.sections.size());
   for (const DictSection& ws : want.sections) {
     const auto it = std::find_if(

@@ -939,6 +939,13 @@ void compile_dictionary(const CompileOptions& opt) {
   man.compile.n_holdout_tokens = n_hold_tok;
   man.compile.max_response_tokens = opt.max_response_tokens;
   man.compile.tool_version = "asmem 0.1.0";
+  for (const TraceTokens& t : tt) {
+    if (!t.holdout) man.compile.train_prompt_hashes.push_back(prompt_hash(t.prompt));
+  }
+  std::sort(man.compile.train_prompt_hashes.begin(), man.compile.train_prompt_hashes.end());
+  man.compile.train_prompt_hashes.erase(
+      std::unique(man.compile.train_prompt_hashes.begin(), man.compile.train_prompt_hashes.end()),
+      man.compile.train_prompt_hashes.end());
   nlohmann::json extra = {{"chat_format", chat}, {"raw", opt.raw}};
   man.compile.extra_json = extra.dump();
   // Byte buffers that the section TensorRefs point into.

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unordered_set>
+#include <xxhash.h>
 
 #include "asmem/error.h"
 #include "asmem/util/text_file.h"
@@ -101,6 +103,16 @@ std::vector<int32_t> read_token_file(const std::string& path) {
   }
   if (ids.empty()) throw FormatError(path + ": no token ids");
   return ids;
+}
+
+uint64_t prompt_hash(const std::string& prompt) { return XXH64(prompt.data(), prompt.size(), 0); }
+
+std::vector<char> training_prompt_mask(const std::vector<uint64_t>& train_prompt_hashes,
+                                       const std::vector<std::string>& prompts) {
+  const std::unordered_set<uint64_t> trained(train_prompt_hashes.begin(), train_prompt_hashes.end());
+  std::vector<char> mask(prompts.size(), 0);
+  for (size_t i = 0; i < prompts.size(); ++i) mask[i] = trained.count(prompt_hash(prompts[i])) ? 1 : 0;
+  return mask;
 }
 
 }  // namespace asmem

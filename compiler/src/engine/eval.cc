@@ -5,6 +5,7 @@
 #include <memory>
 #include <numeric>
 
+#include "asmem/compiler/traces.h"
 #include "asmem/engine/dictionary_prefix.h"
 #include "asmem/error.h"
 #include "asmem/util/progress.h"
@@ -100,6 +101,26 @@ EvalReport evaluate_dictionary(LlamaModel& model, const Tokenizer& tok, const Di
   }
   rep.total_s = since(t_all);
   return rep;
+}
+
+EvalPromptSelection select_eval_prompts(const CompileInfo& compile, const std::vector<std::string>& prompts,
+                                        bool include_trained, int64_t limit) {
+  if (limit < 0) throw InvalidArgument("--limit must be >= 0");
+  EvalPromptSelection sel;
+  sel.recorded = !compile.train_prompt_hashes.empty();
+  const std::vector<char> trained = training_prompt_mask(compile.train_prompt_hashes, prompts);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    sel.trained += trained[i];
+    if (!trained[i] || include_trained) sel.prompts.push_back(prompts[i]);
+  }
+  if (sel.prompts.empty() && sel.trained > 0) {
+    throw InvalidArgument("every prompt (" + std::to_string(prompts.size()) +
+                          ") is a training prompt of the dictionary: give held-out prompts, or "
+                          "--include-train-prompts to score them anyway");
+  }
+  if (sel.prompts.empty()) throw InvalidArgument("no prompts to evaluate");
+  if (limit > 0 && int64_t(sel.prompts.size()) > limit) sel.prompts.resize(size_t(limit));
+  return sel;
 }
 
 }  // namespace asmem

@@ -81,6 +81,9 @@ struct CompileInfo {
   int64_t max_response_tokens = 0;
   std::string tool_version;     // asmem version that wrote it
   std::string extra_json;       // free-form JSON (stage timings, report summary)
+  // XXH64 (prompt_hash) of each distinct training prompt, ascending; the held-out prompts
+  // are not listed. Empty in dictionaries written before it was recorded.
+  std::vector<uint64_t> train_prompt_hashes;
 };
 
 struct DictSection {

@@ -13,6 +13,7 @@
 
 #include "asmem/compiler/cluster.h"
 #include "asmem/compiler/compile.h"
+#include "asmem/compiler/traces.h"
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
 #include "asmem/model/prompt_layout.h"
@@ -504,6 +505,13 @@ TEST_F(CompileSmall, HoldoutSplitKeepsAPromptsCopiesTogether) {
   const nlohmann::json rep = nlohmann::json::parse(slurp(dir_ + "/dup.asmd.report.json"));
   EXPECT_EQ(rep.at("traces").get<int64_t>(), 12);
   EXPECT_EQ(rep.at("holdout_traces").get<int64_t>(), 3);
+  // The dictionary records the three trained prompts once each (ascending), not the held-out one.
+  const std::vector<uint64_t> h = DictionaryFile::open(dir_ + "/dup.asmd")->manifest().compile.train_prompt_hashes;
+  EXPECT_EQ(h.size(), 3u);
+  EXPECT_TRUE(std::is_sorted(h.begin(), h.end()));
+  const std::vector<char> mask = training_prompt_mask(h, {"Fees?", "Loans?", "Renewals?", "Lost card?", "Other?"});
+  EXPECT_EQ(std::count(mask.begin(), mask.end(), char(1)), 3);
+  EXPECT_EQ(mask[4], 0);
 }
 
 // --update reads the old compile's stored responses before any work; a malformed line is a

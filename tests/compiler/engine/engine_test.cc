@@ -22,6 +22,7 @@
 
 #include "asmem/compiler/compile.h"
 #include "asmem/compiler/fingerprint.h"
+#include "asmem/compiler/traces.h"
 #include "asmem/dictionary.h"
 #include "asmem/engine/dictionary_prefix.h"
 #include "asmem/engine/eval.h"
@@ -395,6 +396,13 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
       {"prefix mismatch", "other.txt"});
   test::expect_error<InvalidArgument>(
       [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", {}, st); }, {"no prompts"});
+  // These are the dictionary's training prompts (compiled without a holdout): the eval
+  // selection leaves them out unless asked, and says so when none is left.
+  const std::vector<uint64_t>& trained = dict->manifest().compile.train_prompt_hashes;
+  EXPECT_EQ(trained.size(), prompts.size());
+  test::expect_error<InvalidArgument>([&] { select_eval_prompts(dict->manifest().compile, prompts, false); },
+                                      {"every prompt (3) is a training prompt", "--include-train-prompts"});
+  EXPECT_EQ(select_eval_prompts(dict->manifest().compile, prompts, true).prompts, prompts);
   // A prompt that with --max-new-tokens does not fit the context is refused before the prefix
   // prefill and any cache (an overflowing capacity, or an allocation that fails).
   EvalSettings past = st;
@@ -402,6 +410,32 @@ TEST_F(Engine, EvalScoresDictionaryAndNoPrefixAgainstTheFullPrefix) {
   test::expect_error<InvalidArgument>(
       [&] { evaluate_dictionary(*model_, *tok_, *dict, kPrefix, "prefix.txt", prompts, past); },
       {"eval: prompt 0", "--max-new-tokens", "context of 8192"});
+}
+
+// Eval prompt selection: training prompts (by hash) left out unless included, then --limit;
+// a dictionary without recorded hashes checks nothing.
+TEST(EvalPrompts, LeavesOutTrainingPromptsThenLimits) {
+  CompileInfo c;
+  c.train_prompt_hashes = {prompt_hash("b"), prompt_hash("d")};
+  const std::vector<std::string> prompts = {"a", "b", "c", "d", "e"};
+  EvalPromptSelection s = select_eval_prompts(c, prompts, false);
+  EXPECT_TRUE(s.recorded);
+  EXPECT_EQ(s.trained, 2);
+  EXPECT_EQ(s.prompts, (std::vector<std::string>{"a", "c", "e"}));
+  s = select_eval_prompts(c, prompts, false, 2);
+  EXPECT_EQ(s.prompts, (std::vector<std::string>{"a", "c"}));
+  s = select_eval_prompts(c, prompts, true, 4);
+  EXPECT_EQ(s.trained, 2);
+  EXPECT_EQ(s.prompts, (std::vector<std::string>{"a", "b", "c", "d"}));
+  // A prompt differing in one byte (here trailing space) is another prompt.
+  EXPECT_EQ(select_eval_prompts(c, {"b ", "d"}, false).prompts, (std::vector<std::string>{"b "}));
+  test::expect_error<InvalidArgument>([&] { select_eval_prompts(c, {"d", "b", "d"}, false); },
+                                      {"every prompt (3) is a training prompt"});
+  test::expect_error<InvalidArgument>([&] { select_eval_prompts(c, prompts, false, -1); }, {"--limit"});
+  const EvalPromptSelection old = select_eval_prompts(CompileInfo{}, prompts, false);
+  EXPECT_FALSE(old.recorded);
+  EXPECT_EQ(old.trained, 0);
+  EXPECT_EQ(old.prompts, prompts);
 }
 
 // DictPrefixOptions::int8_keys on a random model (G*d = 4 x 64): every lookup picks the entry

@@ -30,6 +30,15 @@ struct TraceFileStats {
 std::vector<Trace> read_traces(const std::string& path, bool skip_malformed = false,
                                TraceFileStats* stats = nullptr, const char* skip_flag = nullptr);
 
+// The hash a dictionary records for a training prompt (CompileInfo::train_prompt_hashes):
+// XXH64 of the prompt's bytes, seed 0.
+uint64_t prompt_hash(const std::string& prompt);
+
+// Which of `prompts` a dictionary was trained on: 1 where the prompt's hash is among
+// `train_prompt_hashes` (any order), else 0.
+std::vector<char> training_prompt_mask(const std::vector<uint64_t>& train_prompt_hashes,
+                                       const std::vector<std::string>& prompts);
+
 // Reads prefix token ids: a JSON array of integers, or integers separated by whitespace.
 // Throws FormatError naming the file and the first bad entry; IoError as read_traces.
 std::vector<int32_t> read_token_file(const std::string& path);

@@ -50,6 +50,19 @@ struct EvalReport {
   double prefill_s = 0, reference_s = 0, dictionary_s = 0, linear_s = 0, no_prefix_s = 0, total_s = 0;
 };
 
+// The prompts of an eval prompt file that `evaluate_dictionary` should score. Prompts the
+// dictionary was trained on (CompileInfo::train_prompt_hashes) would score it on its own
+// training keys: they are left out unless `include_trained`. Then the first `limit` (> 0)
+// are kept. Throws InvalidArgument when no prompt is left.
+struct EvalPromptSelection {
+  std::vector<std::string> prompts;  // to score, in file order
+  int64_t trained = 0;               // prompts of the file the dictionary was trained on
+  bool recorded = false;             // the dictionary records its training prompts (older
+                                     // files do not: nothing is checked)
+};
+EvalPromptSelection select_eval_prompts(const CompileInfo& compile, const std::vector<std::string>& prompts,
+                                        bool include_trained, int64_t limit = 0);
+
 // Runs the evaluation. `dict` must have passed check_dictionary for `model` and `tok`;
 // `prefix_text` must be its prefix (verified_prefix_tokens, errors naming `prefix_name`).
 // Throws InvalidArgument for no prompts, an empty prompt, a prompt whose turn and
