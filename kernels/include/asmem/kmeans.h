@@ -39,7 +39,10 @@ constexpr float kKMeansSplitEps = 1.0f / 1024.0f;
 // at that moment among those with two members or more (largest mass; the lowest index on
 // ties) is split in two,
 //   c_j[t] = c_ci[t] * (1 + s_t * eps),   c_ci[t] = c_ci[t] * (1 - s_t * eps),
-// with s_t = +1 for even t and -1 for odd t and eps = kKMeansSplitEps; its members and
+// with s_t = +1 for even t and -1 for odd t and eps = kKMeansSplitEps, except that a zero
+// coordinate (which a relative change leaves at zero: a centroid along one axis would split
+// into two of one direction) moves by +-s_t * eps * a, a = the largest |c_ci[t]| (1 for a
+// zero centroid): c_j[t] = s_t * eps * a, c_ci[t] = -s_t * eps * a. Its members and
 // mass are shared out: counts[j] = counts[ci] / 2, counts[ci] -= counts[j], mass[j] =
 // mass[ci] / 2, mass[ci] -= mass[j]. A cluster of one member is never split, however heavy:
 // its member (one distinct row, or a row repeated many times) would stay on one side and
@@ -59,10 +62,18 @@ inline int64_t KMeansSplitEmpty(float* centroids, int64_t* counts, double* mass,
     if (ci < 0) break;
     float* cj = centroids + j * dim;
     float* cc = centroids + ci * dim;
+    float amax = 0.0f;
+    for (int64_t t = 0; t < dim; ++t) amax = cc[t] > amax ? cc[t] : -cc[t] > amax ? -cc[t] : amax;
+    if (amax == 0.0f) amax = 1.0f;
     for (int64_t t = 0; t < dim; ++t) {
       const float s = (t % 2 == 0) ? kKMeansSplitEps : -kKMeansSplitEps;
-      cj[t] = cc[t] * (1.0f + s);
-      cc[t] = cc[t] * (1.0f - s);
+      if (cc[t] == 0.0f) {
+        cj[t] = s * amax;
+        cc[t] = -s * amax;
+      } else {
+        cj[t] = cc[t] * (1.0f + s);
+        cc[t] = cc[t] * (1.0f - s);
+      }
     }
     counts[j] = counts[ci] / 2;
     counts[ci] -= counts[j];

@@ -355,6 +355,21 @@ TEST(KMeansSplitEmpty, SplitsTheHeaviestSplittableCluster) {
   EXPECT_EQ(w[6], 2 * (1 - e));
   EXPECT_EQ(members, (std::vector<int64_t>{1, 1, 3, 1}));
   EXPECT_EQ(mass, (std::vector<double>{240, 4.5, 3, 4.5}));
+  // Zero coordinates move by +-eps times the largest |coordinate|: a centroid along one axis
+  // splits into two of different directions (a relative change alone gave two parallel
+  // ones, the same centroid after the spherical normalization), and so does a zero one.
+  std::vector<float> axis = {0, 0, 0, 0, -4, 0};
+  std::vector<int64_t> two = {0, 6};
+  EXPECT_EQ(KMeansSplitEmpty(axis.data(), two.data(), nullptr, 2, 3), 1);
+  EXPECT_EQ(axis, (std::vector<float>{4 * e, -4 * (1 - e), 4 * e, -4 * e, -4 * (1 + e), -4 * e}));
+  const double cosine = (axis[0] * axis[3] + axis[1] * axis[4] + axis[2] * axis[5]) /
+                        std::sqrt(double(axis[0] * axis[0] + axis[1] * axis[1] + axis[2] * axis[2]) *
+                                  double(axis[3] * axis[3] + axis[4] * axis[4] + axis[5] * axis[5]));
+  EXPECT_LT(cosine, 1.0 - 1e-6);
+  std::vector<float> zero = {0, 0, 0, 0};
+  std::vector<int64_t> z = {0, 2};
+  EXPECT_EQ(KMeansSplitEmpty(zero.data(), z.data(), nullptr, 2, 2), 1);
+  EXPECT_EQ(zero, (std::vector<float>{e, -e, -e, e}));
 }
 
 // Three tight groups (100, 200 and 300 points), one row of weight 500 apart from them and
