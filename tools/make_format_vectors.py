@@ -43,12 +43,14 @@ from gguf import quants
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "tests", "golden", "format")
 
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+         "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
 QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 # Byte offsets of the fp16 scale fields inside one block of each type.
 FP16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0],
 }
 ROWS, COLS = 2, 256
 

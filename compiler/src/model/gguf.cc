@@ -19,6 +19,17 @@
 //   Q5_0  32 elems, 22 B: d; qh u32; qs[16]  5th bit of x[j] is bit j of qh; x = (q - 16) d
 //   Q5_1  32 elems, 24 B: d, m; qh; qs[16]   x = q d + m
 //   Q8_0  32 elems, 34 B: d; int8 qs[32]     x = q d
+//   IQ4_NL 32 elems, 18 B: d; qs[16]  x[j] = d v[lo(qs[j])], x[j+16] = d v[hi(qs[j])], v the
+//        16 fixed non-uniform levels kIq4Levels
+//   Q2_K 256 elems, 84 B: scales[16] (4-bit scale low, 4-bit min high), qs[64], d, dmin.
+//        Element e: half h = e / 128, r = e % 128, shift 2 (r / 32), sub-block
+//        i = 8h + r / 16 (16 elems); x = d sc_i q - dmin m_i, q = (qs[32h + r % 32] >> shift) & 3.
+//   Q3_K 256 elems, 110 B: hmask[32], qs[64], scales[12] (16 x 6-bit, packed), d. As Q2_K,
+//        q = ((qs[32h + r % 32] >> shift) & 3) - (bit 4h + r / 32 of hmask[r % 32] ? 0 : 4),
+//        x = d (sc_i - 32) q, sc_i the 6-bit scale i (k3_scale).
+//   IQ4_XS 256 elems, 136 B: d; scales_h u16; scales_l[4]; qs[128]. Sub-block b (32 elems):
+//        ls = nibble b of scales_l | (2 bits b of scales_h) << 4, x = d (ls - 32) v[q] with q
+//        the nibbles of qs[16b..] as IQ4_NL.
 //   Q4_K 256 elems, 144 B: d, dmin; scales[12] (8 x 6-bit scale + 8 x 6-bit min); qs[128].
 //        Sub-block s (32 elems) = d sc_s q - dmin m_s; sub-blocks 2k, 2k+1 share qs[32k..]
 //        (low nibbles, then high nibbles).
@@ -67,13 +78,13 @@ constexpr TypeTraits kTypes[] = {
     {2, "Q4_0", 32, 18, true},      {3, "Q4_1", 32, 20, true},
     {6, "Q5_0", 32, 22, true},      {7, "Q5_1", 32, 24, true},
     {8, "Q8_0", 32, 34, true},      {9, "Q8_1", 32, 36, false},
-    {10, "Q2_K", 256, 84, false},   {11, "Q3_K", 256, 110, false},
+    {10, "Q2_K", 256, 84, true},    {11, "Q3_K", 256, 110, true},
     {12, "Q4_K", 256, 144, true},   {13, "Q5_K", 256, 176, true},
     {14, "Q6_K", 256, 210, true},   {15, "Q8_K", 256, 292, false},
     {16, "IQ2_XXS", 256, 66, false}, {17, "IQ2_XS", 256, 74, false},
     {18, "IQ3_XXS", 256, 98, false}, {19, "IQ1_S", 256, 50, false},
-    {20, "IQ4_NL", 32, 18, false},  {21, "IQ3_S", 256, 110, false},
-    {22, "IQ2_S", 256, 82, false},  {23, "IQ4_XS", 256, 136, false},
+    {20, "IQ4_NL", 32, 18, true},  {21, "IQ3_S", 256, 110, false},
+    {22, "IQ2_S", 256, 82, false},  {23, "IQ4_XS", 256, 136, true},
     {24, "I8", 1, 1, false},        {25, "I16", 1, 2, false},
     {26, "I32", 1, 4, false},       {27, "I64", 1, 8, false},
     {28, "F64", 1, 8, false},       {29, "IQ1_M", 256, 56, false},
@@ -178,6 +189,70 @@ void deq_q8_0(const uint8_t* b, float* y) {
   const float d = rdh(b);
   const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
   for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+}
+
+// The 16 levels of IQ4_NL and IQ4_XS, in ggml's order.
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+void deq_iq4_nl(const uint8_t* b, float* y) {
+  const float d = rdh(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(kIq4Levels[qs[j] & 0xF]);
+    y[j + 16] = d * static_cast<float>(kIq4Levels[qs[j] >> 4]);
+  }
+}
+
+void deq_iq4_xs(const uint8_t* b, float* y) {
+  const float d = rdh(b);
+  const uint16_t scales_h = rd16(b + 2);
+  const uint8_t* scales_l = b + 4;
+  const uint8_t* qs = b + 8;
+  for (int sb = 0; sb < 8; ++sb) {
+    const int ls = ((scales_l[sb / 2] >> (4 * (sb % 2))) & 0xF) | (((scales_h >> (2 * sb)) & 3) << 4);
+    const float dl = d * static_cast<float>(ls - 32);
+    const uint8_t* q = qs + 16 * sb;
+    float* out = y + 32 * sb;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = dl * static_cast<float>(kIq4Levels[q[j] & 0xF]);
+      out[j + 16] = dl * static_cast<float>(kIq4Levels[q[j] >> 4]);
+    }
+  }
+}
+
+void deq_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* scales = b;
+  const uint8_t* qs = b + 16;
+  const float d = rdh(b + 80), dmin = rdh(b + 82);
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, r = e % 128;
+    const int sc = scales[8 * h + r / 16];
+    const int q = (qs[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+    y[e] = d * static_cast<float>(sc & 0xF) * static_cast<float>(q) - dmin * static_cast<float>(sc >> 4);
+  }
+}
+
+// 6-bit scale i (0..15) of Q3_K from its 12 packed bytes: the low 4 bits are the low
+// nibble of byte i (i < 8) or the high nibble of byte i - 8; the top 2 bits are bits
+// 2 (i / 4) .. 2 (i / 4) + 1 of byte 8 + i % 4.
+int k3_scale(const uint8_t* q, int i) {
+  const int lo = i < 8 ? (q[i] & 0xF) : (q[i - 8] >> 4);
+  const int hi = (q[8 + i % 4] >> (2 * (i / 4))) & 3;
+  return lo | (hi << 4);
+}
+
+void deq_q3_k(const uint8_t* b, float* y) {
+  const uint8_t* hmask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* scales = b + 96;
+  const float d = rdh(b + 108);
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, r = e % 128, j = r / 32;
+    const int sc = k3_scale(scales, 8 * h + r / 16) - 32;
+    const int low = (qs[32 * h + r % 32] >> (2 * j)) & 3;
+    const int q = low - (((hmask[r % 32] >> (4 * h + j)) & 1) ? 0 : 4);
+    y[e] = d * static_cast<float>(sc) * static_cast<float>(q);
+  }
 }
 
 // 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes of Q4_K / Q5_K:
@@ -473,6 +548,10 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n) {
     case GgmlType::Q5_0: block_fn = deq_q5_0; break;
     case GgmlType::Q5_1: block_fn = deq_q5_1; break;
     case GgmlType::Q8_0: block_fn = deq_q8_0; break;
+    case GgmlType::IQ4_NL: block_fn = deq_iq4_nl; break;
+    case GgmlType::IQ4_XS: block_fn = deq_iq4_xs; break;
+    case GgmlType::Q2_K: block_fn = deq_q2_k; break;
+    case GgmlType::Q3_K: block_fn = deq_q3_k; break;
     case GgmlType::Q4_K: block_fn = deq_q4_k; break;
     case GgmlType::Q5_K: block_fn = deq_q5_k; break;
     case GgmlType::Q6_K: block_fn = deq_q6_k; break;

@@ -255,14 +255,15 @@ TEST_P(GgufGolden, DequantMatchesGgufPy) {
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, GgufGolden,
                          ::testing::Values("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                           "Q8_0", "Q4_K", "Q5_K", "Q6_K"),
+                                           "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL",
+                                           "IQ4_XS"),
                          [](const auto& info) { return std::string(info.param); });
 
 TEST(GgufGolden, MetadataOfEveryValueType) {
   GgufFile f(vectors_path());
   EXPECT_EQ(f.version(), 3u);
   EXPECT_EQ(f.alignment(), 64u);
-  EXPECT_EQ(f.tensors().size(), 22u);
+  EXPECT_EQ(f.tensors().size(), 30u);
   for (const auto& t : f.tensors()) EXPECT_EQ(t.offset % 64, 0u) << t.name;
   EXPECT_EQ(f.get_string("general.architecture"), "asmem-format-test");
   EXPECT_EQ(f.get_int("test.u8"), 255);
@@ -336,8 +337,10 @@ TEST(GgmlTypes, SizesNamesAndSupport) {
       {GgmlType::Q4_1, "Q4_1", 32, 20, true},  {GgmlType::Q5_0, "Q5_0", 32, 22, true},
       {GgmlType::Q5_1, "Q5_1", 32, 24, true},  {GgmlType::Q8_0, "Q8_0", 32, 34, true},
       {GgmlType::Q4_K, "Q4_K", 256, 144, true}, {GgmlType::Q5_K, "Q5_K", 256, 176, true},
-      {GgmlType::Q6_K, "Q6_K", 256, 210, true}, {GgmlType::Q3_K, "Q3_K", 256, 110, false},
-      {GgmlType::Q2_K, "Q2_K", 256, 84, false}, {GgmlType::I32, "I32", 1, 4, false},
+      {GgmlType::Q6_K, "Q6_K", 256, 210, true}, {GgmlType::Q3_K, "Q3_K", 256, 110, true},
+      {GgmlType::Q2_K, "Q2_K", 256, 84, true},  {GgmlType::IQ4_NL, "IQ4_NL", 32, 18, true},
+      {GgmlType::IQ4_XS, "IQ4_XS", 256, 136, true}, {GgmlType::Q8_K, "Q8_K", 256, 292, false},
+      {GgmlType::I32, "I32", 1, 4, false},
   };
   for (const Row& r : rows) {
     SCOPED_TRACE(r.name);
@@ -350,10 +353,10 @@ TEST(GgmlTypes, SizesNamesAndSupport) {
   expect_error<InvalidArgument>([] { ggml_row_bytes(GgmlType::Q4_0, 33); }, {"33", "Q4_0", "32"});
   expect_error<InvalidArgument>([] { ggml_type_size(static_cast<GgmlType>(99)); }, {"99"});
   EXPECT_EQ(ggml_type_name(static_cast<GgmlType>(99)), "type99");
-  std::vector<uint8_t> blk(110);
+  std::vector<uint8_t> blk(292);
   float out[256];
-  expect_error<UnsupportedError>([&] { dequantize_row(GgmlType::Q3_K, blk.data(), out, 256); },
-                                 {"Q3_K"});
+  expect_error<UnsupportedError>([&] { dequantize_row(GgmlType::Q8_K, blk.data(), out, 256); },
+                                 {"Q8_K"});
   expect_error<InvalidArgument>([&] { dequantize_row(GgmlType::Q8_0, blk.data(), out, 31); },
                                 {"31", "Q8_0"});
 }
@@ -900,19 +903,19 @@ TEST_F(GgufWeights, UnsupportedArchitecture) {
 }
 
 TEST_F(GgufWeights, UnsupportedTensorType) {
-  TinySpec s;  // Q3_K needs 256-element rows
+  TinySpec s;  // Q8_K needs 256-element rows
   s.n_layers = 1;
   s.hidden = 256;
   s.ffn = 256;
   s.head_dim = 64;
-  s.type_override["blk.0.attn_q.weight"] = GgmlType::Q3_K;
+  s.type_override["blk.0.attn_q.weight"] = GgmlType::Q8_K;
   TinyModel m = make_tiny(s);
   const std::string p = write_tiny(m);
   GgufFile f(p);  // the file itself is well formed
-  EXPECT_EQ(f.find_tensor("blk.0.attn_q.weight")->type, GgmlType::Q3_K);
+  EXPECT_EQ(f.find_tensor("blk.0.attn_q.weight")->type, GgmlType::Q8_K);
   expect_error<UnsupportedError>(
       [&] { open_weights(p); },
-      {p + ": tensor 'blk.0.attn_q.weight' has type Q3_K, which asmem cannot dequantize"});
+      {p + ": tensor 'blk.0.attn_q.weight' has type Q8_K, which asmem cannot dequantize"});
 }
 
 TEST_F(GgufWeights, MissingTensorAndWrongShape) {

@@ -19,7 +19,7 @@ namespace asmem {
 // ggml tensor types (numbering as in the format).
 enum class GgmlType : uint32_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ4_NL = 20, IQ4_XS = 23,
   I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, BF16 = 30,
 };
 std::string ggml_type_name(GgmlType t);
