@@ -370,6 +370,78 @@ void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, in
   if (t.stride(dims - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
 }
 
+// The paged KV arguments every attention op takes, checked against q [B, Hq, d] and the
+// model's Hkv and d. On the CPU also every request's length (within the table's columns)
+// and the pages it reads (within the cache), before anything is written; on CUDA those
+// values are on the device and unchecked.
+struct PagedKv {
+  int64_t page_size = 0, h_dim = 0, t_dim = 0;
+};
+PagedKv CheckPagedKv(const std::string& op, const at::Tensor& q, int64_t B, int64_t Hkv, int64_t d,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const std::string& kv_layout) {
+  if (kv_layout != "HND" && kv_layout != "NHD")
+    Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
+  const bool hnd = kv_layout == "HND";
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+    CheckLike(op, *t, name, q, "q");
+    if (t->scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
+    if (t->dim() != 4) Fail(op, std::string(name) + " must have 4 dims, got " + ShapeText(*t));
+    if (t->stride(3) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
+    CheckNotBroadcast(op, *t, name);
+  }
+  if (k_cache.sizes() != v_cache.sizes() || k_cache.strides() != v_cache.strides()) {
+    Fail(op, "k_cache and v_cache must have the same shape and strides");
+  }
+  PagedKv kv;
+  kv.h_dim = hnd ? 1 : 2;
+  kv.t_dim = hnd ? 2 : 1;
+  if (k_cache.size(kv.h_dim) != Hkv || k_cache.size(3) != d) {
+    Fail(op, std::string("k_cache must be ") +
+                 (hnd ? "[num_pages, " + std::to_string(Hkv) + ", page_size, "
+                      : "[num_pages, page_size, " + std::to_string(Hkv) + ", ") +
+                 std::to_string(d) + "] (" + kv_layout + "), got " + ShapeText(k_cache));
+  }
+  kv.page_size = k_cache.size(kv.t_dim);
+  if (kv.page_size < 1) Fail(op, "k_cache has pages of " + std::to_string(kv.page_size) + " tokens, got " + ShapeText(k_cache));
+  CheckLike(op, block_table, "block_table", q, "q");
+  CheckLike(op, seq_lens, "seq_lens", q, "q");
+  CheckInt32(op, block_table, "block_table", 2);
+  CheckInt32(op, seq_lens, "seq_lens", 1);
+  if (block_table.size(0) != B || block_table.size(1) < 1) {
+    Fail(op, "block_table must be [" + std::to_string(B) + ", max_pages >= 1], got " +
+                 ShapeText(block_table));
+  }
+  if (seq_lens.size(0) != B)
+    Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
+  if (block_table.stride(0) < block_table.size(1)) {
+    Fail(op, "block_table rows must not overlap (stride " + std::to_string(block_table.stride(0)) + " for " +
+                 std::to_string(block_table.size(1)) + " columns)");
+  }
+  if (q.is_cpu()) {
+    const int32_t* sl = seq_lens.data_ptr<int32_t>();
+    const int32_t* bt = block_table.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t T = sl[b * seq_lens.stride(0)];
+      if (T < 0) Fail(op, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T) + " is negative");
+      if (T > block_table.size(1) * kv.page_size) {
+        Fail(op, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T) + " needs more than the " +
+                     std::to_string(block_table.size(1)) + " pages of " + std::to_string(kv.page_size) +
+                     " tokens block_table has");
+      }
+      for (int64_t j = 0; j < (T + kv.page_size - 1) / kv.page_size; ++j) {
+        const int64_t page = bt[b * block_table.stride(0) + j];
+        if (page < 0 || page >= k_cache.size(0)) {
+          Fail(op, "block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(page) +
+                       " is outside the cache's " + std::to_string(k_cache.size(0)) + " pages");
+        }
+      }
+    }
+  }
+  return kv;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTensor& q_pre,
                                           const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -405,59 +477,9 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     if (q_pre->stride(2) != 1) Fail(op, "q_pre must be contiguous in its last dim");
     CheckNotBroadcast(op, *q_pre, "q_pre");
   }
-  // KV cache
-  if (kv_layout != "HND" && kv_layout != "NHD")
-    Fail(op, "kv_layout '" + kv_layout + "' is not HND or NHD");
-  const bool hnd = kv_layout == "HND";
-  for (const auto& [t, name] :
-       {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-    CheckLike(op, *t, name, q, "q");
-    if (t->scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
-    if (t->dim() != 4) Fail(op, std::string(name) + " must have 4 dims, got " + ShapeText(*t));
-    if (t->stride(3) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
-    CheckNotBroadcast(op, *t, name);
-  }
-  if (k_cache.sizes() != v_cache.sizes() || k_cache.strides() != v_cache.strides()) {
-    Fail(op, "k_cache and v_cache must have the same shape and strides");
-  }
-  const int64_t h_dim = hnd ? 1 : 2, t_dim = hnd ? 2 : 1;
-  if (k_cache.size(h_dim) != Hkv || k_cache.size(3) != d) {
-    Fail(op, std::string("k_cache must be ") +
-                 (hnd ? "[num_pages, " + std::to_string(Hkv) + ", page_size, "
-                      : "[num_pages, page_size, " + std::to_string(Hkv) + ", ") +
-                 std::to_string(d) + "] (" + kv_layout + "), got " + ShapeText(k_cache));
-  }
-  const int64_t page_size = k_cache.size(t_dim);
-  if (page_size < 1) Fail(op, "k_cache has pages of " + std::to_string(page_size) + " tokens, got " + ShapeText(k_cache));
-  // block table, seq lens, dict ids
-  CheckLike(op, block_table, "block_table", q, "q");
-  CheckLike(op, seq_lens, "seq_lens", q, "q");
-  CheckInt32(op, block_table, "block_table", 2);
-  CheckInt32(op, seq_lens, "seq_lens", 1);
-  if (block_table.size(0) != B || block_table.size(1) < 1) {
-    Fail(op, "block_table must be [" + std::to_string(B) + ", max_pages >= 1], got " +
-                 ShapeText(block_table));
-  }
-  if (seq_lens.size(0) != B)
-    Fail(op, "seq_lens must be [" + std::to_string(B) + "], got " + ShapeText(seq_lens));
-  if (block_table.stride(0) < block_table.size(1)) {
-    Fail(op, "block_table rows must not overlap (stride " + std::to_string(block_table.stride(0)) + " for " +
-                 std::to_string(block_table.size(1)) + " columns)");
-  }
-  if (dev.type == DeviceType::kCpu) {
-    // The lengths are on the host: each fits the columns of this view of the table (the
-    // runtime's reference checks them against the row stride, and the pages against the
-    // cache: DecodeArgs::num_pages).
-    const int32_t* sl = seq_lens.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t T = sl[b * seq_lens.stride(0)];
-      if (T > block_table.size(1) * page_size) {
-        Fail(op, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(T) + " needs more than the " +
-                     std::to_string(block_table.size(1)) + " pages of " + std::to_string(page_size) +
-                     " tokens block_table has");
-      }
-    }
-  }
+  // KV cache, block table, seq lens
+  const PagedKv kv = CheckPagedKv(op, q, B, Hkv, d, k_cache, v_cache, block_table, seq_lens, kv_layout);
+  const int64_t page_size = kv.page_size, h_dim = kv.h_dim, t_dim = kv.t_dim;
   if (dict_ids) {
     CheckLike(op, *dict_ids, "dict_ids", q, "q");
     CheckInt32(op, *dict_ids, "dict_ids", 1);

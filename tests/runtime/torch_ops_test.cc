@@ -403,8 +403,8 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
     at::Tensor bt = x.block_table.clone();
     bt[1][0] = int32_t(x.k.size(0));
     expect_error<InvalidArgument>([&] { call(x.q, x.q_pre, x.k, x.v, bt, x.seq_lens, x.dict_ids, 0); },
-                                  {"block_table[1, 0] = " + std::to_string(x.k.size(0)),
-                                   "is not a page of the cache (num_pages " + std::to_string(x.k.size(0)) + ")"});
+                                  {"asmem.decode: block_table[1, 0] = " + std::to_string(x.k.size(0)) +
+                                   " is outside the cache's " + std::to_string(x.k.size(0)) + " pages"});
   }
   expect_error<InvalidArgument>(
       [&] {
