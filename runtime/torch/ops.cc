@@ -54,6 +54,38 @@
 //       Meta tensors (torch.compile's fake tensors, torch.export) get o and lse of these
 //       shapes without a runtime; shapes that need the runtime's model are checked when the
 //       op runs.
+//
+//   MAC (in-request reuse, asmem/reuse.h; the settings are MacConfig's: tau, window W, band r,
+//   front_sink F, min_context, enable, passed with every call and the same at every call):
+//   mac_state(str device, int num_layers, int num_slots, int num_q_heads, int head_dim,
+//             int window=512) -> Tensor
+//       The rings of every layer for num_slots request slots, initialized (every ring slot
+//       empty): a 1-D uint8 tensor to pass as `state` unchanged (not a copy: on the CPU a
+//       copy at another 256-byte phase is refused). The request slots are the caller's int32
+//       tensor `slots` [num_slots, 2] of (epoch, ready), on the same device: give a slot
+//       to a new request by adding 1 to its epoch (its rings are then stale everywhere, also
+//       inside captured graphs); ready 0 makes every head of it miss (its rings are still
+//       written).
+//   mac_fill(Tensor q, Tensor q_pre, Tensor positions, Tensor k_cache, Tensor v_cache,
+//            Tensor block_table, Tensor seq_lens, Tensor? slot_ids, Tensor slots,
+//            Tensor(a!) state, int layer, float tau=0.45, int window=512, int band=256,
+//            int front_sink=0, int min_context=2048, bool enable=True, float sm_scale=0.,
+//            int max_seq_len=0, str kv_layout="HND") -> ()
+//       Prefill: the ring entries of positions [B, N] int32 (each < seq_lens[b], or -1: none;
+//       N <= window, distinct modulo window) from their post- and pre-RoPE queries q, q_pre
+//       [B, N, Hq, d] bf16/f16, computed exactly from the paged KV (as decode's).
+//   mac_decode(Tensor q, Tensor q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table,
+//              Tensor seq_lens, Tensor? slot_ids, Tensor slots, Tensor(a!) state, int layer,
+//              Tensor? prefix_o=None, Tensor? prefix_lse=None, <the MAC settings>,
+//              float sm_scale=0., int max_seq_len=0, str kv_layout="HND")
+//              -> (Tensor o, Tensor lse, Tensor hit_pos)
+//       One decode step of position seq_lens[b] - 1 of each request over its paged KV
+//       (decode's layout and checks): match q_pre [B, Hq, d] against the slot's ring, reuse
+//       the nearest entry on a hit, attend the rest exactly, write the ring entry. slot_ids
+//       [B] int32 (distinct; None: request b in slot b). prefix_o [B, Hq, d] in q's dtype
+//       and prefix_lse [B, Hq] f32 (e.g. decode's outputs for zero own tokens): a prefix
+//       state merged into o. hit_pos [B, Hq] int32: the reused position, -1 on a miss.
+//       CPU: the reference (double accumulation); CUDA: the fused op, capturable.
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
 // The plugin carries its own (static) copy of the asmem runtime: a process should not also
 // link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
@@ -71,6 +103,7 @@
 
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
+#include "asmem/reuse.h"
 #include "asmem/runtime.h"
 
 #ifdef ASMEM_TORCH_CUDA
@@ -573,6 +606,362 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   return {o, lse};
 }
 
+// ---------------------------------------------------------------------------------------
+// MAC: in-request reuse (asmem/reuse.h). The rings are one caller-owned uint8 tensor per
+// model (mac_state), the request slots an int32 [num_slots, 2] tensor of (epoch, ready).
+// ---------------------------------------------------------------------------------------
+
+// The rings' layout depends only on these (reuse.h: MacLayerStateBytes).
+MacDecodeConfig MacStateShape(const std::string& op, int64_t num_slots, int64_t Hq, int64_t d, int64_t window) {
+  for (const auto& [v, name] : {std::pair<int64_t, const char*>{num_slots, "num_slots"}, {Hq, "num_q_heads"},
+                                {d, "head_dim"}, {window, "window"}}) {
+    if (v < 1 || v > (int64_t(1) << 24)) Fail(op, std::string(name) + " " + std::to_string(v) + " is out of range");
+  }
+  if (d > kMacMaxHeadDim) Fail(op, "head_dim " + std::to_string(d) + " is above " + std::to_string(kMacMaxHeadDim));
+  MacDecodeConfig c;
+  c.batch = 1;
+  c.num_q_heads = int32_t(Hq);
+  c.num_kv_heads = 1;
+  c.head_dim = int32_t(d);
+  c.num_slots = int32_t(num_slots);
+  c.mac.window = int32_t(window);
+  return c;
+}
+
+// Bytes of one layer's rings, a multiple of 256 so every layer starts 256-byte aligned.
+int64_t MacLayerBytes(const MacDecodeConfig& c) { return int64_t((MacLayerStateBytes(c) + 255) / 256 * 256); }
+
+// The layers start at the tensor's first 256-byte aligned byte; its last byte records that
+// offset, so a copy to memory of another alignment is refused (CPU) rather than misread.
+int64_t MacStateOffset(const at::Tensor& state) {
+  return int64_t((256 - reinterpret_cast<uintptr_t>(state.data_ptr()) % 256) % 256);
+}
+
+at::Tensor mac_state(std::string device, int64_t num_layers, int64_t num_slots, int64_t num_q_heads,
+                     int64_t head_dim, int64_t window) {
+  const std::string op = "mac_state";
+  const Device d = ParseDevice(op, device);
+  if (num_layers < 1 || num_layers > (int64_t(1) << 20))
+    Fail(op, "num_layers " + std::to_string(num_layers) + " is out of range");
+  const MacDecodeConfig c = MacStateShape(op, num_slots, num_q_heads, head_dim, window);
+  const int64_t layer_bytes = MacLayerBytes(c);
+  if (layer_bytes > (int64_t(1) << 40) / num_layers) Fail(op, "the rings would take more than 1 TiB");
+  at::TensorOptions opt = at::TensorOptions().dtype(at::kByte);
+#ifdef ASMEM_TORCH_CUDA
+  if (d.type == DeviceType::kCuda) opt = opt.device(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(d.index)));
+#endif
+  at::Tensor state = at::zeros({256 + num_layers * layer_bytes}, opt);  // then every tag empty
+  const int64_t off = MacStateOffset(state);
+  uint8_t* base = state.data_ptr<uint8_t>() + off;
+  if (d.type == DeviceType::kCpu) {
+    for (int64_t l = 0; l < num_layers; ++l) MacInitLayerStateCpu(c, MacBindLayerState(c, base + l * layer_bytes));
+    state.data_ptr<uint8_t>()[state.numel() - 1] = uint8_t(off);
+    return state;
+  }
+#ifdef ASMEM_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(state.device());
+  for (int64_t l = 0; l < num_layers; ++l) {
+    MacInitLayerState(c, MacBindLayerState(c, base + l * layer_bytes), CurrentStream(d));
+  }
+  state.narrow(0, state.numel() - 1, 1).fill_(int64_t(off));
+#endif
+  return state;
+}
+
+// Layer `layer` of a mac_state tensor made for this shape.
+MacLayerState MacLayerOf(const std::string& op, const at::Tensor& state, const MacDecodeConfig& c, int64_t layer,
+                         const at::Tensor& q) {
+  CheckLike(op, state, "state", q, "q");
+  if (state.scalar_type() != at::kByte || state.dim() != 1 || !state.is_contiguous()) {
+    Fail(op, "state must be the 1-D uint8 tensor mac_state returned, got " + ShapeText(state) + " " +
+                 std::string(c10::toString(state.scalar_type())));
+  }
+  const MacDecodeConfig shape = MacStateShape(op, c.num_slots, c.num_q_heads, c.head_dim, c.mac.window);
+  const int64_t layer_bytes = MacLayerBytes(shape);
+  const int64_t n = state.numel() - 256;
+  if (n < layer_bytes || n % layer_bytes != 0) {
+    Fail(op, "state (" + std::to_string(state.numel()) + " bytes) was not made for num_slots " +
+                 std::to_string(c.num_slots) + ", num_q_heads " + std::to_string(c.num_q_heads) + ", head_dim " +
+                 std::to_string(c.head_dim) + " and window " + std::to_string(c.mac.window) +
+                 " (mac_state with these values)");
+  }
+  if (layer < 0 || layer >= n / layer_bytes) {
+    Fail(op, "layer " + std::to_string(layer) + " is outside the state's [0, " + std::to_string(n / layer_bytes) + ")");
+  }
+  const int64_t off = MacStateOffset(state);
+  if (state.is_cpu() && state.data_ptr<uint8_t>()[state.numel() - 1] != off) {
+    Fail(op, "state was copied to memory of another alignment (its rings would be misread): use the tensor "
+             "mac_state returned, or a new one");
+  }
+  return MacBindLayerState(shape, state.data_ptr<uint8_t>() + off + layer * layer_bytes);
+}
+
+MacConfig MakeMacConfig(const std::string& op, double tau, int64_t window, int64_t band, int64_t front_sink,
+                        int64_t min_context, bool enable) {
+  auto i32 = [&](int64_t v, const char* name) {
+    if (v < INT32_MIN || v > INT32_MAX) Fail(op, std::string(name) + " " + std::to_string(v) + " is out of range");
+    return int32_t(v);
+  };
+  MacConfig m;
+  m.enable = enable;
+  m.tau = float(tau);
+  m.window = i32(window, "window");
+  m.band = i32(band, "band");
+  m.front_sink = i32(front_sink, "front_sink");
+  m.min_context = i32(min_context, "min_context");
+  try {
+    ValidateMacConfig(m);
+  } catch (const InvalidArgument& e) {
+    Fail(op, e.what());
+  }
+  return m;
+}
+
+// q-like [B, ..., Hq, d] 16-bit tensors of MAC ops: dtype and 16-byte aligned rows.
+KernelDType MacDType(const std::string& op, const at::Tensor& q) {
+  const KernelDType t = KernelType(op, q, "q");
+  if (t == KernelDType::kF32) Fail(op, "q has dtype float32: MAC takes bf16 or f16");
+  return t;
+}
+
+void CheckRows(const std::string& op, const at::Tensor& t, const char* name, const at::Tensor& q) {
+  CheckLike(op, t, name, q, "q");
+  if (t.scalar_type() != q.scalar_type()) Fail(op, std::string(name) + " must have q's dtype");
+  if (t.sizes() != q.sizes()) Fail(op, std::string(name) + " must have q's shape " + ShapeText(q) + ", got " + ShapeText(t));
+  if (t.stride(t.dim() - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
+  CheckNotBroadcast(op, t, name);
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) {
+      Fail(op, std::string(name) + "'s strides must be multiples of 8 elements (16-byte aligned rows)");
+    }
+  }
+}
+
+// The request slots: slots [num_slots, 2] int32 (epoch, ready), slot_ids [B] int32 or None
+// (request b in slot b). Returns num_slots.
+int64_t CheckSlots(const std::string& op, const at::Tensor& slots, const OptionalTensor& slot_ids, int64_t B,
+                   const at::Tensor& q) {
+  static_assert(sizeof(MacSlot) == 2 * sizeof(int32_t), "MacSlot is two int32");
+  CheckLike(op, slots, "slots", q, "q");
+  CheckInt32(op, slots, "slots", 2);
+  if (slots.size(1) != 2 || !slots.is_contiguous() || slots.size(0) < 1) {
+    Fail(op, "slots must be a contiguous [num_slots, 2] int32 tensor (epoch, ready), got " + ShapeText(slots));
+  }
+  if (slot_ids) {
+    CheckLike(op, *slot_ids, "slot_ids", q, "q");
+    CheckInt32(op, *slot_ids, "slot_ids", 1);
+    if (slot_ids->size(0) != B) Fail(op, "slot_ids must be [" + std::to_string(B) + "], got " + ShapeText(*slot_ids));
+  } else if (slots.size(0) < B) {
+    Fail(op, "no slot_ids: request b uses slot b, but slots has " + std::to_string(slots.size(0)) + " rows for " +
+                 std::to_string(B) + " requests");
+  }
+  return slots.size(0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
+    const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const OptionalTensor& slot_ids,
+    const at::Tensor& slots, const at::Tensor& state, int64_t layer, const OptionalTensor& prefix_o,
+    const OptionalTensor& prefix_lse, double tau, int64_t window, int64_t band, int64_t front_sink,
+    int64_t min_context, bool enable, double sm_scale, int64_t max_seq_len, std::string kv_layout) {
+  const std::string op = "mac_decode";
+  const Device dev = DeviceOf(op, q);
+  if (q.dim() != 3) Fail(op, "q must be [B, Hq, d], got " + ShapeText(q));
+  const int64_t B = q.size(0), Hq = q.size(1), d = q.size(2);
+  if (B < 1 || B > (int64_t(1) << 20)) Fail(op, "batch " + std::to_string(B) + " is out of range");
+  const KernelDType dtype = MacDType(op, q);
+  CheckRows(op, q, "q", q);
+  CheckRows(op, q_pre, "q_pre", q);
+  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
+  const int64_t Hkv = k_cache.size(kv_layout == "NHD" ? 2 : 1);
+  if (Hkv < 1 || Hq % Hkv != 0) {
+    Fail(op, "q's " + std::to_string(Hq) + " heads are not a multiple of k_cache's " + std::to_string(Hkv) + " KV heads");
+  }
+  const PagedKv kv = CheckPagedKv(op, q, B, Hkv, d, k_cache, v_cache, block_table, seq_lens, kv_layout);
+  const int64_t num_slots = CheckSlots(op, slots, slot_ids, B, q);
+  if (prefix_o.has_value() != prefix_lse.has_value()) Fail(op, "prefix_o and prefix_lse must be given together");
+  if (prefix_o) {
+    CheckRows(op, *prefix_o, "prefix_o", q);
+    CheckLike(op, *prefix_lse, "prefix_lse", q, "q");
+    if (prefix_lse->scalar_type() != at::kFloat || prefix_lse->sizes() != at::IntArrayRef({B, Hq}) ||
+        !prefix_lse->is_contiguous()) {
+      Fail(op, "prefix_lse must be a contiguous [" + std::to_string(B) + ", " + std::to_string(Hq) +
+                   "] float32 tensor, got " + ShapeText(*prefix_lse));
+    }
+  }
+  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
+    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  }
+  MacDecodeConfig c;
+  c.batch = int32_t(B);
+  c.num_q_heads = int32_t(Hq);
+  c.num_kv_heads = int32_t(Hkv);
+  c.head_dim = int32_t(d);
+  c.dtype = dtype;
+  c.page_size = int32_t(std::min<int64_t>(kv.page_size, INT32_MAX));
+  const int64_t bound = block_table.size(1) * kv.page_size;
+  c.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
+  c.num_slots = int32_t(num_slots);
+  c.mac = MakeMacConfig(op, tau, window, band, front_sink, min_context, enable);
+  const MacLayerState st = MacLayerOf(op, state, c, layer, q);
+
+  at::Tensor o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  at::Tensor hit_pos = at::empty({B, Hq}, q.options().dtype(at::kInt));
+  MacParams p;
+  p.batch = int32_t(B);
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.q_pre = q_pre.data_ptr();
+  p.q_pre_stride_b = q_pre.stride(0);
+  p.q_pre_stride_h = q_pre.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.kv_stride_page = k_cache.stride(0);
+  p.kv_stride_head = k_cache.stride(kv.h_dim);
+  p.kv_stride_token = k_cache.stride(kv.t_dim);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.slot_ids = slot_ids ? slot_ids->data_ptr<int32_t>() : nullptr;
+  p.slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+  p.state = st;
+  if (prefix_o) {
+    p.prefix_o = prefix_o->data_ptr();
+    p.prefix_stride_b = prefix_o->stride(0);
+    p.prefix_stride_h = prefix_o->stride(1);
+    p.prefix_lse = prefix_lse->data_ptr<float>();
+  }
+  p.o = o.data_ptr();
+  p.o_stride_b = o.stride(0);
+  p.o_stride_h = o.stride(1);
+  p.lse = lse.data_ptr<float>();
+  p.hit_pos = hit_pos.data_ptr<int32_t>();
+  p.sm_scale = float(sm_scale);
+  try {
+    if (dev.type == DeviceType::kCpu) {
+      MacAttentionCpu(c, p);
+      return {o, lse, hit_pos};
+    }
+#ifdef ASMEM_TORCH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    const size_t ws_bytes = MacWorkspaceBytes(c);
+    at::Tensor ws = at::empty({int64_t(std::max<size_t>(ws_bytes, 1)) + 256}, q.options().dtype(at::kByte));
+    uint8_t* base = ws.data_ptr<uint8_t>();
+    MacAttention(c, p, base + (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256, ws_bytes, CurrentStream(dev));
+#endif
+  } catch (const InvalidArgument& e) {
+    Fail(op, e.what());
+  }
+  return {o, lse, hit_pos};
+}
+
+void mac_fill(const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& positions, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+              const OptionalTensor& slot_ids, const at::Tensor& slots, const at::Tensor& state, int64_t layer,
+              double tau, int64_t window, int64_t band, int64_t front_sink, int64_t min_context, bool enable,
+              double sm_scale, int64_t max_seq_len, std::string kv_layout) {
+  const std::string op = "mac_fill";
+  const Device dev = DeviceOf(op, q);
+  if (q.dim() != 4) Fail(op, "q must be [B, N, Hq, d], got " + ShapeText(q));
+  const int64_t B = q.size(0), N = q.size(1), Hq = q.size(2), d = q.size(3);
+  if (B < 1 || B > (int64_t(1) << 20)) Fail(op, "batch " + std::to_string(B) + " is out of range");
+  if (N < 1 || N > window) {
+    Fail(op, "q's " + std::to_string(N) + " positions per request are outside [1, window = " + std::to_string(window) + "]");
+  }
+  const KernelDType dtype = MacDType(op, q);
+  CheckRows(op, q, "q", q);
+  CheckRows(op, q_pre, "q_pre", q);
+  CheckLike(op, positions, "positions", q, "q");
+  CheckInt32(op, positions, "positions", 2);
+  if (positions.size(0) != B || positions.size(1) != N || !positions.is_contiguous()) {
+    Fail(op, "positions must be a contiguous [" + std::to_string(B) + ", " + std::to_string(N) + "] int32 tensor, got " +
+                 ShapeText(positions));
+  }
+  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
+  const int64_t Hkv = k_cache.size(kv_layout == "NHD" ? 2 : 1);
+  if (Hkv < 1 || Hq % Hkv != 0) {
+    Fail(op, "q's " + std::to_string(Hq) + " heads are not a multiple of k_cache's " + std::to_string(Hkv) + " KV heads");
+  }
+  const at::Tensor q_rows = q.select(1, 0);  // [B, Hq, d], for the KV checks
+  const PagedKv kv = CheckPagedKv(op, q_rows, B, Hkv, d, k_cache, v_cache, block_table, seq_lens, kv_layout);
+  const int64_t num_slots = CheckSlots(op, slots, slot_ids, B, q);
+  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
+    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  }
+  MacDecodeConfig c;
+  c.batch = int32_t(B);
+  c.num_q_heads = int32_t(Hq);
+  c.num_kv_heads = int32_t(Hkv);
+  c.head_dim = int32_t(d);
+  c.dtype = dtype;
+  c.page_size = int32_t(std::min<int64_t>(kv.page_size, INT32_MAX));
+  const int64_t bound = block_table.size(1) * kv.page_size;
+  c.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
+  c.num_slots = int32_t(num_slots);
+  c.mac = MakeMacConfig(op, tau, window, band, front_sink, min_context, enable);
+  MacFillParams p;
+  p.batch = int32_t(B);
+  p.num_positions = int32_t(N);
+  p.positions = positions.data_ptr<int32_t>();
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_n = q.stride(1);
+  p.q_stride_h = q.stride(2);
+  p.q_pre = q_pre.data_ptr();
+  p.q_pre_stride_b = q_pre.stride(0);
+  p.q_pre_stride_n = q_pre.stride(1);
+  p.q_pre_stride_h = q_pre.stride(2);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.kv_stride_page = k_cache.stride(0);
+  p.kv_stride_head = k_cache.stride(kv.h_dim);
+  p.kv_stride_token = k_cache.stride(kv.t_dim);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.slot_ids = slot_ids ? slot_ids->data_ptr<int32_t>() : nullptr;
+  p.slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+  p.state = MacLayerOf(op, state, c, layer, q);
+  p.sm_scale = float(sm_scale);
+  try {
+    if (dev.type == DeviceType::kCpu) {
+      MacFillCpu(c, p);
+      return;
+    }
+#ifdef ASMEM_TORCH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    const size_t ws_bytes = MacFillWorkspaceBytes(c, int32_t(N));
+    at::Tensor ws = at::empty({int64_t(std::max<size_t>(ws_bytes, 1)) + 256}, q.options().dtype(at::kByte));
+    uint8_t* base = ws.data_ptr<uint8_t>();
+    MacFill(c, p, base + (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256, ws_bytes, CurrentStream(dev));
+#endif
+  } catch (const InvalidArgument& e) {
+    Fail(op, e.what());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode_meta(
+    const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
+    const at::Tensor& /*block_table*/, const at::Tensor& /*seq_lens*/, const OptionalTensor& /*slot_ids*/,
+    const at::Tensor& /*slots*/, const at::Tensor& /*state*/, int64_t /*layer*/, const OptionalTensor& /*prefix_o*/,
+    const OptionalTensor& /*prefix_lse*/, double /*tau*/, int64_t /*window*/, int64_t /*band*/,
+    int64_t /*front_sink*/, int64_t /*min_context*/, bool /*enable*/, double /*sm_scale*/, int64_t /*max_seq_len*/,
+    std::string /*kv_layout*/) {
+  const std::string op = "mac_decode";
+  if (q.dim() != 3) Fail(op, "q must be [B, Hq, d], got " + ShapeText(q));
+  MacDType(op, q);
+  if (q_pre.sizes() != q.sizes()) Fail(op, "q_pre must have q's shape " + ShapeText(q) + ", got " + ShapeText(q_pre));
+  return {at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous)),
+          at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat)),
+          at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kInt))};
+}
+
+void mac_fill_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
+                   int64_t, double, int64_t, int64_t, int64_t, int64_t, bool, double, int64_t, std::string) {}
+
 // decode's shapes, for tracing (torch.compile's fake tensors, torch.export, meta tensors):
 // no runtime and no data. Checks what needs neither; the real kernel checks the rest.
 std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const OptionalTensor& q_pre,
@@ -633,14 +1022,43 @@ TORCH_LIBRARY(asmem, m) {
       "decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
       "str kv_layout=\"HND\", Tensor? lookup_keys=None) -> (Tensor o, Tensor lse)");
+  m.def(
+      "mac_state(str device, int num_layers, int num_slots, int num_q_heads, int head_dim, int window=512) "
+      "-> Tensor",
+      &mac_state);
+  m.def(
+      "mac_decode(Tensor q, Tensor q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor? slot_ids, Tensor slots, Tensor(a!) state, int layer, Tensor? prefix_o=None, "
+      "Tensor? prefix_lse=None, float tau=0.45, int window=512, int band=256, int front_sink=0, "
+      "int min_context=2048, bool enable=True, float sm_scale=0., int max_seq_len=0, "
+      "str kv_layout=\"HND\") -> (Tensor o, Tensor lse, Tensor hit_pos)");
+  m.def(
+      "mac_fill(Tensor q, Tensor q_pre, Tensor positions, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor? slot_ids, Tensor slots, Tensor(a!) state, int layer, float tau=0.45, "
+      "int window=512, int band=256, int front_sink=0, int min_context=2048, bool enable=True, "
+      "float sm_scale=0., int max_seq_len=0, str kv_layout=\"HND\") -> ()");
 }
 
-TORCH_LIBRARY_IMPL(asmem, CPU, m) { m.impl("decode", &asmem::torch_ops::decode); }
-TORCH_LIBRARY_IMPL(asmem, Meta, m) { m.impl("decode", &asmem::torch_ops::decode_meta); }
+TORCH_LIBRARY_IMPL(asmem, CPU, m) {
+  m.impl("decode", &asmem::torch_ops::decode);
+  m.impl("mac_decode", &asmem::torch_ops::mac_decode);
+  m.impl("mac_fill", &asmem::torch_ops::mac_fill);
+}
+TORCH_LIBRARY_IMPL(asmem, Meta, m) {
+  m.impl("decode", &asmem::torch_ops::decode_meta);
+  m.impl("mac_decode", &asmem::torch_ops::mac_decode_meta);
+  m.impl("mac_fill", &asmem::torch_ops::mac_fill_meta);
+}
 // Meta tensors pass autograd as CPU and CUDA ones do (torch 1.x has no AutogradMeta
 // fallthrough of its own).
-TORCH_LIBRARY_IMPL(asmem, AutogradMeta, m) { m.impl("decode", torch::CppFunction::makeFallthrough()); }
+TORCH_LIBRARY_IMPL(asmem, AutogradMeta, m) {
+  for (const char* name : {"decode", "mac_decode", "mac_fill"}) m.impl(name, torch::CppFunction::makeFallthrough());
+}
 
 #ifdef ASMEM_TORCH_CUDA
-TORCH_LIBRARY_IMPL(asmem, CUDA, m) { m.impl("decode", &asmem::torch_ops::decode); }
+TORCH_LIBRARY_IMPL(asmem, CUDA, m) {
+  m.impl("decode", &asmem::torch_ops::decode);
+  m.impl("mac_decode", &asmem::torch_ops::mac_decode);
+  m.impl("mac_fill", &asmem::torch_ops::mac_fill);
+}
 #endif

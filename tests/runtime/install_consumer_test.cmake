@@ -24,7 +24,7 @@ if(NOT DEFINED LIBDIR)
   set(LIBDIR lib)
 endif()
 foreach(f ${LIBDIR}/cmake/asmem/asmemConfig.cmake ${LIBDIR}/cmake/asmem/asmemConfigVersion.cmake
-          ${LIBDIR}/cmake/asmem/asmemTargets.cmake include/asmem/runtime.h include/asmem/decode.h
+          ${LIBDIR}/cmake/asmem/asmemTargets.cmake include/asmem/runtime.h include/asmem/decode.h include/asmem/reuse.h
           ${LIBDIR}/libasmem_runtime.a)
   if(NOT EXISTS "${prefix}/${f}")
     message(FATAL_ERROR "not installed: ${prefix}/${f}")
@@ -65,7 +65,7 @@ run("configure consumer" ${CMAKE_COMMAND} ${cfg})
 run("build consumer" ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run("run consumer" "${WORK_DIR}/build/asmem_consumer" "${WORK_DIR}/test.asmd")
 message(STATUS "${last_output}")
-if(NOT last_output MATCHES "decode ok")
-  message(FATAL_ERROR "consumer did not print 'decode ok':\n${last_output}")
+if(NOT last_output MATCHES "decode ok" OR NOT last_output MATCHES "mac ok")
+  message(FATAL_ERROR "consumer did not print 'decode ok' and 'mac ok':\n${last_output}")
 endif()
 file(REMOVE_RECURSE "${WORK_DIR}")

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <ostream>
@@ -16,6 +18,7 @@
 
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
+#include "asmem/reuse.h"
 #include "runtime/runtime_test_util.h"
 #include "test_util.h"
 
@@ -440,6 +443,329 @@ TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
       [&] { call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 0); },
       {"asmem.decode: no asmem runtime on cpu"});
 }
+
+
+// ---------------------------------------------------------------------------------------
+// MAC ops: mac_state / mac_fill / mac_decode against the kernels' CPU reference called
+// directly on the same inputs, over chained steps with hits, misses and a prefix state.
+// ---------------------------------------------------------------------------------------
+
+using MacStateFn = at::Tensor(std::string, int64_t, int64_t, int64_t, int64_t, int64_t);
+using MacDecodeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const OptionalTensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&,
+    const OptionalTensor&, double, int64_t, int64_t, int64_t, int64_t, bool, double, int64_t, std::string);
+using MacFillFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
+                       const at::Tensor&, int64_t, double, int64_t, int64_t, int64_t, int64_t, bool, double,
+                       int64_t, std::string);
+
+struct MacOpsCase {
+  int64_t B = 2, Hq = 4, Hkv = 2, d = 16, ps = 4, T0 = 5, steps = 16;
+  int64_t W = 8, r = 2, F = 1, min_ctx = 4;
+  double tau = 0.45;
+};
+
+// A 256-byte aligned host copy of one layer's rings for the direct calls.
+struct DirectRing {
+  std::vector<uint8_t> bytes;
+  MacLayerState state;
+  explicit DirectRing(const MacDecodeConfig& c) : bytes(MacLayerStateBytes(c) + 256) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(bytes.data());
+    state = MacBindLayerState(c, reinterpret_cast<void*>((p + 255) / 256 * 256));
+    MacInitLayerStateCpu(c, state);
+  }
+};
+
+TEST_F(TorchOpsTest, MacOpsEqualTheReuseReferenceOverChainedSteps) {
+  const MacOpsCase k;
+  torch::manual_seed(int64_t(seed_));
+  const auto bf = at::TensorOptions().dtype(at::kBFloat16);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  const int64_t T_max = k.T0 + k.steps, max_pages = (T_max + k.ps - 1) / k.ps;
+  const int64_t num_pages = k.B * max_pages + 3;
+  const at::Tensor kc = torch::randn({num_pages, k.Hkv, k.ps, k.d}).to(at::kBFloat16);
+  const at::Tensor vc = torch::randn({num_pages, k.Hkv, k.ps, k.d}).to(at::kBFloat16);
+  const at::Tensor block_table = torch::randperm(num_pages, i32.dtype(at::kLong)).narrow(0, 0, k.B * max_pages)
+                                     .to(at::kInt).reshape({k.B, max_pages}).contiguous();
+  const at::Tensor slot_ids = torch::tensor({3, 1}, i32);
+  at::Tensor slots = torch::zeros({4, 2}, i32);
+  slots.select(1, 1).fill_(1);  // ready
+
+  MacDecodeConfig c;
+  c.batch = int32_t(k.B);
+  c.num_q_heads = int32_t(k.Hq);
+  c.num_kv_heads = int32_t(k.Hkv);
+  c.head_dim = int32_t(k.d);
+  c.dtype = KernelDType::kBF16;
+  c.page_size = int32_t(k.ps);
+  c.max_seq_len = int32_t(max_pages * k.ps);
+  c.num_slots = 4;
+  c.mac.tau = float(k.tau);
+  c.mac.window = int32_t(k.W);
+  c.mac.band = int32_t(k.r);
+  c.mac.front_sink = int32_t(k.F);
+  c.mac.min_context = int32_t(k.min_ctx);
+  DirectRing ring(c);
+  at::Tensor state = Op<MacStateFn>("asmem::mac_state").call("cpu", 2, 4, k.Hq, k.d, k.W);
+  const int64_t layer = 1;
+
+  auto kv_params = [&](auto* p) {
+    p->k_cache = kc.data_ptr();
+    p->v_cache = vc.data_ptr();
+    p->kv_stride_page = kc.stride(0);
+    p->kv_stride_head = kc.stride(1);
+    p->kv_stride_token = kc.stride(2);
+    p->block_table = block_table.data_ptr<int32_t>();
+    p->block_table_stride = block_table.stride(0);
+    p->slot_ids = slot_ids.data_ptr<int32_t>();
+    p->slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+    p->state = ring.state;
+  };
+
+  // Prefill: the prompt's T0 positions into both rings.
+  {
+    const at::Tensor q = torch::randn({k.B, k.T0, k.Hq, k.d}).to(at::kBFloat16);
+    const at::Tensor q_pre = torch::randn({k.B, k.T0, k.Hq, k.d}).to(at::kBFloat16);
+    const at::Tensor pos = torch::arange(k.T0, i32).unsqueeze(0).expand({k.B, k.T0}).contiguous();
+    const at::Tensor sl = torch::full({k.B}, int32_t(k.T0), i32);
+    Op<MacFillFn>("asmem::mac_fill")
+        .call(q, q_pre, pos, kc, vc, block_table, sl, slot_ids, slots, state, layer, k.tau, k.W, k.r, k.F,
+              k.min_ctx, true, 0.0, 0, "HND");
+    MacFillParams p;
+    p.batch = int32_t(k.B);
+    p.num_positions = int32_t(k.T0);
+    p.positions = pos.data_ptr<int32_t>();
+    p.q = q.data_ptr();
+    p.q_stride_b = q.stride(0);
+    p.q_stride_n = q.stride(1);
+    p.q_stride_h = q.stride(2);
+    p.q_pre = q_pre.data_ptr();
+    p.q_pre_stride_b = q_pre.stride(0);
+    p.q_pre_stride_n = q_pre.stride(1);
+    p.q_pre_stride_h = q_pre.stride(2);
+    p.seq_lens = sl.data_ptr<int32_t>();
+    kv_params(&p);
+    MacFillCpu(c, p);
+  }
+  auto state_bytes = [&] {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(state.data_ptr());
+    const size_t off = (256 - a % 256) % 256, layer_bytes = (MacLayerStateBytes(c) + 255) / 256 * 256;
+    return std::vector<uint8_t>(state.data_ptr<uint8_t>() + off + layer * layer_bytes,
+                                state.data_ptr<uint8_t>() + off + layer * layer_bytes + MacLayerStateBytes(c));
+  };
+  auto ring_bytes = [&] {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(ring.state.ring_q);
+    return std::vector<uint8_t>(b, b + MacLayerStateBytes(c));
+  };
+  EXPECT_TRUE(state_bytes() == ring_bytes()) << "mac_fill wrote other rings than MacFillCpu";
+
+  std::vector<at::Tensor> past_q_pre;
+  int64_t hits = 0, misses = 0;
+  for (int64_t step = 0; step < k.steps; ++step) {
+    const int64_t T = k.T0 + step + 1;
+    const at::Tensor sl = torch::full({k.B}, int32_t(T), i32);
+    const at::Tensor q = torch::randn({k.B, k.Hq, k.d}).to(at::kBFloat16);
+    at::Tensor q_pre = torch::randn({k.B, k.Hq, k.d}).to(at::kBFloat16);
+    // Half the heads repeat a recent query exactly: a hit once the context allows.
+    if (step >= 2) q_pre.narrow(1, 0, k.Hq / 2).copy_(past_q_pre[size_t(step - 2)].narrow(1, 0, k.Hq / 2));
+    past_q_pre.push_back(q_pre);
+    const bool with_prefix = step % 3 == 1;
+    const at::Tensor po = torch::randn({k.B, k.Hq, k.d}).to(at::kBFloat16), pl = torch::randn({k.B, k.Hq});
+    const auto [o, lse, hit] = Op<MacDecodeFn>("asmem::mac_decode")
+                                   .call(q, q_pre, kc, vc, block_table, sl, slot_ids, slots, state, layer,
+                                         with_prefix ? OptionalTensor(po) : OptionalTensor(),
+                                         with_prefix ? OptionalTensor(pl) : OptionalTensor(), k.tau, k.W, k.r,
+                                         k.F, k.min_ctx, true, 0.0, 0, "HND");
+    const at::Tensor ro = at::empty_like(o), rl = at::empty_like(lse), rh = at::empty_like(hit);
+    MacParams p;
+    p.batch = int32_t(k.B);
+    p.q = q.data_ptr();
+    p.q_stride_b = q.stride(0);
+    p.q_stride_h = q.stride(1);
+    p.q_pre = q_pre.data_ptr();
+    p.q_pre_stride_b = q_pre.stride(0);
+    p.q_pre_stride_h = q_pre.stride(1);
+    p.seq_lens = sl.data_ptr<int32_t>();
+    kv_params(&p);
+    if (with_prefix) {
+      p.prefix_o = po.data_ptr();
+      p.prefix_stride_b = po.stride(0);
+      p.prefix_stride_h = po.stride(1);
+      p.prefix_lse = pl.data_ptr<float>();
+    }
+    p.o = ro.data_ptr();
+    p.o_stride_b = ro.stride(0);
+    p.o_stride_h = ro.stride(1);
+    p.lse = rl.data_ptr<float>();
+    p.hit_pos = rh.data_ptr<int32_t>();
+    MacAttentionCpu(c, p);
+    ASSERT_TRUE(torch::equal(hit, rh)) << "step " << step;
+    ASSERT_TRUE(torch::equal(o, ro)) << "step " << step;
+    ASSERT_TRUE(torch::equal(lse, rl)) << "step " << step;
+    ASSERT_TRUE(state_bytes() == ring_bytes()) << "step " << step;
+    hits += hit.ge(0).sum().item<int64_t>();
+    misses += hit.lt(0).sum().item<int64_t>();
+  }
+  EXPECT_GT(hits, 0);
+  EXPECT_GT(misses, 0);
+  // Layer 0 was never touched: still as mac_state initialized it (a second state's layer 0).
+  const at::Tensor fresh = Op<MacStateFn>("asmem::mac_state").call("cpu", 2, 4, k.Hq, k.d, k.W);
+  auto layer0 = [&](const at::Tensor& t) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uint8_t* b = t.data_ptr<uint8_t>() + (256 - a % 256) % 256;
+    return std::vector<uint8_t>(b, b + MacLayerStateBytes(c));
+  };
+  EXPECT_TRUE(layer0(state) == layer0(fresh));
+}
+
+TEST_F(TorchOpsTest, MacOpsRefuseBadArgumentsInOneLine) {
+  const MacOpsCase k;
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  const at::Tensor q = torch::randn({2, k.Hq, k.d}).to(at::kBFloat16);
+  const at::Tensor kc = torch::randn({6, k.Hkv, k.ps, k.d}).to(at::kBFloat16);
+  const at::Tensor bt = torch::arange(6, i32).reshape({2, 3});
+  const at::Tensor sl = torch::tensor({9, 12}, i32);
+  at::Tensor slots = torch::zeros({4, 2}, i32);
+  at::Tensor state = Op<MacStateFn>("asmem::mac_state").call("cpu", 2, 4, k.Hq, k.d, k.W);
+  auto call = [&](const at::Tensor& q_, const at::Tensor& slots_, const at::Tensor& state_, int64_t window,
+                  const OptionalTensor& po = OptionalTensor(), const OptionalTensor& pl = OptionalTensor(),
+                  const at::Tensor& bt_ = at::Tensor(), double tau = 0.45, int64_t layer = 0) {
+    Op<MacDecodeFn>("asmem::mac_decode")
+        .call(q_, q_, kc, kc, bt_.defined() ? bt_ : bt, sl, OptionalTensor(), slots_, state_, layer, po, pl, tau,
+              window, k.r, k.F, k.min_ctx, true, 0.0, 0, "HND");
+  };
+  call(q, slots, state, k.W);  // well formed
+  expect_error<InvalidArgument>([&] { call(q, slots, state, 16); },
+                                {"asmem.mac_decode: state (", "was not made for num_slots 4, num_q_heads 4, head_dim 16 and window 16"});
+  expect_error<InvalidArgument>([&] { call(q, slots, state, k.W, {}, {}, {}, 0.45, 2); },
+                                {"asmem.mac_decode: layer 2 is outside the state's [0, 2)"});
+  expect_error<InvalidArgument>([&] { call(q.to(at::kFloat), slots, state, k.W); },
+                                {"asmem.mac_decode: q has dtype float32: MAC takes bf16 or f16"});
+  expect_error<InvalidArgument>([&] { call(q, slots.narrow(1, 0, 1).contiguous(), state, k.W); },
+                                {"asmem.mac_decode: slots must be a contiguous [num_slots, 2] int32 tensor"});
+  expect_error<InvalidArgument>([&] { call(q, slots.narrow(0, 0, 1), state, k.W); },
+                                {"asmem.mac_decode: no slot_ids: request b uses slot b, but slots has 1 rows for 2 requests"});
+  expect_error<InvalidArgument>([&] { call(q, slots, state, k.W, q); },
+                                {"asmem.mac_decode: prefix_o and prefix_lse must be given together"});
+  expect_error<InvalidArgument>([&] { call(q, slots, state, k.W, {}, {}, {}, 1.5); },
+                                {"asmem.mac_decode: ", "tau"});
+  at::Tensor far = bt.clone();
+  far[1][2] = 6;
+  expect_error<InvalidArgument>([&] { call(q, slots, state, k.W, {}, {}, far); },
+                                {"asmem.mac_decode: block_table[1, 2] = 6 is outside the cache's 6 pages"});
+  expect_error<InvalidArgument>([&] { call(q, slots, state.to(at::kInt), k.W); },
+                                {"asmem.mac_decode: state must be the 1-D uint8 tensor mac_state returned"});
+  // A copy at another 256-byte phase would misread the rings: refused.
+  at::Tensor big = at::empty({state.numel() + 256}, state.options());
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(state.data_ptr());
+  int64_t shift = 1;
+  while ((256 - (reinterpret_cast<uintptr_t>(big.data_ptr()) + shift) % 256) % 256 == (256 - a0 % 256) % 256) ++shift;
+  at::Tensor moved = big.narrow(0, shift, state.numel());
+  moved.copy_(state);
+  expect_error<InvalidArgument>([&] { call(q, slots, moved, k.W); },
+                                {"asmem.mac_decode: state was copied to memory of another alignment"});
+  expect_error<InvalidArgument>([&] { Op<MacStateFn>("asmem::mac_state").call("cpu", 0, 4, k.Hq, k.d, k.W); },
+                                {"asmem.mac_state: num_layers 0 is out of range"});
+  expect_error<InvalidArgument>([&] { Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 4, k.Hq, k.d, 0); },
+                                {"asmem.mac_state: window 0 is out of range"});
+  // mac_fill: more positions than the window.
+  const at::Tensor qf = torch::randn({2, k.W + 1, k.Hq, k.d}).to(at::kBFloat16);
+  const at::Tensor pos = torch::zeros({2, k.W + 1}, i32);
+  expect_error<InvalidArgument>(
+      [&] {
+        Op<MacFillFn>("asmem::mac_fill")
+            .call(qf, qf, pos, kc, kc, bt, sl, OptionalTensor(), slots, state, 0, 0.45, k.W, k.r, k.F, k.min_ctx,
+                  true, 0.0, 0, "HND");
+      },
+      {"asmem.mac_fill: q's 9 positions per request are outside [1, window = 8]"});
+  // Meta tensors: the output shapes.
+  const auto meta = at::TensorOptions().device(at::kMeta);
+  const at::Tensor mq = at::empty({3, 32, 128}, meta.dtype(at::kHalf));
+  const at::Tensor mkv = at::empty({10, 8, 16, 128}, meta.dtype(at::kHalf));
+  const auto [o, lse, hit] =
+      Op<MacDecodeFn>("asmem::mac_decode")
+          .call(mq, mq, mkv, mkv, at::empty({3, 4}, meta.dtype(at::kInt)), at::empty({3}, meta.dtype(at::kInt)),
+                OptionalTensor(), at::empty({3, 2}, meta.dtype(at::kInt)), at::empty({1000}, meta.dtype(at::kByte)),
+                0, OptionalTensor(), OptionalTensor(), 0.45, 512, 256, 0, 2048, true, 0.0, 0, "HND");
+  EXPECT_TRUE(o.is_meta());
+  EXPECT_EQ(o.sizes(), mq.sizes());
+  EXPECT_EQ(o.scalar_type(), at::kHalf);
+  EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{3, 32}));
+  EXPECT_EQ(lse.scalar_type(), at::kFloat);
+  EXPECT_EQ(hit.scalar_type(), at::kInt);
+}
+
+
+#ifdef ASMEM_TORCH_CUDA
+// The MAC ops on CUDA tensors (a build against a CUDA torch, on a GPU machine) against the
+// same ops on CPU copies: identical hit decisions at every chained step (the decisions use
+// the same 8-bit distances) and outputs within bf16 tolerance.
+TEST(TorchOpsCuda, MacOpsMatchTheCpuOpsOverChainedSteps) {
+  if (!torch::cuda::is_available()) {
+    const char* e = std::getenv("ASMEM_REQUIRE_GPU");
+    if (e != nullptr && e[0] == '1') FAIL() << "no CUDA device and ASMEM_REQUIRE_GPU=1";
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const int64_t B = 3, Hq = 32, Hkv = 8, d = 128, ps = 16, T0 = 40, steps = 40, W = 64, r = 16, F = 4, min_ctx = 32;
+  const double tau = 0.45;
+  torch::manual_seed(7);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  const int64_t max_pages = (T0 + steps + ps - 1) / ps, num_pages = B * max_pages + 5;
+  const at::Tensor kc = torch::randn({num_pages, Hkv, ps, d}).to(at::kBFloat16);
+  const at::Tensor vc = torch::randn({num_pages, Hkv, ps, d}).to(at::kBFloat16);
+  const at::Tensor bt = torch::randperm(num_pages, at::TensorOptions().dtype(at::kLong))
+                            .narrow(0, 0, B * max_pages).to(at::kInt).reshape({B, max_pages}).contiguous();
+  const at::Tensor slot_ids = torch::tensor({2, 0, 4}, i32);
+  at::Tensor slots = torch::zeros({5, 2}, i32);
+  slots.select(1, 1).fill_(1);
+  const at::Device cuda(at::kCUDA, 0);
+  auto gpu = [&](const at::Tensor& t) { return t.to(cuda); };
+  at::Tensor st_cpu = Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 5, Hq, d, W);
+  at::Tensor st_gpu = Op<MacStateFn>("asmem::mac_state").call("cuda:0", 1, 5, Hq, d, W);
+  ASSERT_TRUE(st_gpu.is_cuda());
+  {
+    const at::Tensor q = torch::randn({B, T0, Hq, d}).to(at::kBFloat16);
+    const at::Tensor qp = torch::randn({B, T0, Hq, d}).to(at::kBFloat16);
+    const at::Tensor pos = torch::arange(T0, i32).unsqueeze(0).expand({B, T0}).contiguous();
+    const at::Tensor sl = torch::full({B}, int32_t(T0), i32);
+    Op<MacFillFn>("asmem::mac_fill")
+        .call(q, qp, pos, kc, vc, bt, sl, slot_ids, slots, st_cpu, 0, tau, W, r, F, min_ctx, true, 0.0, 0, "HND");
+    Op<MacFillFn>("asmem::mac_fill")
+        .call(gpu(q), gpu(qp), gpu(pos), gpu(kc), gpu(vc), gpu(bt), gpu(sl), gpu(slot_ids), gpu(slots), st_gpu, 0,
+              tau, W, r, F, min_ctx, true, 0.0, 0, "HND");
+  }
+  std::vector<at::Tensor> past;
+  int64_t hits = 0, misses = 0;
+  double worst = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    const at::Tensor sl = torch::full({B}, int32_t(T0 + step + 1), i32);
+    const at::Tensor q = torch::randn({B, Hq, d}).to(at::kBFloat16);
+    at::Tensor qp = torch::randn({B, Hq, d}).to(at::kBFloat16);
+    if (step >= 3) qp.narrow(1, 0, Hq / 2).copy_(past[size_t(step - 3)].narrow(1, 0, Hq / 2));
+    past.push_back(qp);
+    const at::Tensor po = torch::randn({B, Hq, d}).to(at::kBFloat16), pl = torch::randn({B, Hq});
+    const auto [o, lse, hit] = Op<MacDecodeFn>("asmem::mac_decode")
+                                   .call(q, qp, kc, vc, bt, sl, slot_ids, slots, st_cpu, 0, po, pl, tau, W, r, F,
+                                         min_ctx, true, 0.0, 0, "HND");
+    const auto [go, glse, ghit] = Op<MacDecodeFn>("asmem::mac_decode")
+                                      .call(gpu(q), gpu(qp), gpu(kc), gpu(vc), gpu(bt), gpu(sl), gpu(slot_ids),
+                                            gpu(slots), st_gpu, 0, gpu(po), gpu(pl), tau, W, r, F, min_ctx, true,
+                                            0.0, 0, "HND");
+    ASSERT_TRUE(torch::equal(ghit.cpu(), hit)) << "step " << step;
+    const double rel = ((go.cpu().to(at::kFloat) - o.to(at::kFloat)).norm() / o.to(at::kFloat).norm()).item<double>();
+    worst = std::max(worst, rel);
+    ASSERT_LE(rel, 1e-2) << "step " << step;
+    ASSERT_LE((glse.cpu() - lse).abs().max().item<double>(), 1e-2) << "step " << step;
+    hits += hit.ge(0).sum().item<int64_t>();
+    misses += hit.lt(0).sum().item<int64_t>();
+  }
+  EXPECT_GT(hits, 0);
+  EXPECT_GT(misses, 0);
+  std::printf("mac ops cuda vs cpu: %lld hit and %lld missed head decisions, worst relative L2 %.2e\n",
+              (long long)hits, (long long)misses, worst);
+}
+#endif
 
 }  // namespace
 }  // namespace asmem
