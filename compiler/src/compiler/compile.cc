@@ -376,7 +376,8 @@ void lookup_group(const GroupDict& g, const at::Tensor& keys_raw, int64_t top_m,
   // Hierarchical: the same scores restricted to the children of the top-m parents.
   at::Tensor pscores = at::matmul(q, g.parent_keys.t());  // [H, C1]
   const int64_t m = std::min<int64_t>(top_m, g.C1);
-  at::Tensor top = std::get<1>(pscores.topk(m, 1));       // [H, m]
+  // The top m parents, ties to the smaller index as the runtime's lookup (a stable sort).
+  at::Tensor top = std::get<1>(at::sort(pscores, /*stable=*/true, /*dim=*/1, /*descending=*/true)).narrow(1, 0, m);
   at::Tensor chosen = at::zeros({q.size(0), g.C1}, at::TensorOptions().dtype(at::kBool));
   chosen.scatter_(1, top, true);
   std::vector<int64_t> leaf_parent(g.K);
