@@ -778,12 +778,17 @@ int open_regular(const std::string& path, struct stat* st) {
 }
 }  // namespace
 
-std::string read_regular_file(const std::string& path) {
+std::string read_regular_file(const std::string& path, uint64_t max_bytes, const std::string& too_large) {
   struct stat st {};
   struct Fd {
     int fd;
     ~Fd() { ::close(fd); }
   } f{open_regular(path, &st)};
+  auto refuse = [&](uint64_t bytes) {
+    throw FormatError(path + ": " + std::to_string(bytes) + " bytes: larger than " +
+                      (too_large.empty() ? "the limit of " + std::to_string(max_bytes) + " bytes" : too_large));
+  };
+  if (uint64_t(st.st_size) > max_bytes) refuse(uint64_t(st.st_size));
   std::string out;
   out.reserve(static_cast<size_t>(st.st_size));
   char buf[1 << 16];
@@ -793,6 +798,7 @@ std::string read_regular_file(const std::string& path) {
     if (n < 0) throw IoError(path + ": read error: " + errno_text(errno));
     if (n == 0) break;
     out.append(buf, size_t(n));
+    if (out.size() > max_bytes) refuse(out.size());  // grown since the stat
   }
   return out;
 }

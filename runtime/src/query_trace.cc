@@ -85,13 +85,12 @@ void write_query_trace(const std::string& path, const QueryTrace& t) {
 }
 
 QueryTrace read_query_trace(const std::string& path) {
-  const std::string bytes = read_regular_file(path);
+  // A protobuf message holds less than 2 GiB (its parser takes an int length): a larger
+  // file is refused before it is read.
+  const std::string bytes =
+      read_regular_file(path, uint64_t(INT32_MAX) + sizeof(kMagic), "a query trace can be (2 GiB)");
   auto bad = [&](const std::string& m) { throw FormatError(path + ": " + m); };
   if (bytes.size() < sizeof(kMagic)) bad("truncated: " + std::to_string(bytes.size()) + " bytes, no header");
-  // A protobuf message holds less than 2 GiB (its parser takes an int length).
-  if (bytes.size() - sizeof(kMagic) > size_t(INT32_MAX)) {
-    bad(std::to_string(bytes.size()) + " bytes: larger than a query trace can be (2 GiB)");
-  }
   if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     bad("not an asmem query trace: wrong magic (expected \"ASMQTRC\\0\")");
   }

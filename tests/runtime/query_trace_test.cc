@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -65,6 +68,42 @@ TEST(QueryTrace, RoundTrip) {
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) files += e.is_regular_file() ? 1 : 0;
   EXPECT_EQ(files, 1);
+}
+
+// The model name is bytes: a path that is not UTF-8 is written and read back (as a proto3
+// string it was written, then refused by the reader).
+TEST(QueryTrace, ModelNameNeedNotBeUtf8) {
+  const std::string dir = test::temp_dir("qtrace");
+  QueryTrace t = SmallTrace();
+  t.model = "/models/caf\xe9.gguf";
+  write_query_trace(dir + "/u.asmq", t);
+  EXPECT_EQ(read_query_trace(dir + "/u.asmq").model, t.model);
+}
+
+// A file too large for a trace is refused before it is read (it was read whole first: a
+// huge one failed with std::bad_alloc). The child process may not map more than 2 GiB.
+TEST(QueryTraceDeathTest, HugeFileIsRefusedBeforeItIsRead) {
+  const std::string dir = test::temp_dir("qtrace");
+  const std::string p = dir + "/huge.asmq";
+  WriteBytes(p, std::string("ASMQTRC\0", 8));
+  ASSERT_EQ(::truncate(p.c_str(), off_t(3) << 30), 0);  // 3 GiB, sparse
+  EXPECT_EXIT(
+      {
+        struct rlimit lim {};
+        lim.rlim_cur = lim.rlim_max = rlim_t(2) << 30;
+        ::setrlimit(RLIMIT_AS, &lim);
+        int code = 4;
+        try {
+          read_query_trace(p);
+        } catch (const FormatError& e) {
+          code = std::string(e.what()).find("bytes: larger than a query trace can be (2 GiB)") != std::string::npos ? 0 : 2;
+        } catch (...) {
+          code = 3;
+        }
+        std::_Exit(code);
+      },
+      ::testing::ExitedWithCode(0), "");
+  std::filesystem::remove(p);
 }
 
 TEST(QueryTrace, BadFilesAreOneLineErrors) {

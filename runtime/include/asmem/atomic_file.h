@@ -3,6 +3,7 @@
 // directory. The same mechanism writes dictionaries (write_dictionary).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace asmem {
@@ -14,8 +15,11 @@ namespace asmem {
 void write_file_atomic(const std::string& path, const std::string& content);
 
 // Reads the whole of `path`, a regular file: anything else (a directory, a FIFO, a device)
-// is refused without blocking. Throws asmem::IoError "<path>: <problem>".
-std::string read_regular_file(const std::string& path);
+// is refused without blocking. Throws asmem::IoError "<path>: <problem>", and a file of more
+// than `max_bytes` asmem::FormatError "<path>: N bytes: larger than <too_large>" (default
+// text: the limit in bytes) before it is read.
+std::string read_regular_file(const std::string& path, uint64_t max_bytes = UINT64_MAX,
+                              const std::string& too_large = "");
 
 // Checks that `path` can be written the way write_file_atomic and write_dictionary write
 // it: its directory exists, is a directory and can be written, and `path` is absent or a
