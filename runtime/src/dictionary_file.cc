@@ -26,6 +26,7 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
 #include <xxhash.h>
 
 #include "asmem/error.h"
@@ -42,7 +43,7 @@ constexpr char kMagic[8] = {'A', 'S', 'M', 'D', 'I', 'C', 'T', '\0'};
 constexpr uint32_t kHeaderSize = 64;
 constexpr uint64_t kAlign = 64;
 // More sections than this means a corrupt or hostile manifest, not a model.
-constexpr int64_t kMaxSections = int64_t(1) << 24;
+constexpr int64_t kMaxSections = int64_t(1) << 16;  // L x Hkv
 
 // A problem with a manifest or file, without the path; the public entry points rethrow it
 // as FormatError (reading) or InvalidArgument (writing) with the path in front.
@@ -114,7 +115,9 @@ void encode_header(const Header& h, uint8_t out[kHeaderSize]) {
 }
 
 // Checks the header of a file of `size` bytes at `p` and returns it.
-Header decode_header(const uint8_t* p, uint64_t size) {
+// The header's fields, checked against a file of `size` bytes whose first bytes are `p`
+// (at least min(size, kHeaderSize) of them): everything but the manifest's checksum.
+Header decode_header_fields(const uint8_t* p, uint64_t size) {
   if (size < sizeof(kMagic)) {
     bad("truncated: file has " + std::to_string(size) + " bytes, less than the " +
         std::to_string(kHeaderSize) + "-byte header");
@@ -159,10 +162,34 @@ Header decode_header(const uint8_t* p, uint64_t size) {
         std::to_string(h.manifest_length) + ") lies outside the file's " + std::to_string(size) +
         " bytes after the header");
   }
+  return h;
+}
+
+// The header of a whole file `p` of `size` bytes, the manifest's checksum included.
+Header decode_header(const uint8_t* p, uint64_t size) {
+  const Header h = decode_header_fields(p, size);
   if (XXH64(p + h.manifest_offset, h.manifest_length, 0) != h.manifest_checksum) {
     bad("manifest checksum mismatch");
   }
   return h;
+}
+
+// Printable text of a string from a file, for a one-line error: control bytes, quotes,
+// backslashes and non-ASCII bytes as \xNN, at most 80 bytes of it.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < 80; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += char(c);
+    } else {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", c);
+      out += b;
+    }
+  }
+  if (s.size() > 80) out += "...";
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -401,10 +428,10 @@ void check_manifest(const DictionaryManifest& m) {
   try {
     parse_value_dtype(c.value_dtype);
   } catch (const InvalidArgument&) {
-    bad("compile.value_dtype '" + c.value_dtype + "' is not one of: bf16, f16, f32");
+    bad("compile.value_dtype '" + printable(c.value_dtype) + "' is not one of: bf16, f16, f32");
   }
   if (c.key_mode != "pre_rope" && c.key_mode != "rope_unified") {
-    bad("compile.key_mode '" + c.key_mode + "' is not one of: pre_rope, rope_unified");
+    bad("compile.key_mode '" + printable(c.key_mode) + "' is not one of: pre_rope, rope_unified");
   }
   {
     const int64_t GD = (f.n_heads / f.n_kv_heads) * f.head_dim;
@@ -725,8 +752,8 @@ int64_t TensorRef::numel() const {
 
 std::string ModelFingerprint::mismatch(const ModelFingerprint& model) const {
   auto differ = [](const std::string& field, const std::string& dict, const std::string& mod) {
-    return "model mismatch: dictionary was compiled for " + field + "=" + dict + ", model has " +
-           mod;
+    return "model mismatch: dictionary was compiled for " + field + "=" + printable(dict) + ", model has " +
+           printable(mod);
   };
   if (architecture != model.architecture)
     return differ("architecture", architecture, model.architecture);
@@ -812,14 +839,58 @@ DictionaryFile::~DictionaryFile() {
   if (map_ && !copied_) ::munmap(const_cast<uint8_t*>(map_), size_);
 }
 
+namespace {
+// The sections (field 6) of a serialized manifest, counted without parsing it: the parse
+// allocates per section, so a manifest of millions of tiny sections is refused before it.
+// -1 where the fields do not scan (the parse then reports it).
+int64_t count_manifest_sections(const uint8_t* p, uint64_t size) {
+  using google::protobuf::internal::WireFormatLite;
+  if (size > uint64_t(INT32_MAX)) return -1;
+  google::protobuf::io::CodedInputStream in(p, int(size));
+  int64_t n = 0;
+  for (;;) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) return in.ConsumedEntireMessage() || in.CurrentPosition() == int(size) ? n : -1;
+    if (WireFormatLite::GetTagFieldNumber(tag) == 6) ++n;
+    if (!WireFormatLite::SkipField(&in, tag)) return -1;
+  }
+}
+}  // namespace
+
 std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bool verify_data,
                                                      bool private_copy) {
+  try {
+    return open_file(path, verify_data, private_copy);
+  } catch (const std::bad_alloc&) {
+    throw IoError(path + ": out of memory while reading the dictionary");
+  }
+}
+
+std::unique_ptr<DictionaryFile> DictionaryFile::open_file(const std::string& path, bool verify_data,
+                                                          bool private_copy) {
   std::unique_ptr<DictionaryFile> f(new DictionaryFile());
   f->path_ = path;
   struct stat st {};
   const int fd = open_regular(path, &st);
   f->size_ = static_cast<uint64_t>(st.st_size);
   if (f->size_ > 0 && private_copy) {
+    // The header first: a file that is no dictionary (or not of its recorded size) is
+    // refused before the whole of it is read.
+    uint8_t head[kHeaderSize] = {};
+    const uint64_t want = std::min<uint64_t>(f->size_, kHeaderSize);
+    uint64_t have = 0;
+    while (have < want) {
+      const ssize_t n = ::pread(fd, head + have, size_t(want - have), off_t(have));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      have += uint64_t(n);
+    }
+    try {
+      decode_header_fields(head, have < want ? have : f->size_);
+    } catch (const Invalid& e) {
+      ::close(fd);
+      throw FormatError(path + ": " + e.what());
+    }
     // 64-byte aligned like a mapping's tensors; the size rounded up as aligned_alloc needs.
     void* p = std::aligned_alloc(kAlign, align_up(f->size_));
     if (p == nullptr) {
@@ -855,6 +926,11 @@ std::unique_ptr<DictionaryFile> DictionaryFile::open(const std::string& path, bo
   try {
     const uint8_t* base = f->map_;
     const Header h = decode_header(base, f->size_);
+    const int64_t n_sections = count_manifest_sections(base + h.manifest_offset, h.manifest_length);
+    if (n_sections > kMaxSections) {
+      bad("the manifest lists " + std::to_string(n_sections) + " sections, more than the " +
+          std::to_string(kMaxSections) + " a dictionary can have");
+    }
     pb::Manifest pm;
     if (h.manifest_length > static_cast<uint64_t>(INT32_MAX) ||
         !pm.ParseFromArray(base + h.manifest_offset, static_cast<int>(h.manifest_length))) {

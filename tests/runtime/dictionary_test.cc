@@ -670,6 +670,46 @@ TEST_F(DictionaryReadErrors, NonzeroPadding) {
   EXPECT_NO_THROW(DictionaryFile::open(path_, /*verify_data=*/false));
 }
 
+// Millions of tiny sections would take gigabytes to parse: the manifest's sections are
+// counted before it is parsed.
+TEST_F(DictionaryReadErrors, TooManySectionsAreRefusedBeforeTheParse) {
+  expect_format_error(with_manifest([](pb::Manifest& m) {
+                        for (int i = 0; i < 70000; ++i) m.add_sections();
+                      }),
+                      {"the manifest lists 70004 sections, more than the 65536 a dictionary can have"});
+}
+
+// Strings of the file in an error come out on one line, control bytes escaped.
+TEST_F(DictionaryReadErrors, FileStringsInErrorsStayOnOneLine) {
+  expect_format_error(with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_value_dtype("bf16\nERROR: x"); }),
+                      {"compile.value_dtype 'bf16\\x0aERROR: x' is not one of"});
+  expect_format_error(with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_key_mode("x\x1b[2J"); }),
+                      {"compile.key_mode 'x\\x1b[2J' is not one of"});
+  write_file(path_, with_manifest([](pb::Manifest& m) { m.mutable_model()->set_architecture("llama\nsecond"); }));
+  auto f = DictionaryFile::open(path_);
+  ModelFingerprint other = f->manifest().model;
+  other.architecture = "llama";
+  expect_error<InvalidArgument>([&] { f->check_model(other); },
+                                {"architecture=llama\\x0asecond, model has llama"});
+}
+
+// With a private copy the header is checked before the whole file is read.
+TEST_F(DictionaryReadErrors, PrivateCopyChecksTheHeaderFirst) {
+  std::string b = bytes_;
+  b[0] = 'X';
+  write_file(path_, b);
+  expect_error<FormatError>([&] { DictionaryFile::open(path_, true, /*private_copy=*/true); },
+                            {path_ + ": not an asmem dictionary: wrong magic"});
+  write_file(path_, bytes_ + std::string(64, '\0'));
+  expect_error<FormatError>([&] { DictionaryFile::open(path_, true, /*private_copy=*/true); },
+                            {path_ + ": file has", "(trailing bytes)"});
+  write_file(path_, bytes_.substr(0, 40));
+  expect_error<FormatError>([&] { DictionaryFile::open(path_, true, /*private_copy=*/true); },
+                            {path_ + ": truncated: file has 40 bytes"});
+  write_file(path_, bytes_);
+  EXPECT_NO_THROW(DictionaryFile::open(path_, true, /*private_copy=*/true));
+}
+
 TEST_F(DictionaryReadErrors, MisalignedOffset) {
   expect_format_error(with_manifest([](pb::Manifest& m) {
                         auto* t = m.mutable_sections(2)->mutable_values_o();

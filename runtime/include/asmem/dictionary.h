@@ -135,6 +135,7 @@ class DictionaryFile {
 
  private:
   DictionaryFile() = default;
+  static std::unique_ptr<DictionaryFile> open_file(const std::string& path, bool verify_data, bool private_copy);
   std::string path_;
   DictionaryManifest manifest_;
   const uint8_t* map_ = nullptr;  // the mapping, or the private copy
