@@ -53,7 +53,10 @@ void QuantizeKeysI8(const float* rows, int64_t n, int64_t D, void* out) {
     }
     const float inv = a > 0.f ? 127.f / a : 0.f;
     for (int64_t i = 0; i < D; ++i) {
-      codes[r * P + i] = int8_t(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+      // Rows so small that 127 / a overflows (a below about 3.7e-37): x / a * 127, which stays
+      // finite (0 * inf would be NaN, whose conversion to int8 is undefined).
+      const float y = std::isinf(inv) ? x[i] / a * 127.f : x[i] * inv;
+      codes[r * P + i] = int8_t(std::clamp(std::nearbyint(y), -127.f, 127.f));
     }
     std::fill(codes + r * P + D, codes + (r + 1) * P, int8_t(0));
     scales[r] = a / 127.f;

@@ -992,6 +992,15 @@ TEST(DecodeI8, QuantizersFollowTheRule) {
   EXPECT_FLOAT_EQ(sc[2], 3.f / 127.f);
   const std::vector<float> bad = {1.f, std::numeric_limits<float>::quiet_NaN()};
   EXPECT_THROW(QuantizeKeysI8(bad.data(), 1, 2, buf.data()), InvalidArgument);
+  // A row so small that 127 / max |x| overflows keeps finite codes (its zeros were NaN
+  // converted to int8, undefined).
+  const float t = std::ldexp(1.f, -123);
+  const std::vector<float> tiny = {t, 0.f, -t / 2, t / 4};
+  QuantizeKeysI8(tiny.data(), 1, 4, buf.data());
+  EXPECT_TRUE(std::isinf(127.f / t));
+  EXPECT_EQ(std::vector<int>(q, q + 4), (std::vector<int>{127, 0, -64, 32}));
+  std::memcpy(sc, buf.data() + 128, sizeof(float));
+  EXPECT_EQ(sc[0], t / 127.f);
   // Lookup key: x * (127 / max |x|), to nearest even; zero stays zero.
   const std::vector<float> x = {127.f, 0.5f, 1.5f, 2.5f, -0.5f, -126.5f};
   int8_t k[6];
