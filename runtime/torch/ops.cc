@@ -403,6 +403,12 @@ void CheckInt32(const std::string& op, const at::Tensor& t, const char* name, in
   if (t.stride(dims - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
 }
 
+void CheckScale(const std::string& op, double sm_scale) {
+  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
+    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  }
+}
+
 // The paged KV arguments every attention op takes, checked against q [B, Hq, d] and the
 // model's Hkv and d. On the CPU also every request's length (within the table's columns)
 // and the pages it reads (within the cache), before anything is written; on CUDA those
@@ -540,9 +546,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
     Fail(op, "q's strides " + std::to_string(q.stride(0)) + ", " + std::to_string(q.stride(1)) +
                  " must be multiples of 8 elements (16-byte aligned rows)");
   }
-  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
-    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
-  }
+  CheckScale(op, sm_scale);
   if (layer < 0 || layer >= ro.num_layers) {
     Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
                  ")");
@@ -758,6 +762,36 @@ int64_t CheckSlots(const std::string& op, const at::Tensor& slots, const Optiona
   return slots.size(0);
 }
 
+// k_cache's KV heads (HND: dim 1, NHD: dim 2), which must divide q's Hq.
+int64_t MacKvHeads(const std::string& op, const at::Tensor& k_cache, const std::string& kv_layout, int64_t Hq) {
+  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
+  const int64_t Hkv = k_cache.size(kv_layout == "NHD" ? 2 : 1);
+  if (Hkv < 1 || Hq % Hkv != 0) {
+    Fail(op, "q's " + std::to_string(Hq) + " heads are not a multiple of k_cache's " + std::to_string(Hkv) + " KV heads");
+  }
+  return Hkv;
+}
+
+// The config of one MAC call: its B requests of Hq heads of d, the checked paged KV, the
+// slots and the settings.
+MacDecodeConfig MacCallConfig(const std::string& op, int64_t B, int64_t Hq, int64_t Hkv, int64_t d, KernelDType dtype,
+                              const PagedKv& kv, const at::Tensor& block_table, int64_t max_seq_len,
+                              int64_t num_slots, double tau, int64_t window, int64_t band, int64_t front_sink,
+                              int64_t min_context, bool enable) {
+  MacDecodeConfig c;
+  c.batch = int32_t(B);
+  c.num_q_heads = int32_t(Hq);
+  c.num_kv_heads = int32_t(Hkv);
+  c.head_dim = int32_t(d);
+  c.dtype = dtype;
+  c.page_size = int32_t(std::min<int64_t>(kv.page_size, INT32_MAX));
+  const int64_t bound = block_table.size(1) * kv.page_size;
+  c.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
+  c.num_slots = int32_t(num_slots);
+  c.mac = MakeMacConfig(op, tau, window, band, front_sink, min_context, enable);
+  return c;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
     const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const OptionalTensor& slot_ids,
@@ -772,11 +806,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
   const KernelDType dtype = MacDType(op, q);
   CheckRows(op, q, "q", q);
   CheckRows(op, q_pre, "q_pre", q);
-  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
-  const int64_t Hkv = k_cache.size(kv_layout == "NHD" ? 2 : 1);
-  if (Hkv < 1 || Hq % Hkv != 0) {
-    Fail(op, "q's " + std::to_string(Hq) + " heads are not a multiple of k_cache's " + std::to_string(Hkv) + " KV heads");
-  }
+  const int64_t Hkv = MacKvHeads(op, k_cache, kv_layout, Hq);
   const PagedKv kv = CheckPagedKv(op, q, B, Hkv, d, k_cache, v_cache, block_table, seq_lens, kv_layout);
   const int64_t num_slots = CheckSlots(op, slots, slot_ids, B, q);
   if (prefix_o.has_value() != prefix_lse.has_value()) Fail(op, "prefix_o and prefix_lse must be given together");
@@ -789,20 +819,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
                    "] float32 tensor, got " + ShapeText(*prefix_lse));
     }
   }
-  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
-    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
-  }
-  MacDecodeConfig c;
-  c.batch = int32_t(B);
-  c.num_q_heads = int32_t(Hq);
-  c.num_kv_heads = int32_t(Hkv);
-  c.head_dim = int32_t(d);
-  c.dtype = dtype;
-  c.page_size = int32_t(std::min<int64_t>(kv.page_size, INT32_MAX));
-  const int64_t bound = block_table.size(1) * kv.page_size;
-  c.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
-  c.num_slots = int32_t(num_slots);
-  c.mac = MakeMacConfig(op, tau, window, band, front_sink, min_context, enable);
+  CheckScale(op, sm_scale);
+  const MacDecodeConfig c = MacCallConfig(op, B, Hq, Hkv, d, dtype, kv, block_table, max_seq_len, num_slots, tau,
+                                          window, band, front_sink, min_context, enable);
   const MacLayerState st = MacLayerOf(op, state, c, layer, q);
 
   at::Tensor o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -879,28 +898,13 @@ void mac_fill(const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& po
     Fail(op, "positions must be a contiguous [" + std::to_string(B) + ", " + std::to_string(N) + "] int32 tensor, got " +
                  ShapeText(positions));
   }
-  if (k_cache.dim() != 4) Fail(op, "k_cache must have 4 dims, got " + ShapeText(k_cache));
-  const int64_t Hkv = k_cache.size(kv_layout == "NHD" ? 2 : 1);
-  if (Hkv < 1 || Hq % Hkv != 0) {
-    Fail(op, "q's " + std::to_string(Hq) + " heads are not a multiple of k_cache's " + std::to_string(Hkv) + " KV heads");
-  }
+  const int64_t Hkv = MacKvHeads(op, k_cache, kv_layout, Hq);
   const at::Tensor q_rows = q.select(1, 0);  // [B, Hq, d], for the KV checks
   const PagedKv kv = CheckPagedKv(op, q_rows, B, Hkv, d, k_cache, v_cache, block_table, seq_lens, kv_layout);
   const int64_t num_slots = CheckSlots(op, slots, slot_ids, B, q);
-  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
-    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
-  }
-  MacDecodeConfig c;
-  c.batch = int32_t(B);
-  c.num_q_heads = int32_t(Hq);
-  c.num_kv_heads = int32_t(Hkv);
-  c.head_dim = int32_t(d);
-  c.dtype = dtype;
-  c.page_size = int32_t(std::min<int64_t>(kv.page_size, INT32_MAX));
-  const int64_t bound = block_table.size(1) * kv.page_size;
-  c.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
-  c.num_slots = int32_t(num_slots);
-  c.mac = MakeMacConfig(op, tau, window, band, front_sink, min_context, enable);
+  CheckScale(op, sm_scale);
+  const MacDecodeConfig c = MacCallConfig(op, B, Hq, Hkv, d, dtype, kv, block_table, max_seq_len, num_slots, tau,
+                                          window, band, front_sink, min_context, enable);
   MacFillParams p;
   p.batch = int32_t(B);
   p.num_positions = int32_t(N);
@@ -989,9 +993,7 @@ std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const Option
   if (dict_ids && !q_pre) Fail(op, "dict_ids given without q_pre (the lookup keys)");
   if (lookup_keys && !dict_ids) Fail(op, "lookup_keys given without dict_ids");
   if (layer < 0) Fail(op, "layer " + std::to_string(layer) + " is negative");
-  if (!(sm_scale >= 0.0) || !std::isfinite(sm_scale)) {
-    Fail(op, "sm_scale " + std::to_string(sm_scale) + " must be finite and >= 0 (0: 1/sqrt(head_dim))");
-  }
+  CheckScale(op, sm_scale);
   at::Tensor o = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   return {o, lse};
