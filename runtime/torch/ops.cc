@@ -792,6 +792,23 @@ MacDecodeConfig MacCallConfig(const std::string& op, int64_t B, int64_t Hq, int6
   return c;
 }
 
+// The paged KV and request slots of MacParams / MacFillParams.
+template <class Params>
+void SetMacKv(Params* p, const at::Tensor& k_cache, const at::Tensor& v_cache, const PagedKv& kv,
+              const at::Tensor& block_table, const at::Tensor& seq_lens, const OptionalTensor& slot_ids,
+              const at::Tensor& slots) {
+  p->k_cache = k_cache.data_ptr();
+  p->v_cache = v_cache.data_ptr();
+  p->kv_stride_page = k_cache.stride(0);
+  p->kv_stride_head = k_cache.stride(kv.h_dim);
+  p->kv_stride_token = k_cache.stride(kv.t_dim);
+  p->block_table = block_table.data_ptr<int32_t>();
+  p->block_table_stride = block_table.stride(0);
+  p->seq_lens = seq_lens.data_ptr<int32_t>();
+  p->slot_ids = slot_ids ? slot_ids->data_ptr<int32_t>() : nullptr;
+  p->slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
     const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const OptionalTensor& slot_ids,
@@ -835,16 +852,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
   p.q_pre = q_pre.data_ptr();
   p.q_pre_stride_b = q_pre.stride(0);
   p.q_pre_stride_h = q_pre.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.kv_stride_page = k_cache.stride(0);
-  p.kv_stride_head = k_cache.stride(kv.h_dim);
-  p.kv_stride_token = k_cache.stride(kv.t_dim);
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.slot_ids = slot_ids ? slot_ids->data_ptr<int32_t>() : nullptr;
-  p.slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+  SetMacKv(&p, k_cache, v_cache, kv, block_table, seq_lens, slot_ids, slots);
   p.state = st;
   if (prefix_o) {
     p.prefix_o = prefix_o->data_ptr();
@@ -917,16 +925,7 @@ void mac_fill(const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& po
   p.q_pre_stride_b = q_pre.stride(0);
   p.q_pre_stride_n = q_pre.stride(1);
   p.q_pre_stride_h = q_pre.stride(2);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.kv_stride_page = k_cache.stride(0);
-  p.kv_stride_head = k_cache.stride(kv.h_dim);
-  p.kv_stride_token = k_cache.stride(kv.t_dim);
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.slot_ids = slot_ids ? slot_ids->data_ptr<int32_t>() : nullptr;
-  p.slots = reinterpret_cast<const MacSlot*>(slots.data_ptr<int32_t>());
+  SetMacKv(&p, k_cache, v_cache, kv, block_table, seq_lens, slot_ids, slots);
   p.state = MacLayerOf(op, state, c, layer, q);
   p.sm_scale = float(sm_scale);
   try {
