@@ -60,8 +60,9 @@
 //   mac_state(str device, int num_layers, int num_slots, int num_q_heads, int head_dim,
 //             int window=512) -> Tensor
 //       The rings of every layer for num_slots request slots, initialized (every ring slot
-//       empty): a 1-D uint8 tensor to pass as `state` unchanged (not a copy: on the CPU a
-//       copy at another 256-byte phase is refused). The request slots are the caller's int32
+//       empty): a 1-D uint8 tensor, 256-byte aligned, to pass as `state` (a copy that is not
+//       256-byte aligned is refused; one made for another shape is refused by its header on
+//       the CPU and by its length on CUDA). The request slots are the caller's int32
 //       tensor `slots` [num_slots, 2] of (epoch, ready), on the same device: give a slot
 //       to a new request by adding 1 to its epoch (its rings are then stale everywhere, also
 //       inside captured graphs); ready 0 makes every head of it miss (its rings are still
@@ -85,7 +86,10 @@
 //       [B] int32 (distinct; None: request b in slot b). prefix_o [B, Hq, d] in q's dtype
 //       and prefix_lse [B, Hq] f32 (e.g. decode's outputs for zero own tokens): a prefix
 //       state merged into o. hit_pos [B, Hq] int32: the reused position, -1 on a miss.
-//       CPU: the reference (double accumulation); CUDA: the fused op, capturable.
+//       CPU: the reference (double accumulation); CUDA: the fused op, capturable. As with
+//       decode, the CPU op checks lengths, pages and slot ids before it writes anything; on
+//       CUDA they are on the device and unchecked (a slot id outside [0, num_slots) writes
+//       outside the rings).
 // Errors are asmem exceptions (RuntimeError in Python) with one-line messages.
 // The plugin carries its own (static) copy of the asmem runtime: a process should not also
 // link asmem statically, or dictionary.proto is registered twice with a shared libprotobuf.
@@ -93,7 +97,10 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <array>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -615,13 +622,20 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
 // model (mac_state), the request slots an int32 [num_slots, 2] tensor of (epoch, ready).
 // ---------------------------------------------------------------------------------------
 
-// The rings' layout depends only on these (reuse.h: MacLayerStateBytes).
+// The rings' layout depends only on these (reuse.h: MacLayerStateBytes). Their product is
+// bounded before any size is computed in 64 bits.
 MacDecodeConfig MacStateShape(const std::string& op, int64_t num_slots, int64_t Hq, int64_t d, int64_t window) {
   for (const auto& [v, name] : {std::pair<int64_t, const char*>{num_slots, "num_slots"}, {Hq, "num_q_heads"},
                                 {d, "head_dim"}, {window, "window"}}) {
     if (v < 1 || v > (int64_t(1) << 24)) Fail(op, std::string(name) + " " + std::to_string(v) + " is out of range");
   }
   if (d > kMacMaxHeadDim) Fail(op, "head_dim " + std::to_string(d) + " is above " + std::to_string(kMacMaxHeadDim));
+  // Per (slot, head, position): d / 2 + 16 query bytes (padded), 8 of scale, 4 d + 4 of state.
+  const long double bytes = (long double)num_slots * Hq * window * (5 * d + 64);
+  if (bytes > (long double)(int64_t(1) << 40)) {
+    Fail(op, "rings of " + std::to_string(num_slots) + " slots x " + std::to_string(Hq) + " heads x " +
+                 std::to_string(window) + " positions x head_dim " + std::to_string(d) + " would take more than 1 TiB");
+  }
   MacDecodeConfig c;
   c.batch = 1;
   c.num_q_heads = int32_t(Hq);
@@ -635,10 +649,29 @@ MacDecodeConfig MacStateShape(const std::string& op, int64_t num_slots, int64_t 
 // Bytes of one layer's rings, a multiple of 256 so every layer starts 256-byte aligned.
 int64_t MacLayerBytes(const MacDecodeConfig& c) { return int64_t((MacLayerStateBytes(c) + 255) / 256 * 256); }
 
-// The layers start at the tensor's first 256-byte aligned byte; its last byte records that
-// offset, so a copy to memory of another alignment is refused (CPU) rather than misread.
-int64_t MacStateOffset(const at::Tensor& state) {
-  return int64_t((256 - reinterpret_cast<uintptr_t>(state.data_ptr()) % 256) % 256);
+// A mac_state tensor: its data 256-byte aligned (the CUDA caching allocator's blocks are; a
+// CPU state is allocated so), then
+//   [0, L * layer_bytes)   the layers' rings,
+//   64 bytes               "ASMMACS1" and int64 L, num_slots, num_q_heads, head_dim, window,
+//   tag bytes              (0..255, a hash of the shape),
+// so that numel = L * layer_bytes + 64 + tag. The CPU op reads the header; the CUDA op (which
+// cannot read device bytes without a sync) checks numel against the shape's tag, which
+// refuses all but about one in 256 states made for another shape of equal layer size.
+constexpr char kMacStateMagic[8] = {'A', 'S', 'M', 'M', 'A', 'C', 'S', '1'};
+constexpr int64_t kMacStateHeader = 64;
+
+int64_t MacStateTag(int64_t L, const MacDecodeConfig& c) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : {L, int64_t(c.num_slots), int64_t(c.num_q_heads), int64_t(c.head_dim), int64_t(c.mac.window)}) {
+    h = (h ^ uint64_t(v)) * 1099511628211ull;
+  }
+  return int64_t(h % 256);
+}
+
+std::array<int64_t, 6> MacStateHeader(int64_t L, const MacDecodeConfig& c) {
+  int64_t magic = 0;
+  std::memcpy(&magic, kMacStateMagic, sizeof magic);
+  return {magic, L, c.num_slots, c.num_q_heads, c.head_dim, c.mac.window};
 }
 
 at::Tensor mac_state(std::string device, int64_t num_layers, int64_t num_slots, int64_t num_q_heads,
@@ -650,26 +683,34 @@ at::Tensor mac_state(std::string device, int64_t num_layers, int64_t num_slots, 
   const MacDecodeConfig c = MacStateShape(op, num_slots, num_q_heads, head_dim, window);
   const int64_t layer_bytes = MacLayerBytes(c);
   if (layer_bytes > (int64_t(1) << 40) / num_layers) Fail(op, "the rings would take more than 1 TiB");
-  at::TensorOptions opt = at::TensorOptions().dtype(at::kByte);
-#ifdef ASMEM_TORCH_CUDA
-  if (d.type == DeviceType::kCuda) opt = opt.device(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(d.index)));
-#endif
-  at::Tensor state = at::zeros({256 + num_layers * layer_bytes}, opt);  // then every tag empty
-  const int64_t off = MacStateOffset(state);
-  uint8_t* base = state.data_ptr<uint8_t>() + off;
+  const int64_t rings = num_layers * layer_bytes, numel = rings + kMacStateHeader + MacStateTag(num_layers, c);
+  const std::array<int64_t, 6> header = MacStateHeader(num_layers, c);
   if (d.type == DeviceType::kCpu) {
+    void* p = std::aligned_alloc(256, size_t((numel + 255) / 256 * 256));
+    if (p == nullptr) Fail(op, "cannot allocate " + std::to_string(numel) + " bytes of rings");
+    at::Tensor state = at::from_blob(p, {numel}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+    state.zero_();
+    uint8_t* base = state.data_ptr<uint8_t>();
     for (int64_t l = 0; l < num_layers; ++l) MacInitLayerStateCpu(c, MacBindLayerState(c, base + l * layer_bytes));
-    state.data_ptr<uint8_t>()[state.numel() - 1] = uint8_t(off);
+    std::memcpy(base + rings, header.data(), sizeof header);
     return state;
   }
 #ifdef ASMEM_TORCH_CUDA
-  const c10::cuda::CUDAGuard guard(state.device());
+  const c10::Device cuda(c10::DeviceType::CUDA, c10::DeviceIndex(d.index));
+  const c10::cuda::CUDAGuard guard(cuda);
+  at::Tensor state = at::zeros({numel}, at::TensorOptions().dtype(at::kByte).device(cuda));
+  if (reinterpret_cast<uintptr_t>(state.data_ptr()) % 256 != 0) Fail(op, "the allocator gave unaligned memory");
+  uint8_t* base = state.data_ptr<uint8_t>();
   for (int64_t l = 0; l < num_layers; ++l) {
     MacInitLayerState(c, MacBindLayerState(c, base + l * layer_bytes), CurrentStream(d));
   }
-  state.narrow(0, state.numel() - 1, 1).fill_(int64_t(off));
-#endif
+  const at::Tensor h = at::from_blob(const_cast<int64_t*>(header.data()), {int64_t(sizeof header)},
+                                     at::TensorOptions().dtype(at::kByte));
+  state.narrow(0, rings, int64_t(sizeof header)).copy_(h);  // synchronous: `header` is on this stack
   return state;
+#else
+  Fail(op, "unreachable");
+#endif
 }
 
 // Layer `layer` of a mac_state tensor made for this shape.
@@ -680,24 +721,25 @@ MacLayerState MacLayerOf(const std::string& op, const at::Tensor& state, const M
     Fail(op, "state must be the 1-D uint8 tensor mac_state returned, got " + ShapeText(state) + " " +
                  std::string(c10::toString(state.scalar_type())));
   }
+  if (reinterpret_cast<uintptr_t>(state.data_ptr()) % 256 != 0) {
+    Fail(op, "state is not 256-byte aligned (a copy or a view?): use the tensor mac_state returned");
+  }
   const MacDecodeConfig shape = MacStateShape(op, c.num_slots, c.num_q_heads, c.head_dim, c.mac.window);
   const int64_t layer_bytes = MacLayerBytes(shape);
-  const int64_t n = state.numel() - 256;
-  if (n < layer_bytes || n % layer_bytes != 0) {
-    Fail(op, "state (" + std::to_string(state.numel()) + " bytes) was not made for num_slots " +
-                 std::to_string(c.num_slots) + ", num_q_heads " + std::to_string(c.num_q_heads) + ", head_dim " +
-                 std::to_string(c.head_dim) + " and window " + std::to_string(c.mac.window) +
-                 " (mac_state with these values)");
+  const int64_t L = (state.numel() - kMacStateHeader) / layer_bytes;
+  const std::string made_for = "state (" + std::to_string(state.numel()) + " bytes) was not made for num_slots " +
+                               std::to_string(c.num_slots) + ", num_q_heads " + std::to_string(c.num_q_heads) +
+                               ", head_dim " + std::to_string(c.head_dim) + " and window " +
+                               std::to_string(c.mac.window) + " (mac_state with these values)";
+  if (L < 1 || state.numel() != L * layer_bytes + kMacStateHeader + MacStateTag(L, shape)) Fail(op, made_for);
+  if (state.is_cpu()) {
+    const std::array<int64_t, 6> want = MacStateHeader(L, shape);
+    if (std::memcmp(state.data_ptr<uint8_t>() + L * layer_bytes, want.data(), sizeof want) != 0) Fail(op, made_for);
   }
-  if (layer < 0 || layer >= n / layer_bytes) {
-    Fail(op, "layer " + std::to_string(layer) + " is outside the state's [0, " + std::to_string(n / layer_bytes) + ")");
+  if (layer < 0 || layer >= L) {
+    Fail(op, "layer " + std::to_string(layer) + " is outside the state's [0, " + std::to_string(L) + ")");
   }
-  const int64_t off = MacStateOffset(state);
-  if (state.is_cpu() && state.data_ptr<uint8_t>()[state.numel() - 1] != off) {
-    Fail(op, "state was copied to memory of another alignment (its rings would be misread): use the tensor "
-             "mac_state returned, or a new one");
-  }
-  return MacBindLayerState(shape, state.data_ptr<uint8_t>() + off + layer * layer_bytes);
+  return MacBindLayerState(shape, state.data_ptr<uint8_t>() + layer * layer_bytes);
 }
 
 MacConfig MakeMacConfig(const std::string& op, double tau, int64_t window, int64_t band, int64_t front_sink,
@@ -717,6 +759,8 @@ MacConfig MakeMacConfig(const std::string& op, double tau, int64_t window, int64
     ValidateMacConfig(m);
   } catch (const InvalidArgument& e) {
     Fail(op, e.what());
+  } catch (const UnsupportedError& e) {
+    throw UnsupportedError("asmem." + op + ": " + e.what());
   }
   return m;
 }
@@ -880,6 +924,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
 #endif
   } catch (const InvalidArgument& e) {
     Fail(op, e.what());
+  } catch (const UnsupportedError& e) {
+    throw UnsupportedError("asmem." + op + ": " + e.what());
   }
   return {o, lse, hit_pos};
 }
@@ -942,6 +988,8 @@ void mac_fill(const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& po
 #endif
   } catch (const InvalidArgument& e) {
     Fail(op, e.what());
+  } catch (const UnsupportedError& e) {
+    throw UnsupportedError("asmem." + op + ": " + e.what());
   }
 }
 

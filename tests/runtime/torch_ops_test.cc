@@ -664,7 +664,17 @@ TEST_F(TorchOpsTest, MacOpsRefuseBadArgumentsInOneLine) {
   at::Tensor moved = big.narrow(0, shift, state.numel());
   moved.copy_(state);
   expect_error<InvalidArgument>([&] { call(q, slots, moved, k.W); },
-                                {"asmem.mac_decode: state was copied to memory of another alignment"});
+                                {"asmem.mac_decode: state is not 256-byte aligned"});
+  // A state of another slot count and window (the same ring bytes per layer) is refused.
+  const at::Tensor other = Op<MacStateFn>("asmem::mac_state").call("cpu", 2, 2, k.Hq, k.d, 2 * k.W);
+  expect_error<InvalidArgument>([&] { call(q, slots, other, k.W); },
+                                {"was not made for num_slots 4, num_q_heads 4, head_dim 16 and window 8"});
+  expect_error<InvalidArgument>([&] { call(q, slots.narrow(0, 0, 2), state, 2 * k.W); },
+                                {"was not made for num_slots 2, num_q_heads 4, head_dim 16 and window 16"});
+  // Ring sizes whose product overflows 64 bits are refused before any size is computed.
+  expect_error<InvalidArgument>(
+      [&] { Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 27, 16776989, 512, 15833283); },
+      {"asmem.mac_state: rings of 27 slots x 16776989 heads x 15833283 positions x head_dim 512 would take more than 1 TiB"});
   expect_error<InvalidArgument>([&] { Op<MacStateFn>("asmem::mac_state").call("cpu", 0, 4, k.Hq, k.d, k.W); },
                                 {"asmem.mac_state: num_layers 0 is out of range"});
   expect_error<InvalidArgument>([&] { Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 4, k.Hq, k.d, 0); },
