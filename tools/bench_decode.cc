@@ -876,7 +876,7 @@ int Run(const Options& opt) {
   }
   ASMEM_CUDA_CHECK(cudaStreamDestroy(stream));
   if (!opt.out.empty()) {
-    write_file_atomic(opt.out, out.dump(2) + "\n");
+    write_file_atomic(opt.out, out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
     std::printf("\nwrote %s\n", opt.out.c_str());
   }
   return 0;

@@ -361,7 +361,7 @@ json MacSettingsJson(const MacConfig& mc) {
 
 void WriteJson(const json& out, const std::string& path) {
   if (path.empty()) return;
-  write_file_atomic(path, out.dump(2) + "\n");
+  write_file_atomic(path, out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
   std::printf("\nwrote %s\n", path.c_str());
 }
 
