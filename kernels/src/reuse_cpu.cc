@@ -139,6 +139,13 @@ void CheckConfig(const MacDecodeConfig& c, const char* fn, bool cuda) {
   if (c.page_size < 1) Fail(fn, "page_size must be positive, got " + std::to_string(c.page_size));
   if (c.max_seq_len < 0) Fail(fn, "max_seq_len must be >= 0");
   if (c.num_slots < 1) Fail(fn, "num_slots must be >= 1, got " + std::to_string(c.num_slots));
+  // The rings' sizes are computed in size_t: their product is bounded first.
+  if ((long double)c.num_slots * c.num_q_heads * std::max(c.mac.window, 1) * (5.0L * c.head_dim + 64) >
+      (long double)(int64_t(1) << 46)) {
+    Fail(fn, "rings of " + std::to_string(c.num_slots) + " slots x " + std::to_string(c.num_q_heads) + " heads x " +
+                 std::to_string(c.mac.window) + " positions x head_dim " + std::to_string(c.head_dim) +
+                 " are too large");
+  }
   if (c.dtype != KernelDType::kBF16 && c.dtype != KernelDType::kF16) {
     throw UnsupportedError(std::string(fn) + ": dtype " + KernelDTypeName(c.dtype) +
                            " is not supported (bf16 or f16)");

@@ -840,6 +840,15 @@ TEST(MacConfigCheck, SupportedSet) {
   c2 = c;
   c2.mac.window = 0;
   test::expect_error<InvalidArgument>([&] { MacWorkspaceBytes(c2); }, {"window"});
+  // Ring sizes whose size_t product would wrap are refused (the layout's sizes wrapped to a
+  // few GB for rings of about 1.8e19 bytes).
+  c2 = c;
+  c2.num_slots = 27;
+  c2.num_q_heads = 16776989;
+  c2.num_kv_heads = 1;
+  c2.head_dim = 512;
+  c2.mac.window = 15833283;
+  test::expect_error<InvalidArgument>([&] { MacLayerStateBytes(c2); }, {"rings of 27 slots", "are too large"});
 }
 
 // The CUDA op's speculative-plan words sit in the layer state past every ring, inside its
