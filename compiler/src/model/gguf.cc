@@ -52,6 +52,7 @@
 #include <limits>
 
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 
 namespace asmem {
 
@@ -403,7 +404,8 @@ class Cursor {
   std::string section_ = "header";
 };
 
-std::string in_quotes(const std::string& s) { return "'" + s + "'"; }
+// Names from the file, quoted with control and non-ASCII bytes escaped (one-line messages).
+std::string in_quotes(const std::string& s) { return quoted_text(s); }
 
 // Printable form of the magic bytes for the "not a GGUF file" message.
 std::string show_magic(const uint8_t* m, size_t n) {
@@ -531,6 +533,7 @@ void dequantize_row(GgmlType t, const void* src, float* dst, int64_t n) {
     throw InvalidArgument("dequantize_row: " + std::to_string(n) +
                           " elements is not a multiple of " + tt->name + "'s block size " +
                           std::to_string(tt->block));
+  if (n == 0) return;  // src and dst may be null
   const uint8_t* s = static_cast<const uint8_t*>(src);
   void (*block_fn)(const uint8_t*, float*) = nullptr;
   switch (t) {
@@ -572,7 +575,9 @@ int64_t GgufTensorInfo::numel() const {
 // GgufFile
 // ---------------------------------------------------------------------------------------
 GgufFile::GgufFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: a FIFO opens at once (then fails the regular-file check) instead of
+  // waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw IoError("cannot open " + in_quotes(path) + ": " + std::strerror(errno));
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -651,8 +656,10 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
       uint64_t numel = 1;
       for (uint32_t d = 0; d < n_dims; ++d) {
         const uint64_t ne = c.u64();
-        if (ne > kMaxNumel || (ne != 0 && numel > kMaxNumel / ne))
+        if (ne > kMaxNumel)
           c.fail("tensor " + in_quotes(t.name) + " has absurd dimension " + std::to_string(ne));
+        if (ne != 0 && numel > kMaxNumel / ne)
+          c.fail("tensor " + in_quotes(t.name) + " has absurd dimensions (more than 2^62 elements)");
         numel *= ne;
         t.ne.push_back(static_cast<int64_t>(ne));
       }
@@ -666,7 +673,11 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
                " columns, not a multiple of " + tt->name + "'s block size " +
                std::to_string(tt->block));
       t.offset = c.u64();
-      t.nbytes = numel / static_cast<uint64_t>(tt->block) * static_cast<uint64_t>(tt->size);
+      // numel < 2^62, but its bytes may still wrap (2^62 F32 values are 2^64 bytes).
+      const uint64_t blocks = numel / static_cast<uint64_t>(tt->block);
+      if (blocks > kMaxNumel / static_cast<uint64_t>(tt->size))
+        c.fail("tensor " + in_quotes(t.name) + " would take more than 2^62 bytes");
+      t.nbytes = blocks * static_cast<uint64_t>(tt->size);
       tensors_.push_back(std::move(t));
     }
 
@@ -678,10 +689,9 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
              " > " + std::to_string(map_size_) + " bytes)");
     const uint64_t data_size = n_tensors > 0 ? map_size_ - data_start_ : 0;
 
-    std::map<std::string, size_t> seen;
     for (size_t i = 0; i < tensors_.size(); ++i) {
       const GgufTensorInfo& t = tensors_[i];
-      if (!seen.emplace(t.name, i).second) c.fail("duplicate tensor name " + in_quotes(t.name));
+      if (!tensor_index_.emplace(t.name, i).second) c.fail("duplicate tensor name " + in_quotes(t.name));
       if (t.offset % alignment_ != 0)
         c.fail("tensor " + in_quotes(t.name) + " offset " + std::to_string(t.offset) +
                " is not a multiple of the alignment " + std::to_string(alignment_));
@@ -705,9 +715,8 @@ GgufFile::~GgufFile() {
 }
 
 const GgufTensorInfo* GgufFile::find_tensor(const std::string& name) const {
-  for (const auto& t : tensors_)
-    if (t.name == name) return &t;
-  return nullptr;
+  const auto it = tensor_index_.find(name);
+  return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
 }
 
 const uint8_t* GgufFile::tensor_data(const GgufTensorInfo& t) const {

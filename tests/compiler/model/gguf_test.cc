@@ -2,6 +2,7 @@
 // malformed files written byte by byte, and the GGUF weight source on tiny models
 // (q/k un-permutation, architectures, tensor types, config keys).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdint>
@@ -549,7 +550,21 @@ TEST_F(GgufMalformed, AbsurdCounts) {
                             {"truncated: metadata value of 's' ends past end of file"});
   GgufBuilder e;
   e.tensor("big", {uint64_t{1} << 40, uint64_t{1} << 40}, GgmlType::F32, {});
-  expect_error<FormatError>([&] { GgufFile f(write(e)); }, {"tensor 'big' has absurd dimension"});
+  expect_error<FormatError>([&] { GgufFile f(write(e)); }, {"tensor 'big' has absurd dimensions"});
+  // Under 2^62 elements, but 2^64 bytes: the byte count wrapped to 0 and the file opened.
+  GgufBuilder w;
+  w.tensor("wrap", {uint64_t{1} << 62}, GgmlType::F32, {});
+  expect_error<FormatError>([&] { GgufFile f(write(w)); }, {"tensor 'wrap' would take more than 2^62 bytes"});
+}
+
+// Names from the file stay on one line in messages; a FIFO is refused, not waited on.
+TEST_F(GgufMalformed, ControlBytesAndFifos) {
+  GgufBuilder b;
+  b.tensor("evil\nname", {uint64_t{1} << 62}, GgmlType::F32, {});
+  expect_error<FormatError>([&] { GgufFile f(write(b)); }, {"tensor 'evil\\x0Aname'"});
+  const std::string fifo = dir_ + "/fifo.gguf";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error<IoError>([&] { GgufFile f(fifo); }, {"not a regular file"});
 }
 
 TEST_F(GgufMalformed, BadValuesAndTypes) {

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <variant>
 #include <vector>
 
@@ -95,6 +96,7 @@ class GgufFile {
   uint64_t alignment_ = 32;
   std::map<std::string, GgufValue> kv_;
   std::vector<GgufTensorInfo> tensors_;
+  std::unordered_map<std::string, size_t> tensor_index_;  // name -> index in tensors_
   const uint8_t* map_ = nullptr;
   uint64_t map_size_ = 0;
   uint64_t data_start_ = 0;

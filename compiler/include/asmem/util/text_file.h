@@ -12,6 +12,16 @@ namespace asmem {
 // it cannot be opened or is a directory (`what` names its role: "prompt", "system", ...).
 std::string read_text_file(const std::string& path, const char* what);
 
+// 's' with the bytes of a file's string made safe for a one-line message: control bytes,
+// DEL and bytes >= 0x80 as \xNN (so a message never spans lines or carries escape
+// sequences), cut after 80 bytes.
+std::string quoted_text(const std::string& s);
+
+// The deepest nesting of arrays and objects in JSON text (strings skipped), scanning no
+// deeper than `limit` + 1: parsing, copying or printing a deeply nested value recurses once
+// per level, so readers refuse text nested deeper than they need before they parse it.
+int json_nesting_depth(const std::string& text, int limit);
+
 // Throws InvalidArgument "<what> '<out>' is the <flag> input" when the output path names the
 // same file as one of `inputs` ({flag, path}; empty paths skipped): writing it would replace
 // an input (a prefix, traces, prompts, a dictionary...). Paths that do not exist yet are fine.
