@@ -2,7 +2,8 @@
 //
 // validate() checks, in field order, and throws InvalidArgument naming the first failure:
 //   architecture in {llama, qwen2}; n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim,
-//   vocab, max_context > 0; n_layers <= 1024, n_heads <= 4096; n_heads % n_kv_heads == 0;
+//   vocab, max_context > 0; n_layers <= 1024, n_heads <= 4096, hidden <= 2^20, ffn <= 2^22,
+//   head_dim <= 2^14, vocab and max_context <= 2^31; n_heads % n_kv_heads == 0;
 //   head_dim even (RoPE rotates pairs); rope_theta and norm_eps finite and > 0; rope_scaling.type known, with
 //   llama3: factor > 0, 0 < low_freq_factor < high_freq_factor, original_max_position > 0;
 //   linear: factor > 0; factors: head_dim / 2 finite positive values.
@@ -21,9 +22,34 @@ namespace asmem {
 namespace {
 
 constexpr int64_t kMaxLayers = 1024, kMaxHeads = 4096;
+// Far past any model too; they keep every product of two shapes (n_heads x head_dim,
+// vocab x hidden) inside int64.
+constexpr int64_t kMaxHidden = int64_t(1) << 20, kMaxFfn = int64_t(1) << 22, kMaxHeadDim = int64_t(1) << 14,
+                  kMaxVocab = int64_t(1) << 31, kMaxContext = int64_t(1) << 31;
+
+
+// A file's text in a one-line message: control and non-ASCII bytes as \xNN, at most 64.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < 64; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += char(c);
+    } else {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", c);
+      out += b;
+    }
+  }
+  return s.size() > 64 ? out + "..." : out;
+}
 
 [[noreturn]] void bad(const std::string& field, const std::string& why) {
   throw InvalidArgument("ModelConfig: " + field + " " + why);
+}
+
+void require_at_most(const char* field, int64_t v, int64_t most) {
+  if (v > most) bad(field, std::to_string(v) + " is more than " + std::to_string(most));
 }
 
 void require_positive(const char* field, int64_t v) {
@@ -48,13 +74,15 @@ std::string fmt_g(double v) {
 
 void ModelConfig::validate() const {
   if (architecture != "llama" && architecture != "qwen2")
-    bad("architecture", "'" + architecture + "' is not one of: llama, qwen2");
+    bad("architecture", "'" + printable(architecture) + "' is not one of: llama, qwen2");
   require_positive("n_layers", n_layers);
   // Far past any model of this family (126 layers, 128 heads): a header claiming more is
   // damaged, and each layer costs names and tables before any tensor is read.
   if (n_layers > kMaxLayers) bad("n_layers", std::to_string(n_layers) + " is more than " + std::to_string(kMaxLayers));
   require_positive("hidden", hidden);
+  require_at_most("hidden", hidden, kMaxHidden);
   require_positive("ffn", ffn);
+  require_at_most("ffn", ffn, kMaxFfn);
   require_positive("n_heads", n_heads);
   require_positive("n_kv_heads", n_kv_heads);
   if (n_heads > kMaxHeads) bad("n_heads", std::to_string(n_heads) + " is more than " + std::to_string(kMaxHeads));
@@ -62,8 +90,10 @@ void ModelConfig::validate() const {
     bad("n_kv_heads", std::to_string(n_kv_heads) + " does not divide n_heads " +
                           std::to_string(n_heads));
   require_positive("head_dim", head_dim);
+  require_at_most("head_dim", head_dim, kMaxHeadDim);
   if (head_dim % 2 != 0) bad("head_dim", "must be even (got " + std::to_string(head_dim) + ")");
   require_positive("vocab", vocab);
+  require_at_most("vocab", vocab, kMaxVocab);
   require_positive_finite("rope_theta", rope_theta);
 
   const RopeScaling& rs = rope_scaling;
@@ -89,11 +119,12 @@ void ModelConfig::validate() const {
         bad("rope_scaling.freq_factors[" + std::to_string(i) + "]",
             "must be finite and positive (got " + fmt_g(rs.freq_factors[i]) + ")");
   } else {
-    bad("rope_scaling.type", "'" + rs.type + "' is not one of: none, llama3, linear, factors");
+    bad("rope_scaling.type", "'" + printable(rs.type) + "' is not one of: none, llama3, linear, factors");
   }
 
   require_positive_finite("norm_eps", norm_eps);
   require_positive("max_context", max_context);
+  require_at_most("max_context", max_context, kMaxContext);
 }
 
 std::string ModelConfig::summary() const {

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 #include "asmem/model/gguf.h"
 #include "asmem/model/weights.h"
 
@@ -59,19 +60,28 @@ using detail::shape_str;
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-std::string in_quotes(const std::string& s) { return "'" + s + "'"; }
+// Names from files, quoted with control and non-ASCII bytes escaped (one-line messages).
+std::string in_quotes(const std::string& s) { return quoted_text(s); }
 
+// A library message (which may quote the file's bytes) on one line: control and non-ASCII
+// bytes as '?'.
 std::string one_line(std::string s) {
   for (char& ch : s)
-    if (ch == '\n' || ch == '\r') ch = ' ';
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7F) ch = '?';
   return s;
 }
+
+// config.json and the shard index are small; every JSON file here nests a few levels.
+constexpr uint64_t kMaxJsonFileBytes = uint64_t{64} << 20;
+constexpr int kMaxJsonDepth = 64;
 
 // A read-only memory map of a whole file.
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // Non-blocking: a FIFO opens at once (then fails the regular-file check) instead of
+    // waiting for a writer.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw IoError("cannot open " + in_quotes(path) + ": " + std::strerror(errno));
     struct stat st;
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -113,6 +123,13 @@ std::string read_text_file(const std::string& path) {
 
 json parse_json(const std::string& path) {
   const std::string text = read_text_file(path);
+  if (text.size() > kMaxJsonFileBytes) {
+    throw FormatError(path + ": " + std::to_string(text.size()) + " bytes, more than a model's JSON file can be (" +
+                      std::to_string(kMaxJsonFileBytes >> 20) + " MiB)");
+  }
+  if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+    throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  }
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
@@ -122,7 +139,7 @@ json parse_json(const std::string& path) {
 
 // Short printable form of a JSON value for messages.
 std::string show(const json& j) {
-  std::string s = j.dump();
+  std::string s = j.dump(-1, ' ', false, json::error_handler_t::replace);
   if (s.size() > 40) s = s.substr(0, 37) + "...";
   return one_line(s);
 }
@@ -296,6 +313,10 @@ void parse_safetensors(const MappedFile& f, std::map<std::string, StTensor>& out
   if (n > f.size() - 8)
     fail("truncated: JSON header ends past end of file (" + std::to_string(8 + n) + " > " +
          std::to_string(f.size()) + " bytes)");
+  if (json_nesting_depth(std::string(reinterpret_cast<const char*>(f.data()) + 8, size_t(n)), kMaxJsonDepth) >
+      kMaxJsonDepth) {
+    fail("JSON header nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  }
   json h;
   try {
     h = json::parse(f.data() + 8, f.data() + 8 + n);
@@ -335,6 +356,9 @@ void parse_safetensors(const MappedFile& f, std::map<std::string, StTensor>& out
       fail(at + " data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
            "] out of range (data section has " + std::to_string(data_size) + " bytes)");
     const int64_t es = dtype_size(t.dtype);
+    // numel <= 2^62, but its bytes may wrap (2^62 F32 values are 2^64 bytes).
+    if (es > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(es))
+      fail(at + " has absurd shape " + show(*sh) + " (more than 2^62 bytes of " + t.dtype + ")");
     if (es > 0 && end - begin != numel * static_cast<uint64_t>(es))
       fail(at + " has " + std::to_string(end - begin) + " bytes, but " + t.dtype + " " +
            shape_str(t.shape) + " needs " + std::to_string(numel * static_cast<uint64_t>(es)));

@@ -41,6 +41,7 @@
 #include <xxhash.h>
 
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 #include "asmem/model/gguf.h"
 
 namespace asmem {
@@ -120,7 +121,8 @@ std::string layer_weight_name(int64_t layer, const std::string& suffix) {
 
 namespace {
 
-std::string in_quotes(const std::string& s) { return "'" + s + "'"; }
+// Names from files, quoted with control and non-ASCII bytes escaped (one-line messages).
+std::string in_quotes(const std::string& s) { return quoted_text(s); }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;

@@ -603,6 +603,19 @@ TEST(HfDirectory, MalformedConfig) {
   });
   expect_error<UnsupportedError>([&] { open_weights(m.dir); }, {"sliding_window 512"});
 
+  // Sizes far past any model are refused before any shape is multiplied (2 x 2^62 was a
+  // signed overflow).
+  with([](json& c) { c["head_dim"] = int64_t(1) << 62; });
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg, "head_dim 4611686018427387904 is more than 16384"});
+  // Nesting deeper than a config needs is refused before the parse (printing the value of a
+  // 100000-level array in the error overflowed the stack).
+  write_text(cfg, "{\"model_type\": \"llama\", \"hidden_size\": " + std::string(100000, '[') +
+                      std::string(100000, ']') + "}");
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg + ": JSON nested more than 64 levels deep"});
+  // A model_type with a control byte stays on one line.
+  with([](json& c) { c["model_type"] = "gpt2\nX"; });
+  expect_error<UnsupportedError>([&] { open_weights(m.dir); }, {"model_type 'gpt2\\x0AX'"});
+
   with([](json&) {});  // restored: opens again
   EXPECT_NO_THROW(open_weights(m.dir));
 }
@@ -631,6 +644,11 @@ TEST(HfDirectory, MalformedSafetensors) {
                             {"tensor 'model.norm.weight' has shape [4, 4], expected [16]"});
   rewrite([](json& h) { h["model.norm.weight"].erase("dtype"); });
   expect_error<FormatError>([&] { open_weights(m.dir); }, {"'model.norm.weight' has no string 'dtype'"});
+  // A shape whose bytes wrap 64 bits (2^62 F32 values: 2^64 bytes, taken as 0) is refused.
+  rewrite([](json& h) {
+    h["x"] = {{"dtype", "F32"}, {"shape", {uint64_t(1) << 62}}, {"data_offsets", {0, 0}}};
+  });
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {"tensor 'x' has absurd shape", "more than 2^62 bytes"});
 
   write_text(st, std::string("\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ", 24));
   expect_error<FormatError>([&] { open_weights(m.dir); }, {st + ": invalid JSON header"});
