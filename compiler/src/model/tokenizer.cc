@@ -2,7 +2,11 @@
 
 #include <xxhash.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -14,6 +18,7 @@
 
 #include "asmem/error.h"
 #include "asmem/model/gguf.h"
+#include "asmem/util/text_file.h"
 #include "pretokenize.h"
 
 namespace asmem {
@@ -540,20 +545,37 @@ constexpr const char* kLlama3Pattern =
 constexpr const char* kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
+// Tokenizer files: the largest published tokenizer.json files take tens of MB; their
+// values nest a few levels deep.
+constexpr uint64_t kMaxJsonBytes = uint64_t{256} << 20;
+constexpr int kMaxJsonDepth = 64;
+
 json read_json(const std::string& path) {
+  // Regular files only: opening a FIFO would wait for a writer.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw IoError(path + ": cannot open: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw IoError(path + ": not a regular file");
+  if (uint64_t(st.st_size) > kMaxJsonBytes) {
+    throw FormatError(path + ": " + std::to_string(st.st_size) + " bytes, more than a tokenizer file can be (" +
+                      std::to_string(kMaxJsonBytes >> 20) + " MiB)");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(path + ": cannot open");
   std::stringstream ss;
   ss << in.rdbuf();
+  const std::string text = ss.str();
+  if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+    throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  }
   try {
-    return json::parse(ss.str());
-  } catch (const json::parse_error& e) {
-    throw FormatError(path + ": invalid JSON: " + e.what());
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    throw FormatError(path + ": invalid JSON: " + quoted_text(e.what()));
   }
 }
 
 std::string brief(const json& j) {
-  std::string s = j.dump();
+  std::string s = j.dump(-1, ' ', false, json::error_handler_t::replace);
   return s.size() > 160 ? s.substr(0, 160) + "..." : s;
 }
 
@@ -621,7 +643,9 @@ std::string read_text_file(const std::string& path) {
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_json_path) {
+// A function-try-block: a value of an unexpected JSON type anywhere below (a number where a
+// string is read, an object where a list is) is a one-line FormatError, not a library error.
+std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_json_path) try {
   namespace fs = std::filesystem;
   const std::string& path = tokenizer_json_path;
   const json j = read_json(path);
@@ -663,9 +687,16 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
 
   if (!model.contains("vocab") || !model["vocab"].is_object()) throw bad("no model.vocab object");
   std::vector<bool> seen;
+  // Ids are dense: none can lie past the number of entries (a huge one only allocated).
+  const int64_t entries = int64_t(model["vocab"].size()) +
+                          (j.contains("added_tokens") && j["added_tokens"].is_array() ? int64_t(j["added_tokens"].size()) : 0);
   auto place = [&](int64_t id, const std::string& text, int32_t type, const char* where) {
     if (id < 0 || id >= (int64_t{1} << 24)) {
       throw bad(std::string(where) + " id " + std::to_string(id) + " out of range");
+    }
+    if (id >= entries) {
+      throw bad(std::string(where) + " id " + std::to_string(id) + " is past the " + std::to_string(entries) +
+                " entries of model.vocab and added_tokens (ids are 0..N-1)");
     }
     const size_t i = static_cast<size_t>(id);
     if (i >= d->tokens.size()) {
@@ -778,6 +809,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
     }
   }
   return std::make_unique<Tokenizer>(std::move(d));
+} catch (const nlohmann::json::exception& e) {
+  throw FormatError(tokenizer_json_path + " (or its tokenizer_config.json): unexpected JSON value: " +
+                    quoted_text(e.what()));
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::from_model_path(const std::string& path) {

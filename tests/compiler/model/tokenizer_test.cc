@@ -5,6 +5,7 @@
 #include "asmem/model/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -671,8 +672,27 @@ TEST(HfJson, Errors) {
     j["model"]["vocab"]["AA"] = ' ';
   });
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "0x20");
+  // Ids are dense: an id past the entries leaves a hole (it was "token id 256 is missing"
+  // after sizing the tables by it: one entry of id 2^24 - 1 took 582 MiB).
   p = with([](json& j) { j["model"]["vocab"]["extra"] = 300; });
-  expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "token id 256");
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "id 300 is past the 257 entries");
+  p = with([](json& j) { j["model"]["vocab"]["extra"] = 16777215; });
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "id 16777215 is past the 257 entries");
+  // Values of unexpected JSON types, and numbers out of a double's range, are FormatErrors.
+  p = with([](json& j) {
+    j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", 5}}}}};
+  });
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "unexpected JSON value");
+  write_file(malformed, "{\"version\": 1e400, \"model\": {}}");
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(malformed); }, malformed, "invalid JSON");
+  // Nesting deeper than a tokenizer needs is refused before the parse (printing or copying
+  // a value 100000 levels deep overflowed the stack).
+  write_file(malformed, "{\"normalizer\": " + std::string(100000, '[') + std::string(100000, ']') + "}");
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(malformed); }, malformed, "nested more than 64 levels");
+  // A FIFO is refused, not waited on.
+  const std::string fifo = dir + "/fifo.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error<IoError>([&] { Tokenizer::from_hf_json(fifo); }, fifo, "not a regular file");
   p = with([](json& j) { j["model"].erase("vocab"); });
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "model.vocab");
   p = with([](json& j) {
