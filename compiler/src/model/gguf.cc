@@ -59,6 +59,10 @@ namespace asmem {
 namespace {
 
 constexpr int kMaxArrayDepth = 8;
+// Metadata array elements in one file: the largest tokenizers hold about a million (tokens,
+// scores, types, merges); each element costs about 50 bytes in memory, so a file of one
+// huge byte array would otherwise take 50 times its size.
+constexpr uint64_t kMaxArrayElements = uint64_t{1} << 23;
 constexpr int kMaxDims = 4;
 constexpr uint64_t kMaxNumel = uint64_t{1} << 62;
 
@@ -364,6 +368,8 @@ class Cursor {
 
   uint64_t pos() const { return pos_; }
   uint64_t left() const { return size_ - pos_; }
+  // Metadata array elements read so far (each costs a GgufValue, about 50 bytes).
+  uint64_t array_elements = 0;
   // What is being read, for "truncated" messages ("header", "tensor table", ...).
   void set_section(std::string s) { section_ = std::move(s); }
 
@@ -465,6 +471,10 @@ GgufValue read_value(Cursor& c, uint32_t type, const std::string& key, int depth
         c.fail("metadata key " + in_quotes(key) + " claims " + std::to_string(n) + " " +
                value_type_name(et) + " elements, more than the " + std::to_string(c.left()) +
                " bytes left in the file can hold");
+      c.array_elements += n;
+      if (c.array_elements > kMaxArrayElements)
+        c.fail("metadata key " + in_quotes(key) + " brings the metadata to more than " +
+               std::to_string(kMaxArrayElements) + " array elements");
       v.array_type = static_cast<GgufValueType>(et);
       auto arr = std::make_shared<GgufArray>();
       arr->reserve(n);

@@ -544,6 +544,11 @@ TEST_F(GgufMalformed, AbsurdCounts) {
   c.kv("huge", kArr, Bytes().u32(kU32).u64(uint64_t{1} << 61));
   expect_error<FormatError>([&] { GgufFile f(write(c)); },
                             {"'huge' claims 2305843009213693952 uint32 elements"});
+  // More array elements than any tokenizer holds (each costs about 50 bytes in memory).
+  GgufBuilder many;
+  many.kv("bytes", kArr, Bytes().u32(0).u64(uint64_t{1} << 24).raw(std::vector<uint8_t>(size_t{1} << 24, 0)));
+  expect_error<FormatError>([&] { GgufFile f(write(many)); },
+                            {"metadata key 'bytes' brings the metadata to more than 8388608 array elements"});
   GgufBuilder d;
   d.kv("s", kStr, Bytes().u64(~uint64_t{0}));
   expect_error<FormatError>([&] { GgufFile f(write(d)); },
