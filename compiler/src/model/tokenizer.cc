@@ -512,6 +512,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GgufFile& file) {
   }
   d->tokens = file.get_string_array("tokenizer.ggml.tokens");
   for (int64_t t : file.get_int_array("tokenizer.ggml.token_type")) {
+    if (t < INT32_MIN || t > INT32_MAX) {  // would wrap to another type
+      throw FormatError(path + ": tokenizer.ggml.token_type holds " + std::to_string(t) + ", not a token type");
+    }
     d->types.push_back(static_cast<int32_t>(t));
   }
   const std::vector<std::string> merges = file.get_string_array("tokenizer.ggml.merges");

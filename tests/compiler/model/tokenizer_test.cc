@@ -729,6 +729,11 @@ class GgufWriter {
     for (int32_t x : v) b += pod(x);
     kv(key, 9, b);
   }
+  void int64s(const std::string& key, const std::vector<int64_t>& v) {
+    std::string b = pod(uint32_t{11}) + pod(uint64_t{v.size()});
+    for (int64_t x : v) b += pod(x);
+    kv(key, 9, b);
+  }
   std::string write(const std::string& tag) const {
     const std::string path = scratch_dir(tag) + "/model.gguf";
     write_file(path, "GGUF" + pod(uint32_t{3}) + pod(uint64_t{0}) + pod(uint64_t{n_}) + body_);
@@ -833,6 +838,17 @@ TEST(GgufTokenizer, Errors) {
   mismatch.strings("tokenizer.ggml.merges", {});
   p = mismatch.write("len");
   expect_error<FormatError>([&] { Tokenizer::from_model_path(p); }, p, "token_type");
+
+  // A token type past int32 (it wrapped to type 1).
+  GgufWriter wide;
+  wide.str("tokenizer.ggml.model", "gpt2");
+  wide.strings("tokenizer.ggml.tokens", tokens);
+  std::vector<int64_t> wide_types(256, 1);
+  wide_types[7] = (int64_t{1} << 32) + 1;
+  wide.int64s("tokenizer.ggml.token_type", wide_types);
+  wide.strings("tokenizer.ggml.merges", {});
+  p = wide.write("wide");
+  expect_error<FormatError>([&] { Tokenizer::from_model_path(p); }, p, "token_type holds 4294967297");
 
   GgufWriter bad_merge;  // "ab" is not a token
   bad_merge.str("tokenizer.ggml.model", "gpt2");
