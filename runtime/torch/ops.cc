@@ -709,7 +709,7 @@ at::Tensor mac_state(std::string device, int64_t num_layers, int64_t num_slots, 
   state.narrow(0, rings, int64_t(sizeof header)).copy_(h);  // synchronous: `header` is on this stack
   return state;
 #else
-  Fail(op, "unreachable");
+  Fail(op, "device '" + device + "': this asmem_torch_ops was built against a torch without CUDA");
 #endif
 }
 
