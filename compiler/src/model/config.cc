@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 
 namespace asmem {
 
@@ -28,21 +29,6 @@ constexpr int64_t kMaxHidden = int64_t(1) << 20, kMaxFfn = int64_t(1) << 22, kMa
                   kMaxVocab = int64_t(1) << 31, kMaxContext = int64_t(1) << 31;
 
 
-// A file's text in a one-line message: control and non-ASCII bytes as \xNN, at most 64.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size() && i < 64; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
-      out += char(c);
-    } else {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\x%02x", c);
-      out += b;
-    }
-  }
-  return s.size() > 64 ? out + "..." : out;
-}
 
 [[noreturn]] void bad(const std::string& field, const std::string& why) {
   throw InvalidArgument("ModelConfig: " + field + " " + why);
@@ -74,7 +60,7 @@ std::string fmt_g(double v) {
 
 void ModelConfig::validate() const {
   if (architecture != "llama" && architecture != "qwen2")
-    bad("architecture", "'" + printable(architecture) + "' is not one of: llama, qwen2");
+    bad("architecture", quoted_text(architecture) + " is not one of: llama, qwen2");
   require_positive("n_layers", n_layers);
   // Far past any model of this family (126 layers, 128 heads): a header claiming more is
   // damaged, and each layer costs names and tables before any tensor is read.
@@ -119,7 +105,7 @@ void ModelConfig::validate() const {
         bad("rope_scaling.freq_factors[" + std::to_string(i) + "]",
             "must be finite and positive (got " + fmt_g(rs.freq_factors[i]) + ")");
   } else {
-    bad("rope_scaling.type", "'" + printable(rs.type) + "' is not one of: none, llama3, linear, factors");
+    bad("rope_scaling.type", quoted_text(rs.type) + " is not one of: none, llama3, linear, factors");
   }
 
   require_positive_finite("norm_eps", norm_eps);

@@ -120,22 +120,9 @@ uint64_t pair_key(int32_t a, int32_t b) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
 }
 
-// 's' for messages: control bytes escaped (messages stay on one line), long strings cut.
-std::string quote(const std::string& s) {
-  constexpr size_t kMax = 80;
-  std::string o = "'";
-  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c == 0x7F) {
-      char hex[8];
-      std::snprintf(hex, sizeof(hex), "\\x%02X", c);
-      o += hex;
-    } else {
-      o += static_cast<char>(c);
-    }
-  }
-  return o + (s.size() > kMax ? "...'" : "'");
-}
+// 's' for messages: control and non-ASCII bytes escaped (messages stay on one line and
+// valid text), long strings cut.
+std::string quote(const std::string& s) { return quoted_text(s); }
 
 }  // namespace
 
