@@ -74,6 +74,9 @@ std::string one_line(std::string s) {
 // config.json and the shard index are small; every JSON file here nests a few levels.
 constexpr uint64_t kMaxJsonFileBytes = uint64_t{64} << 20;
 constexpr int kMaxJsonDepth = 64;
+// Values in one JSON file: a header of 100000 tensors holds about a million; each parsed
+// value costs 16 to 50 bytes.
+constexpr uint64_t kMaxJsonValues = uint64_t{1} << 23;
 
 // A read-only memory map of a whole file.
 class MappedFile {
@@ -129,6 +132,9 @@ json parse_json(const std::string& path) {
   }
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  }
+  if (json_value_count(text, kMaxJsonValues) > kMaxJsonValues) {
+    throw FormatError(path + ": JSON holds more than " + std::to_string(kMaxJsonValues) + " values");
   }
   try {
     return json::parse(text);
@@ -313,9 +319,14 @@ void parse_safetensors(const MappedFile& f, std::map<std::string, StTensor>& out
   if (n > f.size() - 8)
     fail("truncated: JSON header ends past end of file (" + std::to_string(8 + n) + " > " +
          std::to_string(f.size()) + " bytes)");
-  if (json_nesting_depth(std::string(reinterpret_cast<const char*>(f.data()) + 8, size_t(n)), kMaxJsonDepth) >
-      kMaxJsonDepth) {
-    fail("JSON header nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  {
+    const std::string text(reinterpret_cast<const char*>(f.data()) + 8, size_t(n));
+    if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+      fail("JSON header nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+    }
+    if (json_value_count(text, kMaxJsonValues) > kMaxJsonValues) {
+      fail("JSON header holds more than " + std::to_string(kMaxJsonValues) + " values");
+    }
   }
   json h;
   try {

@@ -539,6 +539,9 @@ constexpr const char* kQwen2Pattern =
 // values nest a few levels deep.
 constexpr uint64_t kMaxJsonBytes = uint64_t{256} << 20;
 constexpr int kMaxJsonDepth = 64;
+// Values: a 256K-token vocabulary with 500K merges holds under a million; each parsed value
+// costs 16 to 50 bytes.
+constexpr uint64_t kMaxJsonValues = uint64_t{1} << 23;
 
 json read_json(const std::string& path) {
   // Regular files only: opening a FIFO would wait for a writer.
@@ -556,6 +559,9 @@ json read_json(const std::string& path) {
   const std::string text = ss.str();
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+  }
+  if (json_value_count(text, kMaxJsonValues) > kMaxJsonValues) {
+    throw FormatError(path + ": JSON holds more than " + std::to_string(kMaxJsonValues) + " values");
   }
   try {
     return json::parse(text);

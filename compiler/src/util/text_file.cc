@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "asmem/error.h"
 
 namespace asmem {
@@ -65,6 +67,34 @@ int json_nesting_depth(const std::string& text, int limit) {
     }
   }
   return deepest;
+}
+
+namespace {
+// Counts values, stopping past the limit (nlohmann's SAX interface).
+struct ValueCounter : nlohmann::json_sax<nlohmann::json> {
+  uint64_t n = 0, limit = 0;
+  bool value() { return ++n <= limit; }
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override { return value(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return true; }
+  bool start_array(std::size_t) override { return value(); }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+};
+}  // namespace
+
+uint64_t json_value_count(const std::string& text, uint64_t limit) {
+  ValueCounter c;
+  c.limit = limit;
+  nlohmann::json::sax_parse(text, &c, nlohmann::json::input_format_t::json, /*strict=*/false);
+  return c.n;
 }
 
 void check_not_an_input(const std::string& out, const std::string& what,

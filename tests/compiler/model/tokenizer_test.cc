@@ -689,6 +689,14 @@ TEST(HfJson, Errors) {
   // a value 100000 levels deep overflowed the stack).
   write_file(malformed, "{\"normalizer\": " + std::string(100000, '[') + std::string(100000, ']') + "}");
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(malformed); }, malformed, "nested more than 64 levels");
+  // More values than any tokenizer holds are refused before the document is built (a file
+  // of wide arrays took about 20 times its size).
+  {
+    std::string wide = "{\"normalizer\": [0";
+    for (int i = 0; i < (1 << 23); ++i) wide += ",0";
+    write_file(malformed, wide + "]}");
+  }
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(malformed); }, malformed, "holds more than 8388608 values");
   // A FIFO is refused, not waited on.
   const std::string fifo = dir + "/fifo.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);

@@ -2,6 +2,7 @@
 // compiler.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,12 @@ std::string quoted_text(const std::string& s);
 // deeper than `limit` + 1: parsing, copying or printing a deeply nested value recurses once
 // per level, so readers refuse text nested deeper than they need before they parse it.
 int json_nesting_depth(const std::string& text, int limit);
+
+// The number of JSON values (scalars, arrays, objects; keys not counted) in `text`, counted
+// without building the document and no further than `limit` + 1: a parsed value costs
+// about 16 to 50 bytes in memory, so readers refuse text of more values than they need
+// before they parse it. Malformed text counts up to its error (the parse reports it).
+uint64_t json_value_count(const std::string& text, uint64_t limit);
 
 // Throws InvalidArgument "<what> '<out>' is the <flag> input" when the output path names the
 // same file as one of `inputs` ({flag, path}; empty paths skipped): writing it would replace
