@@ -175,6 +175,8 @@ class ConfigReader {
   int64_t integer(const json& v, const std::string& key) const {
     if (!v.is_number_integer())
       fail("key " + in_quotes(key) + " must be an integer (got " + show(v) + ")");
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))  // would read negative
+      fail("key " + in_quotes(key) + " is too large (got " + show(v) + ")");
     return v.get<int64_t>();
   }
   double number(const json& v, const std::string& key) const {

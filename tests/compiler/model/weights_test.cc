@@ -605,6 +605,8 @@ TEST(HfDirectory, MalformedConfig) {
 
   // Sizes far past any model are refused before any shape is multiplied (2 x 2^62 was a
   // signed overflow).
+  with([](json& c) { c["hidden_size"] = ~uint64_t(0); });
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg, "key 'hidden_size' is too large (got 18446744073709551615)"});
   with([](json& c) { c["head_dim"] = int64_t(1) << 62; });
   expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg, "head_dim 4611686018427387904 is more than 16384"});
   // Nesting deeper than a config needs is refused before the parse (printing the value of a
