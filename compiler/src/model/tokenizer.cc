@@ -686,6 +686,10 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
   // Ids are dense: none can lie past the number of entries (a huge one only allocated).
   const int64_t entries = int64_t(model["vocab"].size()) +
                           (j.contains("added_tokens") && j["added_tokens"].is_array() ? int64_t(j["added_tokens"].size()) : 0);
+  // An integer id as int64 (one past int64 would read negative: INT64_MAX, out of range).
+  auto id_of = [](const json& v) {
+    return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : v.get<int64_t>();
+  };
   auto place = [&](int64_t id, const std::string& text, int32_t type, const char* where) {
     if (id < 0 || id >= (int64_t{1} << 24)) {
       throw bad(std::string(where) + " id " + std::to_string(id) + " out of range");
@@ -710,7 +714,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
   };
   for (const auto& [text, id] : model["vocab"].items()) {
     if (!id.is_number_integer()) throw bad("model.vocab[" + quote(text) + "] is not an integer");
-    place(id.get<int64_t>(), text, kTypeNormal, "model.vocab");
+    place(id_of(id), text, kTypeNormal, "model.vocab");
   }
   if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
     if (!j["added_tokens"].is_array()) throw bad("added_tokens is not an array");
@@ -726,7 +730,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
                                  ", which is not supported");
         }
       }
-      place(t["id"].get<int64_t>(), content,
+      place(id_of(t["id"]), content,
             json_bool(path, t, "special", false) ? kTypeControl : kTypeUserDefined, "added_tokens");
     }
   }

@@ -678,6 +678,8 @@ TEST(HfJson, Errors) {
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "id 300 is past the 257 entries");
   p = with([](json& j) { j["model"]["vocab"]["extra"] = 16777215; });
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "id 16777215 is past the 257 entries");
+  p = with([](json& j) { j["model"]["vocab"]["extra"] = uint64_t(1) << 63; });
+  expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "id 9223372036854775807 out of range");
   // Values of unexpected JSON types, and numbers out of a double's range, are FormatErrors.
   p = with([](json& j) {
     j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", 5}}}}};
