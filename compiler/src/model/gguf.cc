@@ -410,8 +410,9 @@ class Cursor {
   std::string section_ = "header";
 };
 
-// Names from the file, quoted with control and non-ASCII bytes escaped (one-line messages).
-std::string in_quotes(const std::string& s) { return quoted_text(s); }
+// Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
+// only a name of over 4096 bytes is cut.
+std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
 
 // Printable form of the magic bytes for the "not a GGUF file" message.
 std::string show_magic(const uint8_t* m, size_t n) {

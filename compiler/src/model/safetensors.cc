@@ -29,6 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -60,8 +61,9 @@ using detail::shape_str;
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-// Names from files, quoted with control and non-ASCII bytes escaped (one-line messages).
-std::string in_quotes(const std::string& s) { return quoted_text(s); }
+// Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
+// only a name of over 4096 bytes is cut.
+std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
 
 // A library message (which may quote the file's bytes) on one line: control and non-ASCII
 // bytes as '?'.
@@ -119,17 +121,13 @@ class MappedFile {
   uint64_t size_ = 0;
 };
 
-std::string read_text_file(const std::string& path) {
-  MappedFile f(path);
-  return std::string(reinterpret_cast<const char*>(f.data()), f.size());
-}
-
 json parse_json(const std::string& path) {
-  const std::string text = read_text_file(path);
-  if (text.size() > kMaxJsonFileBytes) {
-    throw FormatError(path + ": " + std::to_string(text.size()) + " bytes, more than a model's JSON file can be (" +
+  const MappedFile f(path);
+  if (f.size() > kMaxJsonFileBytes) {  // before the copy: a sparse file may claim terabytes
+    throw FormatError(path + ": " + std::to_string(f.size()) + " bytes, more than a model's JSON file can be (" +
                       std::to_string(kMaxJsonFileBytes >> 20) + " MiB)");
   }
+  const std::string text(reinterpret_cast<const char*>(f.data()), f.size());
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
   }
@@ -418,7 +416,7 @@ class SafetensorsWeightSource : public WeightSource {
         throw FormatError(where + " has shape " + shape_str(t.shape) + ", expected " +
                           shape_str(shape) + " for " + config_.summary());
       if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16")
-        throw UnsupportedError(where + " has dtype " + t.dtype +
+        throw UnsupportedError(where + " has dtype " + in_quotes(t.dtype) +
                                ", which asmem cannot convert (supported: F32, F16, BF16)");
       index_.emplace(name, &t);
       names_.push_back(name);
@@ -461,10 +459,13 @@ class SafetensorsWeightSource : public WeightSource {
     std::set<std::string> shards;
     for (auto it = wm->begin(); it != wm->end(); ++it) {
       if (!it->is_string())
-        fail("key 'weight_map." + it.key() + "' must be a string (got " + show(*it) + ")");
+        fail("key " + in_quotes("weight_map." + it.key()) + " must be a string (got " + show(*it) + ")");
       const std::string shard = it->get<std::string>();
-      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
-        fail("shard name " + in_quotes(shard) + " is not a plain file name");
+      const bool plain = std::all_of(shard.begin(), shard.end(), [](char ch) {
+        return static_cast<unsigned char>(ch) >= 0x20 && static_cast<unsigned char>(ch) < 0x7F && ch != '/';
+      });
+      if (shard.empty() || !plain || shard == "." || shard == "..")
+        fail("shard name " + in_quotes(shard) + " is not a plain file name (printable ASCII, no '/')");
       where[it.key()] = shard;
       shards.insert(shard);
     }

@@ -566,7 +566,7 @@ json read_json(const std::string& path) {
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
-    throw FormatError(path + ": invalid JSON: " + quoted_text(e.what()));
+    throw FormatError(path + ": invalid JSON: " + quoted_text(e.what(), 0));
   }
 }
 
@@ -629,7 +629,15 @@ std::string config_token(const json& v) {
   return "";
 }
 
+// A tokenizer's text file (chat_template.jinja): a regular file of at most kMaxJsonBytes.
 std::string read_text_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw IoError(path + ": cannot open: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw IoError(path + ": not a regular file");
+  if (uint64_t(st.st_size) > kMaxJsonBytes) {
+    throw FormatError(path + ": " + std::to_string(st.st_size) + " bytes, more than a tokenizer file can be (" +
+                      std::to_string(kMaxJsonBytes >> 20) + " MiB)");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw IoError(path + ": cannot open");
   std::stringstream ss;
@@ -811,7 +819,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
   return std::make_unique<Tokenizer>(std::move(d));
 } catch (const nlohmann::json::exception& e) {
   throw FormatError(tokenizer_json_path + " (or its tokenizer_config.json): unexpected JSON value: " +
-                    quoted_text(e.what()));
+                    quoted_text(e.what(), 0));
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::from_model_path(const std::string& path) {

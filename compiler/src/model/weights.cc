@@ -121,8 +121,9 @@ std::string layer_weight_name(int64_t layer, const std::string& suffix) {
 
 namespace {
 
-// Names from files, quoted with control and non-ASCII bytes escaped (one-line messages).
-std::string in_quotes(const std::string& s) { return quoted_text(s); }
+// Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
+// only a name of over 4096 bytes is cut.
+std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;

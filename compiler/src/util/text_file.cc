@@ -29,8 +29,8 @@ std::string read_text_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
-std::string quoted_text(const std::string& s) {
-  constexpr size_t kMax = 80;
+std::string quoted_text(const std::string& s, size_t max_bytes) {
+  const size_t kMax = max_bytes == 0 ? s.size() : max_bytes;
   std::string o = "'";
   for (size_t i = 0; i < s.size() && i < kMax; ++i) {
     const auto c = static_cast<unsigned char>(s[i]);

@@ -699,10 +699,14 @@ TEST(HfJson, Errors) {
     write_file(malformed, wide + "]}");
   }
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(malformed); }, malformed, "holds more than 8388608 values");
-  // A FIFO is refused, not waited on.
+  // A FIFO is refused, not waited on; so is a FIFO chat_template.jinja beside a good file.
   const std::string fifo = dir + "/fifo.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   expect_error<IoError>([&] { Tokenizer::from_hf_json(fifo); }, fifo, "not a regular file");
+  p = with([](json&) {});
+  const std::string jinja = std::filesystem::path(p).parent_path().string() + "/chat_template.jinja";
+  ASSERT_EQ(::mkfifo(jinja.c_str(), 0600), 0);
+  expect_error<IoError>([&] { Tokenizer::from_hf_json(p); }, jinja, "not a regular file");
   p = with([](json& j) { j["model"].erase("vocab"); });
   expect_error<FormatError>([&] { Tokenizer::from_hf_json(p); }, p, "model.vocab");
   p = with([](json& j) {

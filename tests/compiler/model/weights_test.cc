@@ -2,6 +2,7 @@
 // values, Hugging Face directories written by the test (single file and sharded, f32 /
 // f16 / bf16, malformed configs and headers), synthetic weights, presets, validate().
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -614,6 +615,12 @@ TEST(HfDirectory, MalformedConfig) {
   write_text(cfg, "{\"model_type\": \"llama\", \"hidden_size\": " + std::string(100000, '[') +
                       std::string(100000, ']') + "}");
   expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg + ": JSON nested more than 64 levels deep"});
+  // A sparse config.json claiming terabytes is refused by its size, before it is copied.
+  {
+    write_text(cfg, "{}");
+    ASSERT_EQ(::truncate(cfg.c_str(), off_t(1) << 40), 0);
+    expect_error<FormatError>([&] { open_weights(m.dir); }, {cfg + ": 1099511627776 bytes, more than a model's JSON file can be"});
+  }
   // A model_type with a control byte stays on one line.
   with([](json& c) { c["model_type"] = "gpt2\nX"; });
   expect_error<UnsupportedError>([&] { open_weights(m.dir); }, {"model_type 'gpt2\\x0AX'"});
@@ -638,7 +645,7 @@ TEST(HfDirectory, MalformedSafetensors) {
                             {m.dir + ": missing tensor 'model.layers.1.mlp.up_proj.weight'"});
   rewrite([](json& h) { h["model.norm.weight"]["dtype"] = "I32"; });
   expect_error<UnsupportedError>([&] { open_weights(m.dir); },
-                                 {"tensor 'model.norm.weight' has dtype I32", "F32, F16, BF16"});
+                                 {"tensor 'model.norm.weight' has dtype 'I32'", "F32, F16, BF16"});
   rewrite([](json& h) {
     h["model.norm.weight"]["shape"] = {4, 4};
   });
@@ -683,6 +690,14 @@ TEST(HfDirectory, MalformedShardIndex) {
                             {"model-00001-of-00002.safetensors: missing tensor 'model.norm.weight'"});
   with([](json& j) { j["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"; });
   expect_error<FormatError>([&] { open_weights(m.dir); }, {"not a plain file name"});
+  // Control bytes in a shard name are refused (it would be quoted into every later message).
+  with([](json& j) { j["weight_map"]["model.norm.weight"] = "evil\nname.safetensors"; });
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {"shard name 'evil\\x0Aname.safetensors' is not a plain file name"});
+  with([](json& j) { j["weight_map"]["bad\nkey"] = 3; });
+  expect_error<FormatError>([&] { open_weights(m.dir); }, {"key 'weight_map.bad\\x0Akey' must be a string"});
+  // A long path is named whole (quoting cuts only names of over 4096 bytes).
+  with([](json& j) { j["weight_map"]["model.norm.weight"] = std::string(120, 'x') + ".safetensors"; });
+  expect_error<IoError>([&] { open_weights(m.dir); }, {std::string(120, 'x') + ".safetensors': No such file"});
   with([](json& j) { j.erase("weight_map"); });
   expect_error<FormatError>([&] { open_weights(m.dir); }, {idx_path + ": missing key 'weight_map'"});
   with([](json&) {});
