@@ -202,9 +202,15 @@ void run_with_dictionary(const GenerateArgs& a, const std::string& prompt, const
   }
   AttentionHook* served_hook = mac ? static_cast<AttentionHook*>(mac.get()) : &hook;
   const ModelConfig& cfg = model.config();
-  if (base + int64_t(turn.size()) + a.max_new_tokens > cfg.max_context) {
+  // The prefix's length comes from the file: past the context it would wrap the sum below.
+  if (base < 0 || base > cfg.max_context) {
+    throw FormatError(a.dict + ": its prefix ends at position " + std::to_string(base) + ", past the model's context of " +
+                      std::to_string(cfg.max_context));
+  }
+  const int64_t reach = base + int64_t(turn.size()) + std::min<int64_t>(a.max_new_tokens, cfg.max_context);
+  if (reach > cfg.max_context) {
     std::fprintf(stderr, "asmem: warning: served tokens reach position %lld, past the model's context of %lld\n",
-                 (long long)(base + int64_t(turn.size()) + a.max_new_tokens), (long long)cfg.max_context);
+                 (long long)reach, (long long)cfg.max_context);
   }
   std::fprintf(stderr,
                "model: %s (%s, %s, %s) loaded in %.2f s\ndictionary: %s (K=%lld, prefix %lld tokens served by "

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "asmem/dictionary.h"
+#include "asmem/util/text_file.h"
 #include "commands.h"
 
 namespace asmem::cli {
@@ -99,7 +100,7 @@ json to_json(const DictionaryFile& f) {
                  {"text_preview", m.prefix.text_preview}};
   const CompileInfo& c = m.compile;
   json extra = c.extra_json;
-  if (!c.extra_json.empty()) {
+  if (!c.extra_json.empty() && json_text_problem(c.extra_json).empty()) {  // else shown as text
     json parsed = json::parse(c.extra_json, nullptr, /*allow_exceptions=*/false);
     if (!parsed.is_discarded()) extra = parsed;
   }

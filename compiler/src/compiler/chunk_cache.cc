@@ -1,6 +1,8 @@
 // Per-chunk prefix KV files for chunked calibration (see asmem/compiler/chunk_cache.h).
 #include "asmem/compiler/chunk_cache.h"
 
+#include <sys/stat.h>
+
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +12,7 @@
 
 #include "asmem/atomic_file.h"
 #include "asmem/error.h"
+#include "asmem/util/text_file.h"
 #include "xxhash.h"
 
 namespace asmem {
@@ -108,6 +111,23 @@ void write_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
 bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
                    const ChunkKeyContext& ctx, const LlamaModel& model, KVCache* kv,
                    std::string* why) {
+  // A regular file of at most the size these tokens' KV can take (with a header of up to
+  // 1 MiB): a FIFO was waited on, a huge or endless file read whole.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    *why = "no cached file";
+    return false;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    *why = "corrupt: not a regular file";
+    return false;
+  }
+  const uint64_t most = 16 + (uint64_t{1} << 20) + tokens.size() * sizeof(int32_t) +
+                        2 * uint64_t(model.config().n_layers) * block_bytes(model, int64_t(tokens.size())) + 8;
+  if (uint64_t(st.st_size) > most) {
+    *why = "corrupt: " + std::to_string(st.st_size) + " bytes, more than a chunk file of these tokens can be";
+    return false;
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     *why = "no cached file";
@@ -120,6 +140,10 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
     return false;
   }
   const std::string data = ss.str();
+  if (data.size() > most) {  // grew since the stat
+    *why = "corrupt: more bytes than a chunk file of these tokens can be";
+    return false;
+  }
   if (data.size() < 24 || std::memcmp(data.data(), kMagic, 8) != 0) {
     *why = "corrupt: not a chunk file";
     return false;
@@ -136,7 +160,12 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
     *why = "corrupt: header length " + std::to_string(hl) + " past the end";
     return false;
   }
-  const nlohmann::json header = nlohmann::json::parse(data.substr(16, hl), nullptr, false);
+  const std::string header_text = data.substr(16, hl);
+  if (const std::string problem = json_text_problem(header_text); !problem.empty()) {
+    *why = "corrupt: header " + problem;
+    return false;
+  }
+  const nlohmann::json header = nlohmann::json::parse(header_text, nullptr, false);
   if (header.is_discarded() || !header.is_object()) {
     *why = "corrupt: header is not JSON";
     return false;
@@ -147,9 +176,12 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
       if (field == "weights_hash") {
         *why = "made for another model";
       } else {
-        *why = "made with another " + field + " (" +
-               (header.contains(field) ? header[field].dump() : std::string("none")) + ", need " +
-               value.dump() + ")";
+        const auto text = [](const nlohmann::json& v) {  // escaped and cut, without quotes
+          const std::string q = quoted_text(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 80);
+          return q.substr(1, q.size() - 2);
+        };
+        *why = "made with another " + field + " (" + (header.contains(field) ? text(header[field]) : std::string("none")) +
+               ", need " + text(value) + ")";
       }
       return false;
     }

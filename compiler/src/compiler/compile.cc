@@ -437,6 +437,7 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
     auto bad = [&](const std::string& what) {
       return FormatError(path + ":" + std::to_string(line_no) + ": " + what + " (a stored response of an earlier compile)");
     };
+    if (const std::string why = json_text_problem(line); !why.empty()) throw bad(why);
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) throw bad("not valid JSON");
     if (!j.is_object()) throw bad("not a JSON object");
@@ -458,7 +459,9 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
     std::vector<int32_t> v;
     for (const auto& id : *ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
-        throw bad("\"response_ids\" holds " + id.dump() + ", not a token id of the model (vocabulary " +
+        throw bad("\"response_ids\" holds " +
+                  quoted_text(id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 80) +
+                  ", not a token id of the model (vocabulary " +
                   std::to_string(vocab) + ")");
       }
       v.push_back(int32_t(id.get<int64_t>()));

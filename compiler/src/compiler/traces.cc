@@ -16,6 +16,7 @@ namespace {
 
 // Parses one line; returns an error message or "" on success.
 std::string parse_line(const std::string& text, Trace* t) {
+  if (std::string why = json_text_problem(text); !why.empty()) return why;
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return "not valid JSON";
   if (!j.is_object()) return "not a JSON object";
@@ -77,11 +78,15 @@ std::vector<int32_t> read_token_file(const std::string& path) {
   std::vector<int32_t> ids;
   const size_t first = data.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && data[first] == '[') {
+    if (const std::string why = json_text_problem(data); !why.empty()) throw FormatError(path + ": " + why);
     nlohmann::json j = nlohmann::json::parse(data, nullptr, false);
     if (j.is_discarded() || !j.is_array()) throw FormatError(path + ": not a JSON array of token ids");
     for (size_t i = 0; i < j.size(); ++i) {
       if (!j[i].is_number_integer()) {
         throw FormatError(path + ": entry " + std::to_string(i) + " is not an integer");
+      }
+      if (j[i].is_number_unsigned() && j[i].get<uint64_t>() > uint64_t(INT32_MAX)) {
+        throw FormatError(path + ": token id " + std::to_string(j[i].get<uint64_t>()) + " out of range");
       }
       const int64_t v = j[i].get<int64_t>();
       if (v < 0 || v > INT32_MAX) throw FormatError(path + ": token id " + std::to_string(v) + " out of range");
@@ -94,8 +99,9 @@ std::vector<int32_t> read_token_file(const std::string& path) {
       char* end = nullptr;
       errno = 0;
       const long long v = std::strtoll(w.c_str(), &end, 10);
-      if (errno || *end || v < 0 || v > INT32_MAX) {
-        throw FormatError(path + ": '" + w + "' (entry " + std::to_string(ids.size()) +
+      // The whole word is the number (an embedded NUL ended it early: "12\0" + "34" read as 12).
+      if (errno || end != w.c_str() + w.size() || v < 0 || v > INT32_MAX) {
+        throw FormatError(path + ": " + quoted_text(w, 80) + " (entry " + std::to_string(ids.size()) +
                           ") is not a token id");
       }
       ids.push_back(int32_t(v));

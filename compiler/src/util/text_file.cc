@@ -97,6 +97,14 @@ uint64_t json_value_count(const std::string& text, uint64_t limit) {
   return c.n;
 }
 
+std::string json_text_problem(const std::string& text) {
+  constexpr int kDepth = 64;
+  constexpr uint64_t kValues = uint64_t{1} << 23;
+  if (json_nesting_depth(text, kDepth) > kDepth) return "JSON nested more than " + std::to_string(kDepth) + " levels deep";
+  if (json_value_count(text, kValues) > kValues) return "JSON holds more than " + std::to_string(kValues) + " values";
+  return "";
+}
+
 void check_not_an_input(const std::string& out, const std::string& what,
                         const std::vector<std::pair<std::string, std::string>>& inputs) {
   for (const auto& [flag, in] : inputs) {

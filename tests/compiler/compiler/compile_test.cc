@@ -542,7 +542,11 @@ TEST_F(CompileSmall, UpdateRefusesMalformedStoredResponses) {
       {"{\"max_response_tokens\": 6}", "\"model\" is missing"},
       {"{" + ours + ", \"response_ids\": [1, 2]}", "\"prompt\" is missing"},
       {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": \"x\"}", "\"response_ids\" is missing or not"},
-      {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": [1, 99999999]}", "holds 99999999, not a token id"},
+      {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": [1, 99999999]}", "holds '99999999', not a token id"},
+      // Nested deeper than any stored response: refused before the parse (printing it in
+      // the error recursed once per level, 200000 levels overflowed the stack).
+      {"{" + ours + ", \"prompt\": \"Hi\", \"response_ids\": " + std::string(200000, '[') + std::string(200000, ']') + "}",
+       "JSON nested more than 64 levels deep"},
       {"{" + ours_key + ", \"layout\": 3, \"prompt\": \"Hi\", \"response_ids\": [1]}", "\"layout\" is not a string"},
   };
   o = options(dir_ + "/new.asmd");

@@ -99,6 +99,30 @@ TEST(TokenFile, JsonArrayAndWhitespace) {
   EXPECT_THROW(read_token_file(write(dir, "d.json", "[1, -2]")), FormatError);
   EXPECT_THROW(read_token_file(write(dir, "e.json", "[1, \"a\"]")), FormatError);
   EXPECT_THROW(read_token_file(write(dir, "f.txt", "  ")), FormatError);
+  // A NUL inside a word is not the end of the number ("12\0" "34" read as 12 before).
+  EXPECT_NE(error_of([&] { read_token_file(write(dir, "g.txt", std::string("5 12\0" "34 7", 9))); })
+                .find("'12\\x0034' (entry 1) is not a token id"),
+            std::string::npos);
+  // Control bytes of a bad word are escaped (the message stays one line, no terminal codes).
+  EXPECT_NE(error_of([&] { read_token_file(write(dir, "h.txt", "1 \x1b[2J 3")); }).find("'\\x1B[2J' (entry 1)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { read_token_file(write(dir, "i.json", "[18446744073709551615]")); })
+                .find("token id 18446744073709551615 out of range"),
+            std::string::npos);
+  // JSON nested deeper than any token file needs is refused before the parse.
+  EXPECT_NE(error_of([&] { read_token_file(write(dir, "j.json", std::string(100, '[') + std::string(100, ']'))); })
+                .find("nested more than 64 levels"),
+            std::string::npos);
+}
+
+// A trace line nested deeper than any trace needs is refused before it is parsed (an error
+// message printing it recursed once per level).
+TEST(Traces, DeeplyNestedLineIsMalformed) {
+  const std::string dir = test::temp_dir("traces");
+  const std::string p = write(dir, "t.jsonl", "{\"prompt\": \"hi\", \"response\": " + std::string(100000, '[') +
+                                                  std::string(100000, ']') + "}\n");
+  EXPECT_NE(error_of([&] { read_traces(p); }).find(":1: JSON nested more than 64 levels deep"), std::string::npos)
+      << error_of([&] { read_traces(p); });
 }
 
 }  // namespace

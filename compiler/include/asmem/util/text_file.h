@@ -30,6 +30,10 @@ int json_nesting_depth(const std::string& text, int limit);
 // before they parse it. Malformed text counts up to its error (the parse reports it).
 uint64_t json_value_count(const std::string& text, uint64_t limit);
 
+// Why JSON text (a file, or one line of a JSONL file) is refused before it is parsed, or ""
+// when it may be: nested more than 64 levels, or more than 2^23 values.
+std::string json_text_problem(const std::string& text);
+
 // Throws InvalidArgument "<what> '<out>' is the <flag> input" when the output path names the
 // same file as one of `inputs` ({flag, path}; empty paths skipped): writing it would replace
 // an input (a prefix, traces, prompts, a dictionary...). Paths that do not exist yet are fine.
