@@ -543,8 +543,9 @@ constexpr int kMaxJsonDepth = 64;
 // costs 16 to 50 bytes.
 constexpr uint64_t kMaxJsonValues = uint64_t{1} << 23;
 
-json read_json(const std::string& path) {
-  // Regular files only: opening a FIFO would wait for a writer.
+// A tokenizer file (tokenizer.json, tokenizer_config.json, chat_template.jinja): a regular
+// file (opening a FIFO would wait for a writer) of at most kMaxJsonBytes.
+std::string read_text_file(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) throw IoError(path + ": cannot open: " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw IoError(path + ": not a regular file");
@@ -556,7 +557,11 @@ json read_json(const std::string& path) {
   if (!in) throw IoError(path + ": cannot open");
   std::stringstream ss;
   ss << in.rdbuf();
-  const std::string text = ss.str();
+  return ss.str();
+}
+
+json read_json(const std::string& path) {
+  const std::string text = read_text_file(path);
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
   }
@@ -629,21 +634,6 @@ std::string config_token(const json& v) {
   return "";
 }
 
-// A tokenizer's text file (chat_template.jinja): a regular file of at most kMaxJsonBytes.
-std::string read_text_file(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) throw IoError(path + ": cannot open: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw IoError(path + ": not a regular file");
-  if (uint64_t(st.st_size) > kMaxJsonBytes) {
-    throw FormatError(path + ": " + std::to_string(st.st_size) + " bytes, more than a tokenizer file can be (" +
-                      std::to_string(kMaxJsonBytes >> 20) + " MiB)");
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(path + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
