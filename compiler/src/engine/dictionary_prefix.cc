@@ -178,7 +178,9 @@ DictionaryPrefix::DictionaryPrefix(const DictionaryFile& dict, const LlamaModel&
   } else {
     top_m_ = options.top_m > 0 ? options.top_m : m.compile.top_m;
     if (top_m_ <= 0) top_m_ = 1;
-    if (top_m_ > std::numeric_limits<int32_t>::max()) throw InvalidArgument("top_m is too large");
+    // More than every parent probes them all; clamped as the runtime does (the file's value,
+    // or --top-m, may be any int64).
+    top_m_ = std::min<int64_t>(top_m_, std::numeric_limits<int32_t>::max());
   }
   bool any_hierarchy = false;
   host_views_.reserve(m.sections.size());
