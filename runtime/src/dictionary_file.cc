@@ -174,24 +174,6 @@ Header decode_header(const uint8_t* p, uint64_t size) {
   return h;
 }
 
-// Printable text of a string from a file, for a one-line error: control bytes, quotes,
-// backslashes and non-ASCII bytes as \xNN, at most 80 bytes of it.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size() && i < 80; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
-      out += char(c);
-    } else {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\x%02x", c);
-      out += b;
-    }
-  }
-  if (s.size() > 80) out += "...";
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------
 // The tensors of a section, by name
 // ---------------------------------------------------------------------------------------
@@ -428,10 +410,10 @@ void check_manifest(const DictionaryManifest& m) {
   try {
     parse_value_dtype(c.value_dtype);
   } catch (const InvalidArgument&) {
-    bad("compile.value_dtype '" + printable(c.value_dtype) + "' is not one of: bf16, f16, f32");
+    bad("compile.value_dtype " + QuotedText(c.value_dtype) + " is not one of: bf16, f16, f32");
   }
   if (c.key_mode != "pre_rope" && c.key_mode != "rope_unified") {
-    bad("compile.key_mode '" + printable(c.key_mode) + "' is not one of: pre_rope, rope_unified");
+    bad("compile.key_mode " + QuotedText(c.key_mode) + " is not one of: pre_rope, rope_unified");
   }
   {
     const int64_t GD = (f.n_heads / f.n_kv_heads) * f.head_dim;
@@ -752,8 +734,8 @@ int64_t TensorRef::numel() const {
 
 std::string ModelFingerprint::mismatch(const ModelFingerprint& model) const {
   auto differ = [](const std::string& field, const std::string& dict, const std::string& mod) {
-    return "model mismatch: dictionary was compiled for " + field + "=" + printable(dict) + ", model has " +
-           printable(mod);
+    return "model mismatch: dictionary was compiled for " + field + "=" + EscapedText(dict) + ", model has " +
+           EscapedText(mod);
   };
   if (architecture != model.architecture)
     return differ("architecture", architecture, model.architecture);

@@ -682,15 +682,15 @@ TEST_F(DictionaryReadErrors, TooManySectionsAreRefusedBeforeTheParse) {
 // Strings of the file in an error come out on one line, control bytes escaped.
 TEST_F(DictionaryReadErrors, FileStringsInErrorsStayOnOneLine) {
   expect_format_error(with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_value_dtype("bf16\nERROR: x"); }),
-                      {"compile.value_dtype 'bf16\\x0aERROR: x' is not one of"});
+                      {"compile.value_dtype 'bf16\\x0AERROR: x' is not one of"});
   expect_format_error(with_manifest([](pb::Manifest& m) { m.mutable_compile()->set_key_mode("x\x1b[2J"); }),
-                      {"compile.key_mode 'x\\x1b[2J' is not one of"});
+                      {"compile.key_mode 'x\\x1B[2J' is not one of"});
   write_file(path_, with_manifest([](pb::Manifest& m) { m.mutable_model()->set_architecture("llama\nsecond"); }));
   auto f = DictionaryFile::open(path_);
   ModelFingerprint other = f->manifest().model;
   other.architecture = "llama";
   expect_error<InvalidArgument>([&] { f->check_model(other); },
-                                {"architecture=llama\\x0asecond, model has llama"});
+                                {"architecture=llama\\x0Asecond, model has llama"});
 }
 
 // With a private copy the header is checked before the whole file is read.

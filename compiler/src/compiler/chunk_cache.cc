@@ -176,9 +176,8 @@ bool read_chunk_kv(const std::string& path, const std::vector<int32_t>& tokens,
       if (field == "weights_hash") {
         *why = "made for another model";
       } else {
-        const auto text = [](const nlohmann::json& v) {  // escaped and cut, without quotes
-          const std::string q = quoted_text(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 80);
-          return q.substr(1, q.size() - 2);
+        const auto text = [](const nlohmann::json& v) {
+          return EscapedText(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
         };
         *why = "made with another " + field + " (" + (header.contains(field) ? text(header[field]) : std::string("none")) +
                ", need " + text(value) + ")";

@@ -460,7 +460,7 @@ std::unordered_map<std::string, std::vector<int32_t>> read_stored_responses(cons
     for (const auto& id : *ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
         throw bad("\"response_ids\" holds " +
-                  quoted_text(id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 80) +
+                  QuotedText(id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 80) +
                   ", not a token id of the model (vocabulary " +
                   std::to_string(vocab) + ")");
       }

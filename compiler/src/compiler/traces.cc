@@ -101,7 +101,7 @@ std::vector<int32_t> read_token_file(const std::string& path) {
       const long long v = std::strtoll(w.c_str(), &end, 10);
       // The whole word is the number (an embedded NUL ended it early: "12\0" + "34" read as 12).
       if (errno || end != w.c_str() + w.size() || v < 0 || v > INT32_MAX) {
-        throw FormatError(path + ": " + quoted_text(w, 80) + " (entry " + std::to_string(ids.size()) +
+        throw FormatError(path + ": " + QuotedText(w, 80) + " (entry " + std::to_string(ids.size()) +
                           ") is not a token id");
       }
       ids.push_back(int32_t(v));

@@ -16,7 +16,6 @@
 #include <sstream>
 
 #include "asmem/error.h"
-#include "asmem/util/text_file.h"
 
 namespace asmem {
 
@@ -60,7 +59,7 @@ std::string fmt_g(double v) {
 
 void ModelConfig::validate() const {
   if (architecture != "llama" && architecture != "qwen2")
-    bad("architecture", quoted_text(architecture) + " is not one of: llama, qwen2");
+    bad("architecture", QuotedText(architecture) + " is not one of: llama, qwen2");
   require_positive("n_layers", n_layers);
   // Far past any model of this family (126 layers, 128 heads): a header claiming more is
   // damaged, and each layer costs names and tables before any tensor is read.
@@ -105,7 +104,7 @@ void ModelConfig::validate() const {
         bad("rope_scaling.freq_factors[" + std::to_string(i) + "]",
             "must be finite and positive (got " + fmt_g(rs.freq_factors[i]) + ")");
   } else {
-    bad("rope_scaling.type", quoted_text(rs.type) + " is not one of: none, llama3, linear, factors");
+    bad("rope_scaling.type", QuotedText(rs.type) + " is not one of: none, llama3, linear, factors");
   }
 
   require_positive_finite("norm_eps", norm_eps);

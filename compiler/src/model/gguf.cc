@@ -52,7 +52,6 @@
 #include <limits>
 
 #include "asmem/error.h"
-#include "asmem/util/text_file.h"
 
 namespace asmem {
 
@@ -412,7 +411,7 @@ class Cursor {
 
 // Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
 // only a name of over 4096 bytes is cut.
-std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
+std::string in_quotes(const std::string& s) { return QuotedText(s, 4096); }
 
 // Printable form of the magic bytes for the "not a GGUF file" message.
 std::string show_magic(const uint8_t* m, size_t n) {

@@ -63,7 +63,7 @@ constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
 // Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
 // only a name of over 4096 bytes is cut.
-std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
+std::string in_quotes(const std::string& s) { return QuotedText(s, 4096); }
 
 // A library message (which may quote the file's bytes) on one line: control and non-ASCII
 // bytes as '?'.

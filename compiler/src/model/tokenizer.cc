@@ -122,7 +122,7 @@ uint64_t pair_key(int32_t a, int32_t b) {
 
 // 's' for messages: control and non-ASCII bytes escaped (messages stay on one line and
 // valid text), long strings cut.
-std::string quote(const std::string& s) { return quoted_text(s); }
+std::string quote(const std::string& s) { return QuotedText(s); }
 
 }  // namespace
 
@@ -571,7 +571,7 @@ json read_json(const std::string& path) {
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
-    throw FormatError(path + ": invalid JSON: " + quoted_text(e.what(), 0));
+    throw FormatError(path + ": invalid JSON: " + QuotedText(e.what(), 0));
   }
 }
 
@@ -809,7 +809,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_json(const std::string& tokenizer_
   return std::make_unique<Tokenizer>(std::move(d));
 } catch (const nlohmann::json::exception& e) {
   throw FormatError(tokenizer_json_path + " (or its tokenizer_config.json): unexpected JSON value: " +
-                    quoted_text(e.what(), 0));
+                    QuotedText(e.what(), 0));
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::from_model_path(const std::string& path) {

@@ -41,7 +41,6 @@
 #include <xxhash.h>
 
 #include "asmem/error.h"
-#include "asmem/util/text_file.h"
 #include "asmem/model/gguf.h"
 
 namespace asmem {
@@ -123,7 +122,7 @@ namespace {
 
 // Names and paths, quoted with control and non-ASCII bytes escaped (one-line messages);
 // only a name of over 4096 bytes is cut.
-std::string in_quotes(const std::string& s) { return quoted_text(s, 4096); }
+std::string in_quotes(const std::string& s) { return QuotedText(s, 4096); }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;

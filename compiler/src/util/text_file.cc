@@ -29,22 +29,6 @@ std::string read_text_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
-std::string quoted_text(const std::string& s, size_t max_bytes) {
-  const size_t kMax = max_bytes == 0 ? s.size() : max_bytes;
-  std::string o = "'";
-  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c >= 0x7F) {
-      char hex[8];
-      std::snprintf(hex, sizeof(hex), "\\x%02X", c);
-      o += hex;
-    } else {
-      o += static_cast<char>(c);
-    }
-  }
-  return o + (s.size() > kMax ? "...'" : "'");
-}
-
 int json_nesting_depth(const std::string& text, int limit) {
   int depth = 0, deepest = 0;
   bool in_string = false, escaped = false;

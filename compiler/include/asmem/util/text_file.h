@@ -14,11 +14,6 @@ namespace asmem {
 // it cannot be opened or is a directory (`what` names its role: "prompt", "system", ...).
 std::string read_text_file(const std::string& path, const char* what);
 
-// 's' with the bytes of a file's string made safe for a one-line message: control bytes,
-// DEL and bytes >= 0x80 as \xNN (so a message never spans lines or carries escape
-// sequences), cut after `max_bytes` (0: never; paths and library messages are not cut).
-std::string quoted_text(const std::string& s, size_t max_bytes = 80);
-
 // The deepest nesting of arrays and objects in JSON text (strings skipped), scanning no
 // deeper than `limit` + 1: parsing, copying or printing a deeply nested value recurses once
 // per level, so readers refuse text nested deeper than they need before they parse it.
