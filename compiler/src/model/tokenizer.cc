@@ -535,13 +535,10 @@ constexpr const char* kLlama3Pattern =
 constexpr const char* kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-// Tokenizer files: the largest published tokenizer.json files take tens of MB; their
-// values nest a few levels deep.
+// Tokenizer files: the largest published tokenizer.json files take tens of MB. Nesting and
+// value counts: json_text_problem (a 256K-token vocabulary with 500K merges holds under a
+// million values, under its 2^23).
 constexpr uint64_t kMaxJsonBytes = uint64_t{256} << 20;
-constexpr int kMaxJsonDepth = 64;
-// Values: a 256K-token vocabulary with 500K merges holds under a million; each parsed value
-// costs 16 to 50 bytes.
-constexpr uint64_t kMaxJsonValues = uint64_t{1} << 23;
 
 // A tokenizer file (tokenizer.json, tokenizer_config.json, chat_template.jinja): a regular
 // file (opening a FIFO would wait for a writer) of at most kMaxJsonBytes.
@@ -562,12 +559,7 @@ std::string read_text_file(const std::string& path) {
 
 json read_json(const std::string& path) {
   const std::string text = read_text_file(path);
-  if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
-    throw FormatError(path + ": JSON nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
-  }
-  if (json_value_count(text, kMaxJsonValues) > kMaxJsonValues) {
-    throw FormatError(path + ": JSON holds more than " + std::to_string(kMaxJsonValues) + " values");
-  }
+  if (const std::string why = json_text_problem(text); !why.empty()) throw FormatError(path + ": " + why);
   try {
     return json::parse(text);
   } catch (const json::exception& e) {

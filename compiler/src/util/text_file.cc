@@ -29,6 +29,10 @@ std::string read_text_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
+namespace {
+
+// The deepest nesting of arrays and objects (strings skipped), scanning no deeper than
+// `limit` + 1.
 int json_nesting_depth(const std::string& text, int limit) {
   int depth = 0, deepest = 0;
   bool in_string = false, escaped = false;
@@ -53,7 +57,6 @@ int json_nesting_depth(const std::string& text, int limit) {
   return deepest;
 }
 
-namespace {
 // Counts values, stopping past the limit (nlohmann's SAX interface).
 struct ValueCounter : nlohmann::json_sax<nlohmann::json> {
   uint64_t n = 0, limit = 0;
@@ -72,14 +75,16 @@ struct ValueCounter : nlohmann::json_sax<nlohmann::json> {
   bool end_array() override { return true; }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
 };
-}  // namespace
 
+// JSON values (scalars, arrays, objects; keys not counted), counted up to `limit` + 1.
 uint64_t json_value_count(const std::string& text, uint64_t limit) {
   ValueCounter c;
   c.limit = limit;
   nlohmann::json::sax_parse(text, &c, nlohmann::json::input_format_t::json, /*strict=*/false);
   return c.n;
 }
+
+}  // namespace
 
 std::string json_text_problem(const std::string& text) {
   constexpr int kDepth = 64;
