@@ -622,20 +622,14 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
 // model (mac_state), the request slots an int32 [num_slots, 2] tensor of (epoch, ready).
 // ---------------------------------------------------------------------------------------
 
-// The rings' layout depends only on these (reuse.h: MacLayerStateBytes). Their product is
-// bounded before any size is computed in 64 bits.
+// The rings' layout depends only on these (reuse.h: MacLayerStateBytes, which also bounds
+// their product before computing any size).
 MacDecodeConfig MacStateShape(const std::string& op, int64_t num_slots, int64_t Hq, int64_t d, int64_t window) {
   for (const auto& [v, name] : {std::pair<int64_t, const char*>{num_slots, "num_slots"}, {Hq, "num_q_heads"},
                                 {d, "head_dim"}, {window, "window"}}) {
     if (v < 1 || v > (int64_t(1) << 24)) Fail(op, std::string(name) + " " + std::to_string(v) + " is out of range");
   }
   if (d > kMacMaxHeadDim) Fail(op, "head_dim " + std::to_string(d) + " is above " + std::to_string(kMacMaxHeadDim));
-  // Per (slot, head, position): d / 2 + 16 query bytes (padded), 8 of scale, 4 d + 4 of state.
-  const long double bytes = (long double)num_slots * Hq * window * (5 * d + 64);
-  if (bytes > (long double)(int64_t(1) << 40)) {
-    Fail(op, "rings of " + std::to_string(num_slots) + " slots x " + std::to_string(Hq) + " heads x " +
-                 std::to_string(window) + " positions x head_dim " + std::to_string(d) + " would take more than 1 TiB");
-  }
   MacDecodeConfig c;
   c.batch = 1;
   c.num_q_heads = int32_t(Hq);
@@ -647,7 +641,13 @@ MacDecodeConfig MacStateShape(const std::string& op, int64_t num_slots, int64_t 
 }
 
 // Bytes of one layer's rings, a multiple of 256 so every layer starts 256-byte aligned.
-int64_t MacLayerBytes(const MacDecodeConfig& c) { return int64_t((MacLayerStateBytes(c) + 255) / 256 * 256); }
+int64_t MacLayerBytes(const std::string& op, const MacDecodeConfig& c) {
+  try {
+    return int64_t((MacLayerStateBytes(c) + 255) / 256 * 256);
+  } catch (const InvalidArgument& e) {  // rings too large
+    Fail(op, e.what());
+  }
+}
 
 // A mac_state tensor: its data 256-byte aligned (the CUDA caching allocator's blocks are; a
 // CPU state is allocated so), then
@@ -681,7 +681,7 @@ at::Tensor mac_state(std::string device, int64_t num_layers, int64_t num_slots, 
   if (num_layers < 1 || num_layers > (int64_t(1) << 20))
     Fail(op, "num_layers " + std::to_string(num_layers) + " is out of range");
   const MacDecodeConfig c = MacStateShape(op, num_slots, num_q_heads, head_dim, window);
-  const int64_t layer_bytes = MacLayerBytes(c);
+  const int64_t layer_bytes = MacLayerBytes(op, c);
   if (layer_bytes > (int64_t(1) << 40) / num_layers) Fail(op, "the rings would take more than 1 TiB");
   const int64_t rings = num_layers * layer_bytes, numel = rings + kMacStateHeader + MacStateTag(num_layers, c);
   const std::array<int64_t, 6> header = MacStateHeader(num_layers, c);
@@ -725,7 +725,7 @@ MacLayerState MacLayerOf(const std::string& op, const at::Tensor& state, const M
     Fail(op, "state is not 256-byte aligned (a copy or a view?): use the tensor mac_state returned");
   }
   const MacDecodeConfig shape = MacStateShape(op, c.num_slots, c.num_q_heads, c.head_dim, c.mac.window);
-  const int64_t layer_bytes = MacLayerBytes(shape);
+  const int64_t layer_bytes = MacLayerBytes(op, shape);
   const int64_t L = (state.numel() - kMacStateHeader) / layer_bytes;
   const std::string made_for = "state (" + std::to_string(state.numel()) + " bytes) was not made for num_slots " +
                                std::to_string(c.num_slots) + ", num_q_heads " + std::to_string(c.num_q_heads) +
