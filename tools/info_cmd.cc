@@ -1,9 +1,10 @@
-// asmem info: what a model file holds.
+// asmem info: what a model file holds (its strings escaped: they come from the file).
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
 
+#include "asmem/error.h"
 #include "asmem/model/paths.h"
 #include "asmem/model/tokenizer.h"
 #include "asmem/model/weights.h"
@@ -15,16 +16,16 @@ namespace {
 void run_info(const std::string& path) {
   std::unique_ptr<WeightSource> w = open_weights(path);
   const ModelConfig& c = w->config();
-  std::printf("model:        %s\n", w->path().c_str());
-  std::printf("format:       %s\n", w->format().c_str());
-  std::printf("name:         %s\n", c.name.c_str());
-  std::printf("architecture: %s\n", c.architecture.c_str());
+  std::printf("model:        %s\n", EscapedText(w->path(), 0).c_str());
+  std::printf("format:       %s\n", EscapedText(w->format()).c_str());
+  std::printf("name:         %s\n", EscapedText(c.name).c_str());
+  std::printf("architecture: %s\n", EscapedText(c.architecture).c_str());
   std::printf("layers (L):   %lld\n", (long long)c.n_layers);
   std::printf("hidden:       %lld   ffn: %lld   vocab: %lld\n", (long long)c.hidden,
               (long long)c.ffn, (long long)c.vocab);
   std::printf("heads:        Hq %lld  Hkv %lld  G %lld  d %lld\n", (long long)c.n_heads,
               (long long)c.n_kv_heads, (long long)c.group_size(), (long long)c.head_dim);
-  std::printf("rope:         theta %g  scaling %s\n", c.rope_theta, c.rope_scaling.type.c_str());
+  std::printf("rope:         theta %g  scaling %s\n", c.rope_theta, EscapedText(c.rope_scaling.type).c_str());
   std::printf("norm eps:     %g   tied embeddings: %s   qkv bias: %s   context: %lld\n",
               c.norm_eps, c.tied_embeddings ? "yes" : "no", c.qkv_bias ? "yes" : "no",
               (long long)c.max_context);
@@ -38,7 +39,7 @@ void run_info(const std::string& path) {
     params += numel;
   }
   std::printf("tensors:      %zu (%.1fM parameters):", names.size(), double(params) / 1e6);
-  for (const auto& [t, n] : types) std::printf(" %s x%d", t.c_str(), n);
+  for (const auto& [t, n] : types) std::printf(" %s x%d", EscapedText(t).c_str(), n);
   std::printf("\n");
   // KV bytes per token at fp16/bf16: what a prefix costs to keep.
   const double kv_per_tok = 2.0 * double(c.n_layers * c.n_kv_heads * c.head_dim) * 2.0;

@@ -5,7 +5,9 @@ naming the flag, value or file at fault, and leaves no file behind.
 
 Usage: asmem_cli_test.py PATH/TO/asmem. Cases marked "model" load the bundled model (the
 binary's default --model); they fail, as the C++ tests do, when it is missing."""
+import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -60,6 +62,54 @@ CASES = [
 ]
 
 
+def write_tiny_hf(d, name):
+    """A 1-layer LLaMA directory of zero F32 tensors whose config names the model `name`
+    (no tokenizer: `asmem info` prints the configuration and tensors before it looks for one)."""
+    h, ffn, heads, kv, vocab = 8, 16, 2, 1, 4
+    hd = h // heads
+    shapes = {"model.embed_tokens.weight": [vocab, h], "model.norm.weight": [h], "lm_head.weight": [vocab, h],
+              "model.layers.0.input_layernorm.weight": [h],
+              "model.layers.0.post_attention_layernorm.weight": [h],
+              "model.layers.0.self_attn.q_proj.weight": [heads * hd, h],
+              "model.layers.0.self_attn.k_proj.weight": [kv * hd, h],
+              "model.layers.0.self_attn.v_proj.weight": [kv * hd, h],
+              "model.layers.0.self_attn.o_proj.weight": [h, heads * hd],
+              "model.layers.0.mlp.gate_proj.weight": [ffn, h], "model.layers.0.mlp.up_proj.weight": [ffn, h],
+              "model.layers.0.mlp.down_proj.weight": [h, ffn]}
+    header, off = {}, 0
+    for n, shape in shapes.items():
+        size = 4
+        for x in shape:
+            size *= x
+        header[n] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + size]}
+        off += size
+    hs = json.dumps(header).encode()
+    hs += b" " * (-len(hs) % 8)
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(hs)) + hs + bytes(off))
+    cfg = {"model_type": "llama", "_name_or_path": name, "hidden_size": h, "intermediate_size": ffn,
+           "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+           "tie_word_embeddings": False}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def info_escapes_file_strings(asmem):
+    """`asmem info` prints the model's name from its file: control bytes come out escaped, so
+    the name cannot move the cursor, colour the terminal or add lines. Returns a failure or None."""
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_hf(d, "evil\x1b[31mname\nline two")
+        r = subprocess.run([asmem, "info", "--model", d], capture_output=True, stdin=subprocess.DEVNULL,
+                           timeout=120)
+        out = r.stdout.decode("latin-1")
+        names = [l for l in out.split("\n") if l.startswith("name:")]
+        raw = "\x1b" in out
+        if raw or names != ["name:         evil\\x1B[31mname\\x0Aline two"]:
+            return f"info: name lines {names!r}, raw escape in output: {raw}, status {r.returncode}"
+    return None
+
+
 def main():
     asmem = sys.argv[1]
     failures = []
@@ -89,9 +139,12 @@ def main():
         if r.returncode != 0 and (len(lines) != 1 or "asmem: error: " not in lines[0] or
                                   "fp16 on the CPU" not in lines[0]):
             failures.append(f"--dtype fp16: status {r.returncode}, stderr {r.stderr[-600:]!r}")
+    problem = info_escapes_file_strings(asmem)
+    if problem:
+        failures.append(problem)
     if failures:
         sys.exit("asmem bad-input cases failed:\n" + "\n".join(failures))
-    print(f"{len(CASES) + 1} asmem bad-input cases: one-line errors")
+    print(f"{len(CASES) + 1} asmem bad-input cases: one-line errors; info escapes a model's name")
 
 
 if __name__ == "__main__":
