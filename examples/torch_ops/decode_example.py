@@ -7,6 +7,7 @@ with the dictionary and requests without one, and checks:
   - requests without a dictionary against full attention with torch SDPA (fp32) over the
     same tokens (o and lse);
   - every request against the same op on the CPU (the double-accumulation reference);
+  - decode_into writing the same step into the caller's (padded) buffers;
   - with --replace: a CUDA graph captured around the op, the dictionary hot-swapped with
     torch.ops.asmem.replace_dictionary, and the replay seeing the new dictionary;
   - with --compile: the step through torch.compile (fullgraph: the op traces with fake
@@ -149,6 +150,18 @@ def main():
           f"max |lse| error {err_lse_sdpa:.3e}")
     print(f"all requests vs the CPU reference op:       max |o| error {err_o_cpu:.3e}, "
           f"max |lse| error {err_lse_cpu:.3e} (dictionary rows' lse error {gain:.3e})")
+
+    # decode_into: the same step written into the caller's buffers (an engine's output, here
+    # with each request's row padded past Hq * d).
+    o_buf = torch.zeros((B, hq * d + 64), dtype=dtype, device=dev)
+    lse_buf = torch.empty((B, hq), dtype=torch.float32, device=dev)
+    asmem.decode_into(q, q_pre, k_cache, v_cache, block_table, seq_lens, dict_ids, args.layer,
+                      o=o_buf[:, :hq * d].view(B, hq, d), lse=lse_buf)
+    torch.cuda.synchronize()
+    same_into = (torch.equal(o_buf[:, :hq * d].view(B, hq, d), o) and torch.equal(lse_buf, lse) and
+                 not o_buf[:, hq * d:].any().item())
+    print(f"decode_into the caller's buffers: equal to decode: {same_into}")
+    ok = ok and same_into
 
     ms_mixed = median_ms(lambda: step(), args.iters)
     none_ids = torch.full((B,), -1, dtype=torch.int32, device=dev)

@@ -488,13 +488,45 @@ PagedKv CheckPagedKv(const std::string& op, const at::Tensor& q, int64_t B, int6
   return kv;
 }
 
-std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTensor& q_pre,
-                                          const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                          const OptionalTensor& dict_ids, int64_t layer,
-                                          double sm_scale, int64_t max_seq_len,
-                                          std::string kv_layout, const OptionalTensor& lookup_keys) {
-  const std::string op = "decode";
+// The outputs decode_into writes: o [B, Hq, d] of q's dtype with rows contiguous and 16-byte
+// aligned (any batch and head strides, e.g. a view into an engine's [B, Hq * d] buffer),
+// lse [B, Hq] float32 contiguous; on q's device, not broadcast.
+void CheckDecodeOut(const std::string& op, const at::Tensor& q, int64_t B, int64_t Hq, int64_t d,
+                    const at::Tensor& o, const at::Tensor& lse, bool has_data = true) {
+  CheckLike(op, o, "o", q, "q");
+  CheckLike(op, lse, "lse", q, "q");
+  if (o.scalar_type() != q.scalar_type()) {
+    Fail(op, "o must have q's dtype " + std::string(c10::toString(q.scalar_type())) + ", got " +
+                 std::string(c10::toString(o.scalar_type())));
+  }
+  if (o.dim() != 3 || o.size(0) != B || o.size(1) != Hq || o.size(2) != d) {
+    Fail(op, "o must be [" + std::to_string(B) + ", " + std::to_string(Hq) + ", " + std::to_string(d) + "], got " +
+                 ShapeText(o));
+  }
+  if (o.stride(2) != 1) Fail(op, "o must be contiguous in its last dim");
+  CheckNotBroadcast(op, o, "o");
+  if (o.stride(1) % 8 != 0 || (B > 1 && o.stride(0) % 8 != 0)) {
+    Fail(op, "o's strides " + std::to_string(o.stride(0)) + ", " + std::to_string(o.stride(1)) +
+                 " must be multiples of 8 elements (16-byte aligned rows)");
+  }
+  if (has_data && reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 != 0) Fail(op, "o's data is not 16-byte aligned");
+  if (lse.scalar_type() != at::kFloat) {
+    Fail(op, "lse must be float32, got " + std::string(c10::toString(lse.scalar_type())));
+  }
+  if (lse.dim() != 2 || lse.size(0) != B || lse.size(1) != Hq) {
+    Fail(op, "lse must be [" + std::to_string(B) + ", " + std::to_string(Hq) + "], got " + ShapeText(lse));
+  }
+  if (!lse.is_contiguous()) Fail(op, "lse must be contiguous");
+}
+
+// decode and decode_into: o and lse are the outputs to write, or undefined (decode allocates
+// them after its checks).
+std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::Tensor& q, const OptionalTensor& q_pre,
+                                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                              const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                              const OptionalTensor& dict_ids, int64_t layer, double sm_scale,
+                                              int64_t max_seq_len, const std::string& kv_layout,
+                                              const OptionalTensor& lookup_keys, at::Tensor o, at::Tensor lse) {
   const Device dev = DeviceOf(op, q);
   std::shared_ptr<DecodeRuntime> rt = Require(op, dev);
   const RuntimeOptions& ro = rt->options();
@@ -566,8 +598,12 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   const int64_t bound = block_table.size(1) * page_size;
   step.max_seq_len = int32_t(std::min<int64_t>(max_seq_len > 0 ? max_seq_len : bound, 1 << 30));
 
-  at::Tensor o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  if (o.defined()) {
+    CheckDecodeOut(op, q, B, Hq, d, o, lse);
+  } else {
+    o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+    lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  }
 
   DecodeArgs a;
   a.batch = int32_t(B);
@@ -615,6 +651,26 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTen
   rt->decode(int32_t(layer), step, a, aligned, ws_bytes, CurrentStream(dev));
 #endif
   return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q, const OptionalTensor& q_pre,
+                                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                          const OptionalTensor& dict_ids, int64_t layer,
+                                          double sm_scale, int64_t max_seq_len,
+                                          std::string kv_layout, const OptionalTensor& lookup_keys) {
+  return DecodeInto("decode", q, q_pre, k_cache, v_cache, block_table, seq_lens, dict_ids, layer, sm_scale,
+                    max_seq_len, kv_layout, lookup_keys, at::Tensor(), at::Tensor());
+}
+
+// Returns nothing: torch.compile functionalizes a custom op that mutates its arguments only
+// when its outputs carry no alias annotations.
+void decode_into(const at::Tensor& q, const OptionalTensor& q_pre, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const OptionalTensor& dict_ids, int64_t layer, double sm_scale, int64_t max_seq_len,
+                 std::string kv_layout, const OptionalTensor& lookup_keys, at::Tensor& o, at::Tensor& lse) {
+  DecodeInto("decode_into", q, q_pre, k_cache, v_cache, block_table, seq_lens, dict_ids, layer, sm_scale,
+             max_seq_len, kv_layout, lookup_keys, o, lse);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1015,13 +1071,10 @@ void mac_fill_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, cons
 
 // decode's shapes, for tracing (torch.compile's fake tensors, torch.export, meta tensors):
 // no runtime and no data. Checks what needs neither; the real kernel checks the rest.
-std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const OptionalTensor& q_pre,
-                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                               const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                               const OptionalTensor& dict_ids, int64_t layer, double sm_scale,
-                                               int64_t /*max_seq_len*/, std::string kv_layout,
-                                               const OptionalTensor& lookup_keys) {
-  const std::string op = "decode";
+void CheckDecodeMeta(const std::string& op, const at::Tensor& q, const OptionalTensor& q_pre,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const OptionalTensor& dict_ids, int64_t layer, double sm_scale,
+                     const std::string& kv_layout, const OptionalTensor& lookup_keys) {
   if (q.dim() != 3) Fail(op, "q must be [B, Hq, d], got " + ShapeText(q));
   KernelType(op, q, "q");
   if (q_pre && q_pre->sizes() != q.sizes()) {
@@ -1041,9 +1094,28 @@ std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const Option
   if (lookup_keys && !dict_ids) Fail(op, "lookup_keys given without dict_ids");
   if (layer < 0) Fail(op, "layer " + std::to_string(layer) + " is negative");
   CheckScale(op, sm_scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_meta(const at::Tensor& q, const OptionalTensor& q_pre,
+                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                               const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                               const OptionalTensor& dict_ids, int64_t layer, double sm_scale,
+                                               int64_t /*max_seq_len*/, std::string kv_layout,
+                                               const OptionalTensor& lookup_keys) {
+  CheckDecodeMeta("decode", q, q_pre, k_cache, v_cache, block_table, seq_lens, dict_ids, layer, sm_scale, kv_layout,
+                  lookup_keys);
   at::Tensor o = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   return {o, lse};
+}
+
+void decode_into_meta(const at::Tensor& q, const OptionalTensor& q_pre, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const OptionalTensor& dict_ids, int64_t layer, double sm_scale, int64_t /*max_seq_len*/,
+                      std::string kv_layout, const OptionalTensor& lookup_keys, at::Tensor& o, at::Tensor& lse) {
+  CheckDecodeMeta("decode_into", q, q_pre, k_cache, v_cache, block_table, seq_lens, dict_ids, layer, sm_scale,
+                  kv_layout, lookup_keys);
+  CheckDecodeOut("decode_into", q, q.size(0), q.size(1), q.size(2), o, lse, false);
 }
 
 }  // namespace
@@ -1071,6 +1143,11 @@ TORCH_LIBRARY(asmem, m) {
       "decode(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
       "str kv_layout=\"HND\", Tensor? lookup_keys=None) -> (Tensor o, Tensor lse)");
+  // decode writing into the caller's o and lse (an engine's preallocated output).
+  m.def(
+      "decode_into(Tensor q, Tensor? q_pre, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor? dict_ids, int layer, float sm_scale=0., int max_seq_len=0, "
+      "str kv_layout=\"HND\", Tensor? lookup_keys=None, *, Tensor(a!) o, Tensor(b!) lse) -> ()");
   m.def(
       "mac_state(str device, int num_layers, int num_slots, int num_q_heads, int head_dim, int window=512) "
       "-> Tensor",
@@ -1090,23 +1167,26 @@ TORCH_LIBRARY(asmem, m) {
 
 TORCH_LIBRARY_IMPL(asmem, CPU, m) {
   m.impl("decode", &asmem::torch_ops::decode);
+  m.impl("decode_into", &asmem::torch_ops::decode_into);
   m.impl("mac_decode", &asmem::torch_ops::mac_decode);
   m.impl("mac_fill", &asmem::torch_ops::mac_fill);
 }
 TORCH_LIBRARY_IMPL(asmem, Meta, m) {
   m.impl("decode", &asmem::torch_ops::decode_meta);
+  m.impl("decode_into", &asmem::torch_ops::decode_into_meta);
   m.impl("mac_decode", &asmem::torch_ops::mac_decode_meta);
   m.impl("mac_fill", &asmem::torch_ops::mac_fill_meta);
 }
 // Meta tensors pass autograd as CPU and CUDA ones do (torch 1.x has no AutogradMeta
 // fallthrough of its own).
 TORCH_LIBRARY_IMPL(asmem, AutogradMeta, m) {
-  for (const char* name : {"decode", "mac_decode", "mac_fill"}) m.impl(name, torch::CppFunction::makeFallthrough());
+  for (const char* name : {"decode", "decode_into", "mac_decode", "mac_fill"}) m.impl(name, torch::CppFunction::makeFallthrough());
 }
 
 #ifdef ASMEM_TORCH_CUDA
 TORCH_LIBRARY_IMPL(asmem, CUDA, m) {
   m.impl("decode", &asmem::torch_ops::decode);
+  m.impl("decode_into", &asmem::torch_ops::decode_into);
   m.impl("mac_decode", &asmem::torch_ops::mac_decode);
   m.impl("mac_fill", &asmem::torch_ops::mac_fill);
 }

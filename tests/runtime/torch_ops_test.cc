@@ -44,6 +44,9 @@ using DecodeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const Opt
                                                     const at::Tensor&, const at::Tensor&,
                                                     const OptionalTensor&, int64_t, double, int64_t,
                                                     std::string, const OptionalTensor&);
+using DecodeIntoFn = void(const at::Tensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, double, int64_t,
+                          std::string, const OptionalTensor&, at::Tensor&, at::Tensor&);
 using LoadFn = int64_t(std::string, std::string, int64_t, int64_t, bool, bool);
 using ReplaceFn = void(int64_t, std::string, std::string, int64_t, bool, bool);
 using UnloadFn = void(int64_t, std::string);
@@ -55,6 +58,7 @@ template <class Fn>
 c10::TypedOperatorHandle<Fn> Op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
+c10::TypedOperatorHandle<DecodeIntoFn> DecodeInto() { return Op<DecodeIntoFn>("asmem::decode_into"); }
 
 at::ScalarType TorchType(KernelDType t) {
   switch (t) {
@@ -159,6 +163,18 @@ TEST_P(TorchOpsDecode, MatchesReferenceForAMixedBatch) {
     EXPECT_TRUE(SameAs(got, RunReference(st, int32_t(layer), slots))) << "layer " << layer;
     EXPECT_FALSE(
         SameAs(got, RunReference(st, int32_t(layer), {f1.get(), nullptr, nullptr, f0.get()})));
+  }
+  // decode_into writes the same bytes into the caller's tensors: o a view whose rows sit in a
+  // wider buffer (the padding stays untouched), lse preallocated.
+  {
+    const int64_t pad = 8;
+    at::Tensor buf = at::full({st.B, st.Hq, st.d + pad}, 7.0, x.q.options());
+    at::Tensor o = buf.narrow(2, 0, st.d);
+    at::Tensor lse = at::full({st.B, st.Hq}, -3.0, at::TensorOptions().dtype(at::kFloat));
+    DecodeInto().call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, x.dict_ids, 1, 0.0, 0,
+                      c.nhd ? "NHD" : "HND", OptionalTensor(), o, lse);
+    EXPECT_TRUE(SameAs({o, lse}, RunReference(st, 1, slots)));
+    EXPECT_TRUE(buf.narrow(2, st.d, pad).eq(7).all().item<bool>());
   }
   // No dictionaries: plain decode attention; q_pre may be absent.
   HostStep plain = st;
@@ -317,6 +333,58 @@ TEST_F(TorchOpsTest, MetaTensorsGiveOutputShapesWithoutARuntime) {
   expect_error<InvalidArgument>(
       [&] { Op<DecodeFn>("asmem::decode").call(q, q, kv, kv, bt, sl, ids, 0, 0.0, 0, "XYZ", OptionalTensor()); },
       {"kv_layout 'XYZ' is not HND or NHD"});
+}
+
+TEST_F(TorchOpsTest, DecodeIntoRefusesOutputsItCannotWrite) {
+  SynthSpec s;
+  Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 2);
+  const HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {9, 20}, {-1, -1}, seed_ + 4);
+  const StepTensors x = ToTensors(st);
+  const at::Tensor o = at::empty({2, s.Hq, s.d}, x.q.options());
+  const at::Tensor lse = at::empty({2, s.Hq}, at::TensorOptions().dtype(at::kFloat));
+  auto call = [&](const at::Tensor& o_, const at::Tensor& lse_) {
+    at::Tensor oo = o_, ll = lse_;
+    DecodeInto().call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, 0.0, 0, "HND",
+                     OptionalTensor(), oo, ll);
+  };
+  expect_error<InvalidArgument>([&] { call(o.to(at::kHalf), lse); },
+                                {"asmem.decode_into: o must have q's dtype BFloat16, got Half"});
+  expect_error<InvalidArgument>([&] { call(o.narrow(0, 0, 1), lse); },
+                                {"asmem.decode_into: o must be [2, 6, 8], got [1, 6, 8]"});
+  expect_error<InvalidArgument>([&] { call(o.transpose(1, 2).contiguous().transpose(1, 2), lse); },
+                                {"asmem.decode_into: o must be contiguous in its last dim"});
+  expect_error<InvalidArgument>([&] { call(o.narrow(1, 0, 1).expand({2, s.Hq, s.d}), lse); },
+                                {"asmem.decode_into: o must not be broadcast"});
+  expect_error<InvalidArgument>(
+      [&] { call(at::empty({2, s.Hq, s.d + 4}, x.q.options()).narrow(2, 0, s.d), lse); },
+      {"asmem.decode_into: o's strides 72, 12 must be multiples of 8 elements"});
+  expect_error<InvalidArgument>([&] { call(o, lse.to(at::kDouble)); },
+                                {"asmem.decode_into: lse must be float32, got Double"});
+  expect_error<InvalidArgument>([&] { call(o, lse.t().contiguous().t()); }, {"asmem.decode_into: lse must be contiguous"});
+  expect_error<InvalidArgument>([&] { call(o, lse.reshape({s.Hq, 2})); },
+                                {"asmem.decode_into: lse must be [2, 6], got [6, 2]"});
+  // The input checks name the overload too.
+  expect_error<InvalidArgument>(
+      [&] {
+        at::Tensor oo = o, ll = lse;
+        DecodeInto().call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 7, 0.0, 0, "HND",
+                         OptionalTensor(), oo, ll);
+      },
+      {"asmem.decode_into: layer 7 is outside [0, 2)"});
+  // Meta tensors: the outputs are checked, nothing is run.
+  const at::TensorOptions meta = at::TensorOptions().device(at::kMeta);
+  at::Tensor mo = at::empty({2, s.Hq, s.d}, meta.dtype(at::kBFloat16)), ml = at::empty({2, s.Hq}, meta.dtype(at::kFloat));
+  DecodeInto().call(x.q.to(at::kMeta), x.q_pre.to(at::kMeta), x.k.to(at::kMeta), x.v.to(at::kMeta),
+                    x.block_table.to(at::kMeta), x.seq_lens.to(at::kMeta), OptionalTensor(), 0, 0.0, 0, "HND",
+                    OptionalTensor(), mo, ml);
+  at::Tensor bad = at::empty({2, s.Hq}, meta.dtype(at::kHalf));
+  expect_error<InvalidArgument>(
+      [&] {
+        DecodeInto().call(x.q.to(at::kMeta), x.q_pre.to(at::kMeta), x.k.to(at::kMeta), x.v.to(at::kMeta),
+                         x.block_table.to(at::kMeta), x.seq_lens.to(at::kMeta), OptionalTensor(), 0, 0.0, 0, "HND",
+                         OptionalTensor(), mo, bad);
+      },
+      {"asmem.decode_into: lse must be float32, got Half"});
 }
 
 TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
