@@ -519,6 +519,21 @@ void CheckDecodeOut(const std::string& op, const at::Tensor& q, int64_t B, int64
   if (!lse.is_contiguous()) Fail(op, "lse must be contiguous");
 }
 
+// Whether two tensors' byte extents in one storage intersect (conservative for strided views:
+// the extent runs from the first element to the last).
+bool MayOverlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  auto extent = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    const auto* begin = static_cast<const char*>(t.data_ptr());
+    return std::pair<const char*, const char*>{begin, begin + (last + 1) * int64_t(t.element_size())};
+  };
+  const auto [a0, a1] = extent(a);
+  const auto [b0, b1] = extent(b);
+  return a0 < b1 && b0 < a1;
+}
+
 // decode and decode_into: o and lse are the outputs to write, or undefined (decode allocates
 // them after its checks).
 std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::Tensor& q, const OptionalTensor& q_pre,
@@ -600,6 +615,15 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
 
   if (o.defined()) {
     CheckDecodeOut(op, q, B, Hq, d, o, lse);
+    // The kernels read every input while they write o and lse.
+    const std::pair<const at::Tensor*, const char*> inputs[] = {
+        {&q, "q"}, {q_pre ? &*q_pre : nullptr, "q_pre"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+        {&block_table, "block_table"}, {&seq_lens, "seq_lens"}, {dict_ids ? &*dict_ids : nullptr, "dict_ids"},
+        {lookup_keys ? &*lookup_keys : nullptr, "lookup_keys"}, {&lse, "lse"}};
+    for (const auto& [t, name] : inputs) {
+      if (t != nullptr && MayOverlap(o, *t)) Fail(op, std::string("o overlaps ") + name);
+      if (t != nullptr && t != &lse && MayOverlap(lse, *t)) Fail(op, std::string("lse overlaps ") + name);
+    }
   } else {
     o = at::empty({B, Hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
     lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));

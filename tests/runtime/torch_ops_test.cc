@@ -363,6 +363,19 @@ TEST_F(TorchOpsTest, DecodeIntoRefusesOutputsItCannotWrite) {
   expect_error<InvalidArgument>([&] { call(o, lse.t().contiguous().t()); }, {"asmem.decode_into: lse must be contiguous"});
   expect_error<InvalidArgument>([&] { call(o, lse.reshape({s.Hq, 2})); },
                                 {"asmem.decode_into: lse must be [2, 6], got [6, 2]"});
+  // Outputs in the inputs' memory: the kernels would read what they write.
+  expect_error<InvalidArgument>([&] { call(x.q, lse); }, {"asmem.decode_into: o overlaps q"});
+  {
+    at::Tensor both = at::empty({2 * s.Hq * s.d / 2 + 2 * s.Hq}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor lse_in_o = both.narrow(0, 0, 2 * s.Hq).view({2, s.Hq});
+    const at::Tensor o_rows = at::empty({2, s.Hq, s.d}, x.q.options());
+    // lse placed over o's bytes: refused; lse beside o in one buffer: fine.
+    const at::Tensor o_view = both.view(at::kBFloat16).narrow(0, 0, 2 * s.Hq * s.d).view({2, s.Hq, s.d});
+    expect_error<InvalidArgument>([&] { call(o_view, lse_in_o); }, {"asmem.decode_into: o overlaps lse"});
+    const at::Tensor lse_after = both.narrow(0, s.Hq * s.d, 2 * s.Hq).view({2, s.Hq});
+    call(o_view, lse_after);
+    call(o_rows, lse);
+  }
   // The input checks name the overload too.
   expect_error<InvalidArgument>(
       [&] {
