@@ -488,6 +488,38 @@ PagedKv CheckPagedKv(const std::string& op, const at::Tensor& q, int64_t B, int6
   return kv;
 }
 
+// Rows of a [B, H, d] tensor as the kernels read or write them: strides of whole 16-byte
+// units, heads at least d apart (the batch stride of a one-request tensor is never used: the
+// op passes H times the head stride for it). Outputs also must not overlap themselves.
+void CheckRows(const std::string& op, const at::Tensor& t, const char* name, int64_t d, bool output) {
+  const int64_t B = t.size(0), H = t.size(1);
+  if (t.stride(1) % 8 != 0 || (B > 1 && t.stride(0) % 8 != 0)) {
+    Fail(op, std::string(name) + "'s strides " + std::to_string(t.stride(0)) + ", " + std::to_string(t.stride(1)) +
+                 " must be multiples of 8 elements (16-byte aligned rows)");
+  }
+  if (H > 1 && t.stride(1) < d) {
+    Fail(op, std::string(name) + "'s head stride " + std::to_string(t.stride(1)) + " is below head_dim " +
+                 std::to_string(d));
+  }
+  if (!output || B == 1 || H == 1) {
+    if (output && B > 1 && H == 1 && t.stride(0) < d) {
+      Fail(op, std::string(name) + "'s rows overlap (batch stride " + std::to_string(t.stride(0)) + ")");
+    }
+    return;
+  }
+  // Rows [b s0 + h s1, + d) disjoint: the inner dim's rows d apart, the outer dim past them.
+  int64_t si = t.stride(1), ni = H, so = t.stride(0);  // inner: the smaller stride
+  if (so < si) {
+    std::swap(si, so);
+    ni = B;
+  }
+  if (si < d || so < (ni - 1) * si + d) {
+    Fail(op, std::string(name) + "'s rows overlap (strides " + std::to_string(t.stride(0)) + ", " +
+                 std::to_string(t.stride(1)) + " for " + ShapeText(t) + ")");
+  }
+}
+int64_t BatchStride(const at::Tensor& t) { return t.size(0) == 1 ? t.size(1) * t.stride(1) : t.stride(0); }
+
 // The outputs decode_into writes: o [B, Hq, d] of q's dtype with rows contiguous and 16-byte
 // aligned (any batch and head strides, e.g. a view into an engine's [B, Hq * d] buffer),
 // lse [B, Hq] float32 contiguous; on q's device, not broadcast.
@@ -505,10 +537,7 @@ void CheckDecodeOut(const std::string& op, const at::Tensor& q, int64_t B, int64
   }
   if (o.stride(2) != 1) Fail(op, "o must be contiguous in its last dim");
   CheckNotBroadcast(op, o, "o");
-  if (o.stride(1) % 8 != 0 || (B > 1 && o.stride(0) % 8 != 0)) {
-    Fail(op, "o's strides " + std::to_string(o.stride(0)) + ", " + std::to_string(o.stride(1)) +
-                 " must be multiples of 8 elements (16-byte aligned rows)");
-  }
+  CheckRows(op, o, "o", d, true);
   if (has_data && reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 != 0) Fail(op, "o's data is not 16-byte aligned");
   if (lse.scalar_type() != at::kFloat) {
     Fail(op, "lse must be float32, got " + std::string(c10::toString(lse.scalar_type())));
@@ -591,15 +620,16 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
         lookup_keys->stride(0) < Hkv * lookup_keys->size(2)) {
       Fail(op, "lookup_keys must be contiguous in its last two dims (rows of width values, no broadcast)");
     }
+    if (B > 1 && lookup_keys->stride(0) % 8 != 0) {
+      Fail(op, "lookup_keys' batch stride " + std::to_string(lookup_keys->stride(0)) + " must be a multiple of 8");
+    }
     if (lookup_keys->size(2) % 8 != 0) {
       Fail(op, "lookup_keys' width " + std::to_string(lookup_keys->size(2)) + " must be a multiple of 8");
     }
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
   }
-  if (q.stride(1) % 8 != 0 || (B > 1 && q.stride(0) % 8 != 0)) {
-    Fail(op, "q's strides " + std::to_string(q.stride(0)) + ", " + std::to_string(q.stride(1)) +
-                 " must be multiples of 8 elements (16-byte aligned rows)");
-  }
+  CheckRows(op, q, "q", d, false);
+  if (q_pre) CheckRows(op, *q_pre, "q_pre", d, false);
   CheckScale(op, sm_scale);
   if (layer < 0 || layer >= ro.num_layers) {
     Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
@@ -632,16 +662,16 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
   DecodeArgs a;
   a.batch = int32_t(B);
   a.q = q.data_ptr();
-  a.q_stride_b = q.stride(0);
+  a.q_stride_b = BatchStride(q);
   a.q_stride_h = q.stride(1);
   if (q_pre) {
     a.q_pre = q_pre->data_ptr();
-    a.q_pre_stride_b = q_pre->stride(0);
+    a.q_pre_stride_b = BatchStride(*q_pre);
     a.q_pre_stride_h = q_pre->stride(1);
   }
   if (lookup_keys) {
     a.lookup_keys = lookup_keys->data_ptr();
-    a.lookup_keys_stride_b = lookup_keys->stride(0);
+    a.lookup_keys_stride_b = BatchStride(*lookup_keys);
     a.lookup_keys_stride_h = lookup_keys->stride(1);
   }
   a.k_cache = k_cache.data_ptr();
@@ -655,7 +685,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
   a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.dict_ids = dict_ids ? dict_ids->data_ptr<int32_t>() : nullptr;
   a.o = o.data_ptr();
-  a.o_stride_b = o.stride(0);
+  a.o_stride_b = BatchStride(o);
   a.o_stride_h = o.stride(1);
   a.lse = lse.data_ptr<float>();
   a.sm_scale = float(sm_scale);

@@ -23,13 +23,20 @@ file(WRITE "${WORK_DIR}/torch/TorchConfigVersion.cmake" "
 include(\"${TORCH_DIR}/TorchConfigVersion.cmake\")
 ")
 set(args -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}" -DASMEM_BUILD_TESTS=OFF
-    -DASMEM_INSTALL=OFF -DASMEM_CUDA=ON "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}"
-    "-DCMAKE_CUDA_ARCHITECTURES=${ARCHS}" "-DTorch_DIR=${WORK_DIR}/torch")
-execute_process(COMMAND ${CMAKE_COMMAND} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    -DASMEM_INSTALL=OFF -DASMEM_CUDA=ON "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}" "-DTorch_DIR=${WORK_DIR}/torch")
+# The architectures as one quoted argument: a list of several stays whole.
+execute_process(COMMAND ${CMAKE_COMMAND} ${args} "-DCMAKE_CUDA_ARCHITECTURES=${ARCHS}"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configure failed (${rc}):\n${out}\n${err}")
 endif()
-execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target asmem_kernels -- -n -v
+# A dry run that prints the commands: ninja -n -v; make -n prints them as it is.
+if(GENERATOR MATCHES "Ninja")
+  set(dry -n -v)
+else()
+  set(dry -n)
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target asmem_kernels -- ${dry}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "listing the kernels' commands failed (${rc}):\n${out}\n${err}")
@@ -41,8 +48,11 @@ endif()
 if(line MATCHES "compute_35")
   message(FATAL_ERROR "the kernels build for torch's architecture list: ${line}")
 endif()
+# Each architecture named by number (90a, 90a-real, 90-virtual) appears as compute_<number>;
+# all, all-major and native name none.
 foreach(arch ${ARCHS})
-  if(NOT line MATCHES "compute_${arch}")
+  string(REGEX REPLACE "-(real|virtual)$" "" number "${arch}")
+  if(number MATCHES "^[0-9]+[a-z]?$" AND NOT line MATCHES "compute_${number}")
     message(FATAL_ERROR "the kernels do not build for ${arch}: ${line}")
   endif()
 endforeach()

@@ -363,6 +363,12 @@ TEST_F(TorchOpsTest, DecodeIntoRefusesOutputsItCannotWrite) {
   expect_error<InvalidArgument>([&] { call(o, lse.t().contiguous().t()); }, {"asmem.decode_into: lse must be contiguous"});
   expect_error<InvalidArgument>([&] { call(o, lse.reshape({s.Hq, 2})); },
                                 {"asmem.decode_into: lse must be [2, 6], got [6, 2]"});
+  // Rows that overlap each other: batch 1's heads would land on batch 0's.
+  expect_error<InvalidArgument>(
+      [&] { call(at::zeros({64}, x.q.options()).as_strided({2, s.Hq, s.d}, {8, 8, 1}), lse); },
+      {"asmem.decode_into: o's rows overlap (strides 8, 8 for [2, 6, 8])"});
+  // Heads interleaved with requests ([Hq, B, d] permuted) do not overlap: fine.
+  call(at::empty({s.Hq, 2, s.d}, x.q.options()).permute({1, 0, 2}), lse);
   // Outputs in the inputs' memory: the kernels would read what they write.
   expect_error<InvalidArgument>([&] { call(x.q, lse); }, {"asmem.decode_into: o overlaps q"});
   {
@@ -398,6 +404,45 @@ TEST_F(TorchOpsTest, DecodeIntoRefusesOutputsItCannotWrite) {
                          OptionalTensor(), mo, bad);
       },
       {"asmem.decode_into: lse must be float32, got Half"});
+}
+
+// One request: its tensors' batch stride is never used, so any value is accepted (the CPU
+// kernel refused one that is not a multiple of 8).
+TEST_F(TorchOpsTest, OneRequestTakesAnyBatchStride) {
+  SynthSpec s;
+  s.d = 16;
+  Op<CreateFn>("asmem::create_runtime").call("cpu", s.L, s.Hq, s.Hkv, s.d, 2);
+  const HostStep st = MakeStep(s.Hq, s.Hkv, s.d, 16, KernelDType::kBF16, {21}, {-1}, seed_ + 5);
+  const StepTensors x = ToTensors(st);
+  const auto want = Op<DecodeFn>("asmem::decode")
+                        .call(x.q, x.q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, 0.0, 0, "HND",
+                              OptionalTensor());
+  // q, q_pre and o as rows of a buffer 4 elements wider than Hq * d: batch stride Hq * d + 4.
+  auto padded = [&](const at::Tensor& t) {
+    at::Tensor buf = at::zeros({1, s.Hq * s.d + 4}, t.options());
+    buf.narrow(1, 0, s.Hq * s.d).copy_(t.reshape({1, -1}));
+    return buf.as_strided({1, s.Hq, s.d}, {s.Hq * s.d + 4, s.d, 1});
+  };
+  const at::Tensor q = padded(x.q), q_pre = padded(x.q_pre);
+  ASSERT_EQ(q.stride(0), s.Hq * s.d + 4);
+  const auto got = Op<DecodeFn>("asmem::decode")
+                       .call(q, q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, 0.0, 0, "HND",
+                             OptionalTensor());
+  EXPECT_TRUE(std::get<0>(got).equal(std::get<0>(want)));
+  EXPECT_TRUE(std::get<1>(got).equal(std::get<1>(want)));
+  at::Tensor o = padded(at::zeros_like(x.q)), lse = at::empty({1, s.Hq}, at::TensorOptions().dtype(at::kFloat));
+  DecodeInto().call(q, q_pre, x.k, x.v, x.block_table, x.seq_lens, OptionalTensor(), 0, 0.0, 0, "HND",
+                    OptionalTensor(), o, lse);
+  EXPECT_TRUE(o.equal(std::get<0>(want)));
+  EXPECT_TRUE(lse.equal(std::get<1>(want)));
+  // Heads closer than head_dim are refused by the op, naming it.
+  expect_error<InvalidArgument>(
+      [&] {
+        Op<DecodeFn>("asmem::decode")
+            .call(at::zeros({64}, x.q.options()).as_strided({1, s.Hq, s.d}, {64, 8, 1}), x.q_pre, x.k, x.v,
+                  x.block_table, x.seq_lens, OptionalTensor(), 0, 0.0, 0, "HND", OptionalTensor());
+      },
+      {"asmem.decode: q's head stride 8 is below head_dim 16"});
 }
 
 TEST_F(TorchOpsTest, ArgumentErrorsAreOneLine) {
