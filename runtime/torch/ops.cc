@@ -97,6 +97,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdlib>
@@ -107,6 +108,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "asmem/dictionary.h"
 #include "asmem/error.h"
@@ -488,34 +490,40 @@ PagedKv CheckPagedKv(const std::string& op, const at::Tensor& q, int64_t B, int6
   return kv;
 }
 
-// Rows of a [B, H, d] tensor as the kernels read or write them: strides of whole 16-byte
-// units, heads at least d apart (the batch stride of a one-request tensor is never used: the
-// op passes H times the head stride for it). Outputs also must not overlap themselves.
-void CheckRows(const std::string& op, const at::Tensor& t, const char* name, int64_t d, bool output) {
-  const int64_t B = t.size(0), H = t.size(1);
-  if (t.stride(1) % 8 != 0 || (B > 1 && t.stride(0) % 8 != 0)) {
-    Fail(op, std::string(name) + "'s strides " + std::to_string(t.stride(0)) + ", " + std::to_string(t.stride(1)) +
-                 " must be multiples of 8 elements (16-byte aligned rows)");
+// Rows of a [..., H, d] tensor as the kernels read or write them (the one stride rule of
+// every op): strides of whole 16-byte units and heads at least d apart, over the dims of
+// more than one element (a one-request tensor's batch stride is never used: the ops pass
+// BatchStride for it). Outputs also must not overlap themselves.
+void CheckRowStrides(const std::string& op, const at::Tensor& t, const char* name, int64_t d, bool output) {
+  const int64_t n = t.dim();
+  auto strides = [&] {
+    std::string out;
+    for (int64_t i = 0; i + 1 < n; ++i) out += (i ? ", " : "") + std::to_string(t.stride(i));
+    return out;
+  };
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) {
+      Fail(op, std::string(name) + "'s strides " + strides() + " must be multiples of 8 elements (16-byte aligned rows)");
+    }
   }
-  if (H > 1 && t.stride(1) < d) {
-    Fail(op, std::string(name) + "'s head stride " + std::to_string(t.stride(1)) + " is below head_dim " +
+  if (t.size(n - 2) > 1 && t.stride(n - 2) < d) {
+    Fail(op, std::string(name) + "'s head stride " + std::to_string(t.stride(n - 2)) + " is below head_dim " +
                  std::to_string(d));
   }
-  if (!output || B == 1 || H == 1) {
-    if (output && B > 1 && H == 1 && t.stride(0) < d) {
-      Fail(op, std::string(name) + "'s rows overlap (batch stride " + std::to_string(t.stride(0)) + ")");
+  if (!output) return;
+  // Rows disjoint: over the dims of more than one row, by increasing stride, each stride
+  // clears the span of the rows inside it.
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    if (t.size(i) > 1) dims.push_back({t.stride(i), t.size(i)});
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = d;
+  for (const auto& [stride, count] : dims) {
+    if (stride < span) {
+      Fail(op, std::string(name) + "'s rows overlap (strides " + strides() + " for " + ShapeText(t) + ")");
     }
-    return;
-  }
-  // Rows [b s0 + h s1, + d) disjoint: the inner dim's rows d apart, the outer dim past them.
-  int64_t si = t.stride(1), ni = H, so = t.stride(0);  // inner: the smaller stride
-  if (so < si) {
-    std::swap(si, so);
-    ni = B;
-  }
-  if (si < d || so < (ni - 1) * si + d) {
-    Fail(op, std::string(name) + "'s rows overlap (strides " + std::to_string(t.stride(0)) + ", " +
-                 std::to_string(t.stride(1)) + " for " + ShapeText(t) + ")");
+    span += (count - 1) * stride;
   }
 }
 int64_t BatchStride(const at::Tensor& t) { return t.size(0) == 1 ? t.size(1) * t.stride(1) : t.stride(0); }
@@ -537,7 +545,7 @@ void CheckDecodeOut(const std::string& op, const at::Tensor& q, int64_t B, int64
   }
   if (o.stride(2) != 1) Fail(op, "o must be contiguous in its last dim");
   CheckNotBroadcast(op, o, "o");
-  CheckRows(op, o, "o", d, true);
+  CheckRowStrides(op, o, "o", d, true);
   if (has_data && reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 != 0) Fail(op, "o's data is not 16-byte aligned");
   if (lse.scalar_type() != at::kFloat) {
     Fail(op, "lse must be float32, got " + std::string(c10::toString(lse.scalar_type())));
@@ -628,8 +636,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
     }
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
   }
-  CheckRows(op, q, "q", d, false);
-  if (q_pre) CheckRows(op, *q_pre, "q_pre", d, false);
+  CheckRowStrides(op, q, "q", d, false);
+  if (q_pre) CheckRowStrides(op, *q_pre, "q_pre", d, false);
   CheckScale(op, sm_scale);
   if (layer < 0 || layer >= ro.num_layers) {
     Fail(op, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(ro.num_layers) +
@@ -888,11 +896,7 @@ void CheckRows(const std::string& op, const at::Tensor& t, const char* name, con
   if (t.sizes() != q.sizes()) Fail(op, std::string(name) + " must have q's shape " + ShapeText(q) + ", got " + ShapeText(t));
   if (t.stride(t.dim() - 1) != 1) Fail(op, std::string(name) + " must be contiguous in its last dim");
   CheckNotBroadcast(op, t, name);
-  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
-    if (t.size(i) > 1 && t.stride(i) % 8 != 0) {
-      Fail(op, std::string(name) + "'s strides must be multiples of 8 elements (16-byte aligned rows)");
-    }
-  }
+  CheckRowStrides(op, t, name, t.size(t.dim() - 1), false);
 }
 
 // The request slots: slots [num_slots, 2] int32 (epoch, ready), slot_ids [B] int32 or None
@@ -1001,16 +1005,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
   MacParams p;
   p.batch = int32_t(B);
   p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0);
+  p.q_stride_b = BatchStride(q);
   p.q_stride_h = q.stride(1);
   p.q_pre = q_pre.data_ptr();
-  p.q_pre_stride_b = q_pre.stride(0);
+  p.q_pre_stride_b = BatchStride(q_pre);
   p.q_pre_stride_h = q_pre.stride(1);
   SetMacKv(&p, k_cache, v_cache, kv, block_table, seq_lens, slot_ids, slots);
   p.state = st;
   if (prefix_o) {
     p.prefix_o = prefix_o->data_ptr();
-    p.prefix_stride_b = prefix_o->stride(0);
+    p.prefix_stride_b = BatchStride(*prefix_o);
     p.prefix_stride_h = prefix_o->stride(1);
     p.prefix_lse = prefix_lse->data_ptr<float>();
   }
