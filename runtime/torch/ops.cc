@@ -492,8 +492,8 @@ PagedKv CheckPagedKv(const std::string& op, const at::Tensor& q, int64_t B, int6
 
 // Rows of a [..., H, d] tensor as the kernels read or write them (the one stride rule of
 // every op): strides of whole 16-byte units and heads at least d apart, over the dims of
-// more than one element (a one-request tensor's batch stride is never used: the ops pass
-// BatchStride for it). Outputs also must not overlap themselves.
+// more than one element (a dim of one element is never stepped over: the ops pass
+// KernelStride for it). Outputs also must not overlap themselves.
 void CheckRowStrides(const std::string& op, const at::Tensor& t, const char* name, int64_t d, bool output) {
   const int64_t n = t.dim();
   auto strides = [&] {
@@ -526,7 +526,14 @@ void CheckRowStrides(const std::string& op, const at::Tensor& t, const char* nam
     span += (count - 1) * stride;
   }
 }
-int64_t BatchStride(const at::Tensor& t) { return t.size(0) == 1 ? t.size(1) * t.stride(1) : t.stride(0); }
+// The stride of dim i as the kernels are given it: the tensor's own where the dim has more
+// than one element; for a dim of one element, which the kernels never step over, the span of
+// the dims inside it (so whatever stride the tensor carries there is accepted, as
+// CheckRowStrides accepts it, and the kernels' own stride checks hold).
+int64_t KernelStride(const at::Tensor& t, int64_t i) {
+  if (t.size(i) > 1 || i + 1 >= t.dim()) return t.stride(i);
+  return t.size(i + 1) * KernelStride(t, i + 1);
+}
 
 // The outputs decode_into writes: o [B, Hq, d] of q's dtype with rows contiguous and 16-byte
 // aligned (any batch and head strides, e.g. a view into an engine's [B, Hq * d] buffer),
@@ -628,12 +635,10 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
         lookup_keys->stride(0) < Hkv * lookup_keys->size(2)) {
       Fail(op, "lookup_keys must be contiguous in its last two dims (rows of width values, no broadcast)");
     }
-    if (B > 1 && lookup_keys->stride(0) % 8 != 0) {
-      Fail(op, "lookup_keys' batch stride " + std::to_string(lookup_keys->stride(0)) + " must be a multiple of 8");
-    }
     if (lookup_keys->size(2) % 8 != 0) {
       Fail(op, "lookup_keys' width " + std::to_string(lookup_keys->size(2)) + " must be a multiple of 8");
     }
+    CheckRowStrides(op, *lookup_keys, "lookup_keys", lookup_keys->size(2), false);
     if (!dict_ids) Fail(op, "lookup_keys given without dict_ids");
   }
   CheckRowStrides(op, q, "q", d, false);
@@ -670,17 +675,17 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
   DecodeArgs a;
   a.batch = int32_t(B);
   a.q = q.data_ptr();
-  a.q_stride_b = BatchStride(q);
-  a.q_stride_h = q.stride(1);
+  a.q_stride_b = KernelStride(q, 0);
+  a.q_stride_h = KernelStride(q, 1);
   if (q_pre) {
     a.q_pre = q_pre->data_ptr();
-    a.q_pre_stride_b = BatchStride(*q_pre);
-    a.q_pre_stride_h = q_pre->stride(1);
+    a.q_pre_stride_b = KernelStride(*q_pre, 0);
+    a.q_pre_stride_h = KernelStride(*q_pre, 1);
   }
   if (lookup_keys) {
     a.lookup_keys = lookup_keys->data_ptr();
-    a.lookup_keys_stride_b = BatchStride(*lookup_keys);
-    a.lookup_keys_stride_h = lookup_keys->stride(1);
+    a.lookup_keys_stride_b = KernelStride(*lookup_keys, 0);
+    a.lookup_keys_stride_h = KernelStride(*lookup_keys, 1);
   }
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
@@ -693,8 +698,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeInto(const std::string& op, const at::T
   a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.dict_ids = dict_ids ? dict_ids->data_ptr<int32_t>() : nullptr;
   a.o = o.data_ptr();
-  a.o_stride_b = BatchStride(o);
-  a.o_stride_h = o.stride(1);
+  a.o_stride_b = KernelStride(o, 0);
+  a.o_stride_h = KernelStride(o, 1);
   a.lse = lse.data_ptr<float>();
   a.sm_scale = float(sm_scale);
 
@@ -1005,22 +1010,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mac_decode(
   MacParams p;
   p.batch = int32_t(B);
   p.q = q.data_ptr();
-  p.q_stride_b = BatchStride(q);
-  p.q_stride_h = q.stride(1);
+  p.q_stride_b = KernelStride(q, 0);
+  p.q_stride_h = KernelStride(q, 1);
   p.q_pre = q_pre.data_ptr();
-  p.q_pre_stride_b = BatchStride(q_pre);
-  p.q_pre_stride_h = q_pre.stride(1);
+  p.q_pre_stride_b = KernelStride(q_pre, 0);
+  p.q_pre_stride_h = KernelStride(q_pre, 1);
   SetMacKv(&p, k_cache, v_cache, kv, block_table, seq_lens, slot_ids, slots);
   p.state = st;
   if (prefix_o) {
     p.prefix_o = prefix_o->data_ptr();
-    p.prefix_stride_b = BatchStride(*prefix_o);
-    p.prefix_stride_h = prefix_o->stride(1);
+    p.prefix_stride_b = KernelStride(*prefix_o, 0);
+    p.prefix_stride_h = KernelStride(*prefix_o, 1);
     p.prefix_lse = prefix_lse->data_ptr<float>();
   }
   p.o = o.data_ptr();
-  p.o_stride_b = o.stride(0);
-  p.o_stride_h = o.stride(1);
+  p.o_stride_b = KernelStride(o, 0);
+  p.o_stride_h = KernelStride(o, 1);
   p.lse = lse.data_ptr<float>();
   p.hit_pos = hit_pos.data_ptr<int32_t>();
   p.sm_scale = float(sm_scale);
@@ -1078,13 +1083,13 @@ void mac_fill(const at::Tensor& q, const at::Tensor& q_pre, const at::Tensor& po
   p.num_positions = int32_t(N);
   p.positions = positions.data_ptr<int32_t>();
   p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0);
-  p.q_stride_n = q.stride(1);
-  p.q_stride_h = q.stride(2);
+  p.q_stride_b = KernelStride(q, 0);
+  p.q_stride_n = KernelStride(q, 1);
+  p.q_stride_h = KernelStride(q, 2);
   p.q_pre = q_pre.data_ptr();
-  p.q_pre_stride_b = q_pre.stride(0);
-  p.q_pre_stride_n = q_pre.stride(1);
-  p.q_pre_stride_h = q_pre.stride(2);
+  p.q_pre_stride_b = KernelStride(q_pre, 0);
+  p.q_pre_stride_n = KernelStride(q_pre, 1);
+  p.q_pre_stride_h = KernelStride(q_pre, 2);
   SetMacKv(&p, k_cache, v_cache, kv, block_table, seq_lens, slot_ids, slots);
   p.state = MacLayerOf(op, state, c, layer, q);
   p.sm_scale = float(sm_scale);

@@ -832,6 +832,41 @@ TEST_F(TorchOpsTest, MacOpsRefuseBadArgumentsInOneLine) {
   EXPECT_EQ(hit.scalar_type(), at::kInt);
 }
 
+// mac_fill of one request and one position: the strides over those one-element dims are
+// never used, so any value is accepted (the kernels' check refused ones not a multiple of 8).
+TEST_F(TorchOpsTest, MacFillTakesAnyStrideOverOneElementDims) {
+  const int64_t Hq = 4, Hkv = 2, d = 16, ps = 4, W = 8, T = 6;
+  torch::manual_seed(int64_t(seed_) + 11);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  const at::Tensor kc = torch::randn({4, Hkv, ps, d}).to(at::kBFloat16);
+  const at::Tensor vc = torch::randn({4, Hkv, ps, d}).to(at::kBFloat16);
+  const at::Tensor bt = torch::tensor({2, 0}, i32).reshape({1, 2});
+  const at::Tensor sl = torch::full({1}, int32_t(T), i32);
+  const at::Tensor slot_ids = torch::tensor({1}, i32);
+  at::Tensor slots = torch::zeros({2, 2}, i32);
+  slots.select(1, 1).fill_(1);
+  const at::Tensor pos = torch::full({1, 1}, int32_t(T - 1), i32);
+  const at::Tensor q = torch::randn({1, 1, Hq, d}).to(at::kBFloat16);
+  const at::Tensor qp = torch::randn({1, 1, Hq, d}).to(at::kBFloat16);
+  // The same values as views with batch stride Hq d + 5 and position stride Hq d + 3.
+  auto odd = [&](const at::Tensor& t) {
+    at::Tensor buf = at::zeros({2 * Hq * d + 8}, t.options());
+    at::Tensor v = buf.as_strided({1, 1, Hq, d}, {Hq * d + 5, Hq * d + 3, d, 1});
+    v.copy_(t);
+    return v;
+  };
+  const at::Tensor oq = odd(q), oqp = odd(qp);
+  ASSERT_EQ(oq.stride(0), Hq * d + 5);
+  ASSERT_EQ(oq.stride(1), Hq * d + 3);
+  at::Tensor want = Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 2, Hq, d, W);
+  at::Tensor got = Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 2, Hq, d, W);
+  Op<MacFillFn>("asmem::mac_fill")
+      .call(q, qp, pos, kc, vc, bt, sl, slot_ids, slots, want, 0, 0.45, W, 2, 0, 2, true, 0.0, 0, "HND");
+  Op<MacFillFn>("asmem::mac_fill")
+      .call(oq, oqp, pos, kc, vc, bt, sl, slot_ids, slots, got, 0, 0.45, W, 2, 0, 2, true, 0.0, 0, "HND");
+  EXPECT_TRUE(got.equal(want));
+  EXPECT_FALSE(want.equal(Op<MacStateFn>("asmem::mac_state").call("cpu", 1, 2, Hq, d, W))) << "mac_fill wrote nothing";
+}
 
 #ifdef ASMEM_TORCH_CUDA
 // The MAC ops on CUDA tensors (a build against a CUDA torch, on a GPU machine) against the
