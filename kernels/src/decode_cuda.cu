@@ -118,8 +118,15 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
     const char* e = std::getenv("ASMEM_DECODE_KV_EVICT_FIRST");
     return e == nullptr || e[0] != '0';
   }();
+  // Warp 1 of each attention CTA of kSplitOutDict runs the choice dry beside warp 0's pick
+  // (LaunchArgs::pick_warm); ASMEM_DECODE_PICK_WARM=0 turns that off, for comparison.
+  static const bool pick_warm = [] {
+    const char* e = std::getenv("ASMEM_DECODE_PICK_WARM");
+    return e == nullptr || e[0] != '0';
+  }();
   LaunchArgs a;
   a.kv_evict_first = kv_evict_first;
+  a.pick_warm = pick_warm;
   a.p = p;
   a.batch = p.batch;
   a.hq = c.num_q_heads;

@@ -2331,6 +2331,9 @@ struct DictPickArgs {
   uint32_t key_dims;  // LaunchArgs::key_dims
   int32_t D;          // G d
   bool probe;
+  // A dry run (LaunchArgs::pick_warm): the choice on a made-up view of 64 parents with no
+  // load, no wait and no result, only to bring its instructions into the SM's cache.
+  bool dry;
 #ifdef ASMEM_DECODE_TIMELINE
   unsigned long long* tl;  // lane 0's pick record (kTlPick), else null
 #endif
@@ -2700,6 +2703,17 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   load_pages(0);
   for (int i = 0; i < stages - 1; ++i) issue_tile(i);
   if (a.split_out == kSplitOutDict && warp == 0) DictPickWarm(a, b, h);
+  // The fields DictEntryPick reads (dry: DictPickArgs::dry).
+  auto pick_args = [&](bool dry) {
+    return DictPickArgs{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
+                        p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
+                        a.lookup_splits * kLookupUnits, a.batch,         a.key_dims,
+                        GROUP * HEAD_DIM, a.probe,      dry,
+#ifdef ASMEM_DECODE_TIMELINE
+                        tid == 0 && !dry ? DtlRec(a, kTlPick) : nullptr
+#endif
+    };
+  };
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     // This thread's copies of `tile` have landed (stages - 2 newer groups may be pending).
@@ -2731,20 +2745,21 @@ __device__ __forceinline__ void AttentionBlock(const LaunchArgs& a, int cta, cha
   if (a.split_out == kSplitOutDict) {
     int32_t* sm_pick = reinterpret_cast<int32_t*>(sm_res + GROUP * HEAD_DIM);
     if (warp == 0) {
-      const DictPickArgs pa{p.dict_ids,    p.dict_views,    a.pscore,       a.pbest,
-                            p.num_dicts,   a.hkv,           a.parent_width, a.lookup_width,
-                            a.lookup_splits * kLookupUnits, a.batch,         a.key_dims,
-                            GROUP * HEAD_DIM, a.probe,
-#ifdef ASMEM_DECODE_TIMELINE
-                            tid == 0 ? DtlRec(a, kTlPick) : nullptr
-#endif
-      };
-      const int2 r = DictEntryPick<DType>(pa, b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
+      const int2 r = DictEntryPick<DType>(pick_args(false), b, h, reinterpret_cast<uint32_t*>(sm_pick + 4));
       if (lane == 0) {
         sm_pick[0] = r.x;
         sm_pick[1] = r.y;
       }
       DTL(if (tlr) tlr[7] = DtlNow());
+    } else if (warp == 1 && a.pick_warm) {
+      // Meanwhile warp 1, idle until the barrier below, runs the choice dry: it fetches the
+      // choice's instructions into the SM's cache ahead of warp 0, which reaches them only after
+      // its loads and its wait for the lookup grid. Cold, they were most of the pick's time
+      // after the wait. H200, LLaMA-8B B = 32, K = 4096 hierarchical, keys of 64 dims (session
+      // 68, six alternating rounds): the pick after the wait 4.1 -> 1.5-2.1 us (timeline), the
+      // op 50.0 -> 47.6 us. Run by the attention warps inside the tile loop instead, the same
+      // warming cost the loop more than it saved (decode_h200_diagnostics.md, session 68).
+      (void)DictEntryPick<DType>(pick_args(true), b, h, nullptr);
     }
     __syncthreads();
     entry = sm_pick[0];
@@ -2933,7 +2948,7 @@ __device__ __forceinline__ uint32_t WarpKthLargest64(uint32_t a, uint32_t b, int
 // `ps` and `pb`: the (request, KV head)'s pscore and pbest rows; R: PieceRows of the step.
 __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
                                                    int R, const FirstParents& fp, uint32_t* keys,
-                                                   unsigned long long* tl = nullptr) {
+                                                   unsigned long long* tl = nullptr, bool live = true) {
   const LookupPartial kNone{-INFINITY, -1};
   const int lane = threadIdx.x & 31;
   const int C1 = int(v.C1);
@@ -2945,12 +2960,14 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
   // pieces' bests (a parent of up to kFirstPieces R children: 4x the mean at K = 4096, C1 = 64).
   constexpr int kFirstPieces = 4;
   const bool ok0 = lane < C1, ok1 = lane + 32 < C1;
-  const float sc0 = ok0 ? __ldcg(ps + lane) : 0.f, sc1 = ok1 ? __ldcg(ps + lane + 32) : 0.f;
+  // A dry run (!live, DictPickArgs::dry): the same instructions with every load predicated off.
+  const float sc0 = ok0 && live ? __ldcg(ps + lane) : 0.f, sc1 = ok1 && live ? __ldcg(ps + lane + 32) : 0.f;
+  const int n0 = live ? pc0.n : 0, n1 = live ? pc1.n : 0;
   LookupPartial x0[kFirstPieces], x1[kFirstPieces];
 #pragma unroll
   for (int j = 0; j < kFirstPieces; ++j) {
-    x0[j] = pc0.n > j ? LoadPartial(pb + pc0.start + j) : kNone;
-    x1[j] = pc1.n > j ? LoadPartial(pb + pc1.start + j) : kNone;
+    x0[j] = n0 > j ? LoadPartial(pb + pc0.start + j) : kNone;
+    x1[j] = n1 > j ? LoadPartial(pb + pc1.start + j) : kNone;
   }
 #pragma unroll
   for (int j = 1; j < kFirstPieces; ++j) {
@@ -2995,7 +3012,7 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
       const bool first = base == 0;
       x = first ? x0[0] : x1[0];
       start = first ? pc0.start : pc1.start;
-      n = first ? pc0.n : pc1.n;
+      n = first ? n0 : n1;
       j0 = kFirstPieces;
     } else {
       const PieceChunk pc = LoadPieceChunk(off, C1, base, f0, R);
@@ -3025,8 +3042,8 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
 // slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
 __device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
                                             int units, bool ok, bool hier, const FirstParents& fp,
-                                            uint32_t* keys, unsigned long long* tl = nullptr) {
-  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys, tl);
+                                            uint32_t* keys, unsigned long long* tl = nullptr, bool live = true) {
+  if (hier) return HierarchicalChoice(v, ps, pb, PieceRows(v.K, units), fp, keys, tl, live);
   Best best{-INFINITY, -1};
   if (ok) {
     for (int q = int(threadIdx.x & 31); q < units; q += 32) {
@@ -3050,28 +3067,39 @@ __device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float*
 // the id and the view and again after the wait (SASS: 19 such loads in this function).
 template <typename DType>
 __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, uint32_t* keys) {
-  DTL(if (pa.tl) pa.tl[0] = DtlNow());
-  const int32_t id = pa.dict_ids[b];
-  if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
-  if (id < 0) return make_int2(-1, 0);
-  const DictLayerView v = pa.views[int64_t(id) * pa.hkv + h];
-  const bool ok = LookupViewOk(v, pa.parent_width, pa.key_dims, pa.D);
-  DTL(if (pa.tl) pa.tl[1] = DtlNowAfter(uint32_t(v.C1) ^ uint32_t(v.K)));
-  bool hier = ok && v.C1 > 0;
-  if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
+  DictLayerView v{};
+  bool ok = true, hier = true;
+  int64_t bh = 0;
+  if (!pa.dry) {
+    DTL(if (pa.tl) pa.tl[0] = DtlNow());
+    const int32_t id = pa.dict_ids[b];
+    if (id < -1 || id >= pa.num_dicts) return make_int2(-1, 1);
+    if (id < 0) return make_int2(-1, 0);
+    v = pa.views[int64_t(id) * pa.hkv + h];
+    ok = LookupViewOk(v, pa.parent_width, pa.key_dims, pa.D);
+    DTL(if (pa.tl) pa.tl[1] = DtlNowAfter(uint32_t(v.C1) ^ uint32_t(v.K)));
+    hier = ok && v.C1 > 0;
+    if (pa.probe) hier = hier && !ProbeViewOf<DType>(v, pa.batch, pa.units);
+    bh = int64_t(b) * pa.hkv + h;
+  } else {
+    // The dry run's view: 64 parents, 16 of them probed (WarpKthLargest64's selection), no
+    // child offsets (FirstParents reads none).
+    v.C1 = 64;
+    v.top_m = 16;
+    v.K = 4096;
+  }
   const int R = PieceRows(v.K, pa.units);
-  const FirstParents fp(hier ? v : DictLayerView{}, R);
+  const FirstParents fp(hier && !pa.dry ? v : DictLayerView{}, R);
   DTL(if (pa.tl) pa.tl[2] = DtlNowAfter(uint32_t(fp.pc0.start) ^ uint32_t(fp.pc1.total)));
-  GridDependencyWait();
+  if (!pa.dry) GridDependencyWait();
   DTL(if (pa.tl) pa.tl[3] = DtlNow());
-  const int64_t bh = int64_t(b) * pa.hkv + h;
 #ifdef ASMEM_DECODE_TIMELINE
   unsigned long long* const tl = pa.tl;
 #else
   unsigned long long* const tl = nullptr;
 #endif
   const Best best = EntryChoice(v, pa.pscore + bh * pa.parent_width, pa.pbest + bh * pa.lookup_width,
-                                pa.units, ok, hier, fp, keys, tl);
+                                pa.units, ok, hier, fp, keys, tl, !pa.dry);
   DTL(if (pa.tl) pa.tl[7] = DtlNowAfter(uint32_t(best.index)));
   if (best.index < 0 || best.index >= v.K) return make_int2(-1, 1);
   return make_int2(best.index, 0);

@@ -55,6 +55,8 @@ struct LaunchArgs {
   int32_t attn_stages = kAttnStages;  // attention cp.async stages (2 or 3)
   bool kv_evict_first = true;  // the attention's KV copies evict-first in L2 (KvCopyPolicy)
   int32_t split_out = kSplitOutPartials;  // kSplitOut*: where the attention CTAs write
+  bool pick_warm = true;  // kSplitOutDict: warp 1 runs the choice dry beside warp 0's pick
+                          // (decode_kernels.cuh DictPickArgs::dry)
   int32_t lookup_splits = 0;  // lookup CTAs per (rep, KV head): S
   int32_t lookup_reps = 0;    // lookup CTA sets taking different dictionaries; 0: no lookup
   int32_t parent_width = 0;   // pscore row length: the most parents a view may have
