@@ -3040,6 +3040,7 @@ __device__ __forceinline__ Best HierarchicalChoice(const DictLayerView& v, const
 // The entry of view v for (b, h) = bh once the lookup is done, by one warp (the attention
 // CTAs' pick and the combine's): HierarchicalChoice when `hier`, else the best of the units'
 // slots (a linear view's, or a probed hierarchical view's); {-inf, -1} for an unusable view.
+// `live` reaches HierarchicalChoice alone: a dry run (DictEntryPick) is always hierarchical.
 __device__ __forceinline__ Best EntryChoice(const DictLayerView& v, const float* ps, const LookupPartial* pb,
                                             int units, bool ok, bool hier, const FirstParents& fp,
                                             uint32_t* keys, unsigned long long* tl = nullptr, bool live = true) {
