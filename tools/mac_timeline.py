@@ -76,7 +76,9 @@ def summarize(step):
         waited = [c[1] for c in combine]
         merged = [c[2] - c[1] for c in combine]
         ended = [c[3] - c[2] for c in combine]
-        out.append(f"  combine: {len(combine)} CTAs, attend waited p50 {quantile(waited, 0.5):.1f}, "
+        starts = [c[0] for c in combine]
+        out.append(f"  combine: {len(combine)} CTAs, start {min(starts):.1f} / p50 {quantile(starts, 0.5):.1f} / "
+                   f"{max(starts):.1f}, attend waited p50 {quantile(waited, 0.5):.1f}, "
                    f"merge p50 {quantile(merged, 0.5):.1f}, then p50 {quantile(ended, 0.5):.1f} to the end, "
                    f"last end {max(c[3] for c in combine):.1f}")
     return "\n".join(out)

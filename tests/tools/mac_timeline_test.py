@@ -16,7 +16,7 @@ STEP = {
     "plan_steps": [4.5, 5.0, 5.5, 5.8],
     "match": [[0.0, 3.0], [0.5, 4.0]],
     # start, attend waited, merged, end
-    "combine": [[10.0, 20.0, 22.0, 24.0], [10.0, 21.0, 24.0, 25.0]],
+    "combine": [[10.0, 20.0, 22.0, 24.0], [11.0, 21.0, 24.0, 25.0]],
     # first segment, SM, tiles, tokens, start, plan waited, descriptors read, first tile, loop
     # done, done, staged, weighed, stored
     "attend": [[0, 3, 4, 256, 5.0, 6.0, 7.0, 9.0, 15.0, 18.0, 16.0, 17.0, 17.5],
@@ -39,7 +39,9 @@ EXPECTED = [
     # ends 18.0 and 14.0, latest first
     "last to end: first segment 0 on SM 3, 4 tiles / 256 tokens, first tile 9.0, last tile 15.0, end 18.0; "
     "first segment 1 on SM 4, 2 tiles / 128 tokens, first tile 9.5, last tile 12.0, end 14.0",
-    "combine: 2 CTAs, attend waited p50 21.0, merge p50 3.0, then p50 2.0 to the end, last end 25.0",
+    # starts 10.0 and 11.0 (p50: the upper of two)
+    "combine: 2 CTAs, start 10.0 / p50 11.0 / 11.0, attend waited p50 21.0, merge p50 3.0, then p50 2.0 to the end, "
+    "last end 25.0",
 ]
 
 
