@@ -16,6 +16,7 @@
 #include "asmem/error.h"
 #include "decode_common.h"
 #include "decode_launch.cuh"
+#include "env_switch.h"
 #include "kernel_dispatch.cuh"
 
 namespace asmem {
@@ -84,10 +85,7 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   // off with ASMEM_DECODE_NO_PDL=1), and lookup CTA sets per KV head take different
   // dictionaries (ASMEM_DECODE_LOOKUP_REPS forces their count, else the plan's). The
   // switches are for comparison and tuning.
-  static const bool no_pdl = [] {
-    const char* e = std::getenv("ASMEM_DECODE_NO_PDL");
-    return e != nullptr && e[0] == '1';
-  }();
+  static const bool no_pdl = EnvSwitch("ASMEM_DECODE_NO_PDL", false);
   static const int lookup_reps = [] {
     const char* e = std::getenv("ASMEM_DECODE_LOOKUP_REPS");
     const int r = e != nullptr ? std::atoi(e) : 0;
@@ -101,29 +99,17 @@ void DecodeAttention(const DecodeConfig& c, const DecodeParams& p, void* workspa
   // Without a dictionary the attention CTAs write the output themselves (one split) or merge
   // their splits in a thread block cluster (two splits); ASMEM_DECODE_SPLIT_COMBINE=1 keeps
   // the partials and the combine kernel instead.
-  static const bool split_combine = [] {
-    const char* e = std::getenv("ASMEM_DECODE_SPLIT_COMBINE");
-    return e != nullptr && e[0] == '1';
-  }();
+  static const bool split_combine = EnvSwitch("ASMEM_DECODE_SPLIT_COMBINE", false);
   // With a dictionary and one split the attention CTAs pick the entry and write the output
   // (kSplitOutDict); ASMEM_DECODE_DICT_COMBINE=1 keeps the partials and the combine kernel.
-  static const bool dict_combine = [] {
-    const char* e = std::getenv("ASMEM_DECODE_DICT_COMBINE");
-    return e != nullptr && e[0] == '1';
-  }();
+  static const bool dict_combine = EnvSwitch("ASMEM_DECODE_DICT_COMBINE", false);
 
   // The attention's KV copies go through L2 as evict-first (decode_kernels.cuh
   // KvCopyPolicy); ASMEM_DECODE_KV_EVICT_FIRST=0 keeps the normal policy, for comparison.
-  static const bool kv_evict_first = [] {
-    const char* e = std::getenv("ASMEM_DECODE_KV_EVICT_FIRST");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool kv_evict_first = EnvSwitch("ASMEM_DECODE_KV_EVICT_FIRST", true);
   // Warp 1 of each attention CTA of kSplitOutDict runs the choice dry beside warp 0's pick
   // (LaunchArgs::pick_warm); ASMEM_DECODE_PICK_WARM=0 turns that off, for comparison.
-  static const bool pick_warm = [] {
-    const char* e = std::getenv("ASMEM_DECODE_PICK_WARM");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool pick_warm = EnvSwitch("ASMEM_DECODE_PICK_WARM", true);
   LaunchArgs a;
   a.kv_evict_first = kv_evict_first;
   a.pick_warm = pick_warm;

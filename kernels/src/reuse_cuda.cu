@@ -14,6 +14,7 @@
 #include "asmem/reuse.h"
 #include "reuse_common.h"
 #include "reuse_launch.cuh"
+#include "env_switch.h"
 #include "kernel_dispatch.cuh"
 
 namespace asmem {
@@ -36,10 +37,7 @@ void CheckWorkspace(void* ws, size_t have, size_t need, const char* fn, const ch
 LaunchArgs CommonArgs(const MacDecodeConfig& c, float sm_scale) {
   // The attend's KV copies go through L2 as evict-first, as decode attention's
   // (decode_kernels.cuh KvCopyPolicy); ASMEM_MAC_KV_EVICT_FIRST=0 keeps the normal policy.
-  static const bool kv_evict_first = [] {
-    const char* e = std::getenv("ASMEM_MAC_KV_EVICT_FIRST");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool kv_evict_first = EnvSwitch("ASMEM_MAC_KV_EVICT_FIRST", true);
   LaunchArgs a;
   a.kv_evict_first = kv_evict_first;
   a.hq = c.num_q_heads;
@@ -106,10 +104,7 @@ void MacAttention(const MacDecodeConfig& c, const MacParams& p, void* workspace,
   a.spec = a.pdl && p.state.step_spec != nullptr && int64_t(p.batch) * c.num_q_heads <= kSpecMaxHeads;
   a.step_spec = p.state.step_spec;
   // ASMEM_MAC_COMBINE_STAGE=0: the small combine grids merge without staging their rows.
-  static const bool combine_stage = [] {
-    const char* e = std::getenv("ASMEM_MAC_COMBINE_STAGE");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool combine_stage = EnvSwitch("ASMEM_MAC_COMBINE_STAGE", true);
   a.combine_stage = combine_stage;
   kernel_dispatch::Dispatch("MAC attention", c.dtype, c.head_dim, a.group, [&](auto dt, auto hd, auto gs) {
     using DType = typename decltype(dt)::type;
