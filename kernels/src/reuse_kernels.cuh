@@ -423,6 +423,13 @@
 //    28.3. A form with the planned path and the speculating one as two inlined copies, the
 //    second marked unlikely, compiled with the speculating copy first and the planned one
 //    116 KB into the kernel (not run).
+//  * Session 70 (not merged; tools/results/decode_h200_diagnostics.md): the match and plan
+//    inside the attend grid (no match or plan kernel; the plan in the CTA that completed the
+//    last match piece) and the order match, attend, plan, combine (the attend CTAs waiting
+//    for the plan's words) both passed the GPU tests and were slower at every B <= 8 measured
+//    (LLaMA-8B B = 1 all-miss / all-hit, H100: 61-63 -> 64-70 / 22 -> 30-41 us): the plan,
+//    made once per step, ran 8-13 us where its code is cold or behind the stream. 64-thread
+//    match CTAs wherever the step may speculate were slower too (H200, up to 2.1 us).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
