@@ -427,9 +427,10 @@
 //    inside the attend grid (no match or plan kernel; the plan in the CTA that completed the
 //    last match piece) and the order match, attend, plan, combine (the attend CTAs waiting
 //    for the plan's words) both passed the GPU tests and were slower at every B <= 8 measured
-//    (LLaMA-8B B = 1 all-miss / all-hit, H100: 61-63 -> 64-70 / 22 -> 30-41 us): the plan,
-//    made once per step, ran 8-13 us where its code is cold or behind the stream. 64-thread
-//    match CTAs wherever the step may speculate were slower too (H200, up to 2.1 us).
+//    (LLaMA-8B B = 1 all-miss / all-hit, H100: 61-63 -> 64-70 / 22 -> 30-41 us): made in an
+//    attend CTA, the plan ran 12-13 us (cold code, dependent round trips); launched after
+//    the attend grid, its CTA came resident 8-15 us into the step. 64-thread match CTAs
+//    wherever the step may speculate were slower too (H200, up to 2.1 us).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
