@@ -3084,7 +3084,8 @@ __device__ __noinline__ int2 DictEntryPick(const DictPickArgs pa, int b, int h, 
     bh = int64_t(b) * pa.hkv + h;
   } else {
     // The dry run's view: 64 parents, 16 of them probed (WarpKthLargest64's selection), no
-    // child offsets (FirstParents reads none).
+    // child offsets (FirstParents reads none). With no parent past 64, HierarchicalChoice
+    // never touches `keys` (null in the dry run).
     v.C1 = 64;
     v.top_m = 16;
     v.K = 4096;

@@ -5,17 +5,16 @@
 
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
 #include "asmem/cuda_check.cuh"
 #include "asmem/error.h"
 #include "asmem/reuse.h"
-#include "reuse_common.h"
-#include "reuse_launch.cuh"
 #include "env_switch.h"
 #include "kernel_dispatch.cuh"
+#include "reuse_common.h"
+#include "reuse_launch.cuh"
 
 namespace asmem {
 namespace mac {
