@@ -18,14 +18,15 @@
 // The realized hit rate and the fraction of the KV read (MacGroupTokens) come from the op's
 // own hit_pos output.
 // Timing: each op is captured once in a CUDA graph (`--launch eager`: called on the stream
-// instead); after warm-up, every timed replay follows
-// an untimed read of a 256 MB buffer (L2 then holds nothing of the step, and no dirty line)
-// and sits between two CUDA events; median of --iters replays (mean and min too). A large
-// memset enqueued first keeps the host ahead of the GPU. `--flush write` empties the L2 by a
-// memset of the buffer instead (before session 15): that leaves every L2 line dirty, so the
-// first ~50 MB the timed op reads also pay for writing the memset's lines back (on the H200,
-// about 8 us of a 90 us step at B = 32, 99% hits, and about as much of a full attention),
-// which a decode step after the layer's projections (clean weight lines in L2) does not.
+// instead; `graph-if`: inside a conditional node, CaptureConditional); after warm-up, every
+// timed replay follows an untimed read of a 256 MB buffer (L2 then holds nothing of the step,
+// and no dirty line) and sits between two CUDA events; median of --iters replays (mean and
+// min too). A large memset enqueued first keeps the host ahead of the GPU. `--flush write`
+// empties the L2 by a memset of the buffer instead (before session 15): that leaves every L2
+// line dirty, so the first ~50 MB the timed op reads also pay for writing the memset's lines
+// back (on the H200, about 8 us of a 90 us step at B = 32, 99% hits, and about as much of a
+// full attention), which a decode step after the layer's projections (clean weight lines in
+// L2) does not.
 //
 // Real queries (--queries FILE, a query trace from `asmem generate --mac --save-queries`):
 // the model's own shape (Hq, Hkv, d from the trace) instead; request b replays one decode
@@ -146,13 +147,45 @@ struct Timing {
 };
 
 
+// `--launch graph-if` / `graph-if-else`: a graph of one conditional IF node (one body, or an
+// IF and an ELSE body) whose handle is 1 at every launch, `enqueue` captured into each body
+// (the ELSE body never runs). Against `graph`, the cost of choosing a step's kernels on the
+// device (a captured step whose sequence a kernel picks through cudaGraphSetConditional).
+cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqueue, unsigned bodies,
+                                   cudaStream_t stream) {
+  cudaGraph_t g;
+  ASMEM_CUDA_CHECK(cudaGraphCreate(&g, 0));
+  cudaGraphConditionalHandle handle;
+  ASMEM_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, g, 1, cudaGraphCondAssignDefault));
+  cudaGraphNodeParams np{};
+  np.type = cudaGraphNodeTypeConditional;
+  np.conditional.handle = handle;
+  np.conditional.type = cudaGraphCondTypeIf;
+  np.conditional.size = bodies;
+  cudaGraphNode_t node;
+  ASMEM_CUDA_CHECK(cudaGraphAddNode(&node, g, nullptr, nullptr, 0, &np));
+  for (unsigned i = 0; i < bodies; ++i) {
+    ASMEM_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream, np.conditional.phGraph_out[i], nullptr, nullptr, 0,
+                                                   cudaStreamCaptureModeThreadLocal));
+    enqueue(stream);
+    cudaGraph_t body;
+    ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &body));
+  }
+  cudaGraphExec_t e = nullptr;
+  ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+  ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
+  return e;
+}
+
 // Captures `enqueue` once in a graph, then times replays (see the file comment); with
 // `--launch eager`, times calls of `enqueue` itself.
 Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options& opt, cudaStream_t stream,
                  const DevMem& flush, const DevMem& spin) {
   const bool eager = opt.launch == "eager";
   cudaGraphExec_t e = nullptr;
-  if (!eager) {
+  if (!eager && opt.launch != "graph") {
+    e = CaptureConditional(enqueue, opt.launch == "graph-if-else" ? 2 : 1, stream);
+  } else if (!eager) {
     cudaGraph_t g;
     ASMEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     enqueue(stream);
@@ -809,8 +842,9 @@ int main(int argc, char** argv) {
   app.add_option("--flush", opt.flush, "empty the L2 by reading the buffer (default) or writing it (memset)")
       ->check(CLI::IsMember({"write", "read"}));
   app.add_option("--launch", opt.launch,
-                 "each op: graph (captured once, replayed; default) or eager (called on the stream)")
-      ->check(CLI::IsMember({"graph", "eager"}));
+                 "each op: graph (captured once, replayed; default), eager (called on the stream), or graph-if / "
+                 "graph-if-else (captured into the body of a conditional IF node, with or without an ELSE body)")
+      ->check(CLI::IsMember({"graph", "eager", "graph-if", "graph-if-else"}));
   app.add_flag("--pdl,!--no-pdl", opt.pdl, "programmatic dependent launch of the MAC kernels (default on)");
   app.add_option("--queries", opt.queries,
                  "query trace (.asmq, asmem generate --mac --save-queries): replay its decode steps at the model's "
