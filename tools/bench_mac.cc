@@ -150,7 +150,9 @@ struct Timing {
 // `--launch graph-if` / `graph-if-else`: a graph of one conditional IF node (one body, or an
 // IF and an ELSE body) whose handle is 1 at every launch, `enqueue` captured into each body
 // (the ELSE body never runs). Against `graph`, the cost of choosing a step's kernels on the
-// device (a captured step whose sequence a kernel picks through cudaGraphSetConditional).
+// device (a captured step whose sequence a kernel picks through cudaGraphSetConditional):
+// 8.7-10.5 us a step on an H100, for ours and the full attention alike (session 71,
+// tools/results/decode_h200_diagnostics.md).
 cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqueue, unsigned bodies,
                                    cudaStream_t stream) {
   cudaGraph_t g;
@@ -168,7 +170,7 @@ cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqu
     ASMEM_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream, np.conditional.phGraph_out[i], nullptr, nullptr, 0,
                                                    cudaStreamCaptureModeThreadLocal));
     enqueue(stream);
-    cudaGraph_t body;
+    cudaGraph_t body;  // the node's body graph again
     ASMEM_CUDA_CHECK(cudaStreamEndCapture(stream, &body));
   }
   cudaGraphExec_t e = nullptr;
