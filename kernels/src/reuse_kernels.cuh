@@ -434,8 +434,8 @@
 //  * Session 71 (not merged, branch wip/two-kernel-real; diagnostics file as above): the step
 //    as two kernels where it may speculate (the attend grid streaming the all-miss line
 //    first, the combine scanning its head's ring before its wait and attending a hit head's
-//    band itself) passed the GPU tests and ran within about 1 us of these four where nothing
-//    hits (H100, LLaMA-8B B = 1 32K 62.1 vs 62.8 us; GQA-8 43.4 vs 40.8). Choosing the
+//    band itself) passed the GPU tests and, where nothing hits, was no faster than these four
+//    (H100, B = 1 32K: LLaMA-8B 62.1 vs 62.8 us, GQA-8 43.4 vs 40.8). Choosing the
 //    sequence per step through a conditional graph node costs about 10 us a step
 //    (asmem_bench_mac --launch graph-if).
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
