@@ -438,6 +438,12 @@
 //    (H100, B = 1 32K: LLaMA-8B 62.1 vs 62.8 us, GQA-8 43.4 vs 40.8). Choosing the
 //    sequence per step through a conditional graph node costs about 10 us a step
 //    (asmem_bench_mac --launch graph-if).
+//  * Session 72 (not merged; diagnostics file as above; H100). The two-kernel step in kernels
+//    of its own (v3, 845c57d) is no faster either: B = 1 32K all-miss LLaMA-8B 63.1 vs 62.8
+//    us, GQA-8 44.2 vs 40.5; 0.7-8 us faster only at 128K and B = 2-8. Speculating past
+//    kSpecMaxHeads with the attend grid launched after the plan's wait (branch
+//    wip/late-spec; GPU tests passed) was 0.5-6.5 us slower where nothing hits (LLaMA-8B
+//    B = 32 1431.7 -> 1437.0, GQA-8 B = 64 1449.7 -> 1456.2) and within 0.8 with hits.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
