@@ -152,9 +152,15 @@ struct Timing {
 // (the ELSE body never runs). Against `graph`, the cost of choosing a step's kernels on the
 // device (a captured step whose sequence a kernel picks through cudaGraphSetConditional):
 // 8.7-10.5 us a step on an H100, for ours and the full attention alike (session 71,
-// tools/results/decode_h200_diagnostics.md).
+// tools/results/decode_h200_diagnostics.md). Conditional nodes need CUDA 12.4 or later (the
+// kernels need 12): with an older runtime the option is refused when parsed.
+constexpr bool kConditionalNodes = CUDART_VERSION >= 12040;
 cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqueue, unsigned bodies,
                                    cudaStream_t stream) {
+#if CUDART_VERSION < 12040
+  (void)enqueue, (void)bodies, (void)stream;
+  throw asmem::UnsupportedError("--launch graph-if needs CUDA 12.4 or later");
+#else
   cudaGraph_t g;
   ASMEM_CUDA_CHECK(cudaGraphCreate(&g, 0));
   cudaGraphConditionalHandle handle;
@@ -177,6 +183,7 @@ cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqu
   ASMEM_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
   ASMEM_CUDA_CHECK(cudaGraphDestroy(g));
   return e;
+#endif
 }
 
 // Captures `enqueue` once in a graph, then times replays (see the file comment); with
@@ -185,7 +192,7 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
                  const DevMem& flush, const DevMem& spin) {
   const bool eager = opt.launch == "eager";
   cudaGraphExec_t e = nullptr;
-  if (!eager && opt.launch != "graph") {
+  if (opt.launch == "graph-if" || opt.launch == "graph-if-else") {
     e = CaptureConditional(enqueue, opt.launch == "graph-if-else" ? 2 : 1, stream);
   } else if (!eager) {
     cudaGraph_t g;
@@ -865,6 +872,9 @@ int main(int argc, char** argv) {
       if (app.count("--contexts") == 0) opt.contexts = {32768};
       if (app.count("--hit-rates") == 0) opt.hit_rates = {0.0, 0.99, 1.0};
       if (app.count("--shapes") == 0) opt.shapes = {"llama-3.1-8b"};
+    }
+    if (!asmem::kConditionalNodes && opt.launch.rfind("graph-if", 0) == 0) {
+      throw asmem::UnsupportedError("--launch " + opt.launch + " needs CUDA 12.4 or later");
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
     if (!opt.timeline.empty()) {

@@ -440,7 +440,8 @@
 //    (asmem_bench_mac --launch graph-if).
 //  * Session 72 (not merged; diagnostics file as above; H100). The two-kernel step in kernels
 //    of its own (v3, 845c57d) is no faster either: B = 1 32K all-miss LLaMA-8B 63.1 vs 62.8
-//    us, GQA-8 44.2 vs 40.5; 0.5-8.1 us faster only at B = 2-8 (but GQA-8 B = 2 32K).
+//    us, GQA-8 44.2 vs 40.5; 0.5-8.1 us faster at B = 2-8 but GQA-8 B = 2 32K (and at
+//    LLaMA-8B B = 1 128K, 0.7).
 //    Speculating past kSpecMaxHeads with the attend grid launched after the plan's wait
 //    (branch wip/late-spec; GPU tests passed) was 1.0-6.5 us slower where nothing hits
 //    (LLaMA-8B B = 32 1431.7 -> 1437.0, GQA-8 B = 64 1449.7 -> 1456.2) and 0-1.0 with hits.
