@@ -447,11 +447,12 @@
 //    (LLaMA-8B B = 32 1431.7 -> 1437.0, GQA-8 B = 64 1449.7 -> 1456.2) and 0-1.0 with hits.
 //  * Session 73 (not merged; diagnostics file as above; H100). A filtered match that reads
 //    the high nibbles of each row's first half first (branch wip/match-half) was 0.8-3.0 us
-//    slower where nothing hits at B = 16-64 (nearly every warp still makes the second round
-//    trip for a kept row). The plan CTA making the all-miss plan before its wait for the
-//    match and ending right after the keys where no head hit (branch wip/plan-pre) was
-//    1.6-8.0 us faster where nothing hits and 0.8-2.5 us slower with hits; gated by the
-//    layer's guess (wip/plan-pre-gated) it is built and not yet run on a GPU.
+//    slower where nothing hits at B = 16-64, in all but one cell (nearly every warp still
+//    makes the second round trip for a kept row). The plan CTA making the all-miss plan
+//    before its wait for the match and ending right after the keys where no head hit
+//    (branch wip/plan-pre, on that match) was 1.6-8.0 us faster than that match alone
+//    where nothing hits and 0.8-2.5 us slower with hits; gated by the layer's guess
+//    (wip/plan-pre-gated, on main) it is built and not yet run on a GPU.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
