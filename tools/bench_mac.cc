@@ -155,6 +155,8 @@ struct Timing {
 // tools/results/decode_h200_diagnostics.md). Conditional nodes need CUDA 12.4 or later (the
 // kernels need 12): with an older runtime the option is refused when parsed.
 constexpr bool kConditionalNodes = CUDART_VERSION >= 12040;
+// Whether `--launch` asks for the conditional graph (either form).
+bool ConditionalLaunch(const std::string& launch) { return launch == "graph-if" || launch == "graph-if-else"; }
 cudaGraphExec_t CaptureConditional(const std::function<void(cudaStream_t)>& enqueue, unsigned bodies,
                                    cudaStream_t stream) {
 #if CUDART_VERSION < 12040
@@ -192,7 +194,7 @@ Timing TimeGraph(const std::function<void(cudaStream_t)>& enqueue, const Options
                  const DevMem& flush, const DevMem& spin) {
   const bool eager = opt.launch == "eager";
   cudaGraphExec_t e = nullptr;
-  if (opt.launch == "graph-if" || opt.launch == "graph-if-else") {
+  if (ConditionalLaunch(opt.launch)) {
     e = CaptureConditional(enqueue, opt.launch == "graph-if-else" ? 2 : 1, stream);
   } else if (!eager) {
     cudaGraph_t g;
@@ -873,7 +875,7 @@ int main(int argc, char** argv) {
       if (app.count("--hit-rates") == 0) opt.hit_rates = {0.0, 0.99, 1.0};
       if (app.count("--shapes") == 0) opt.shapes = {"llama-3.1-8b"};
     }
-    if (!asmem::kConditionalNodes && opt.launch.rfind("graph-if", 0) == 0) {
+    if (!asmem::kConditionalNodes && asmem::ConditionalLaunch(opt.launch)) {
       throw asmem::UnsupportedError("--launch " + opt.launch + " needs CUDA 12.4 or later");
     }
     if (!opt.out.empty()) asmem::check_output_path(opt.out, "--out");
