@@ -452,7 +452,12 @@
 //    before its wait for the match and ending right after the keys where no head hit
 //    (branch wip/plan-pre, on that match) was 1.6-8.0 us faster than that match alone
 //    where nothing hits and 0.8-2.5 us slower with hits; gated by the layer's guess
-//    (wip/plan-pre-gated, on main) it is built and not yet run on a GPU.
+//    (wip/plan-pre-gated, on main), see session 74.
+//  * Session 74 (not merged; diagnostics file as above; H100). The guess-gated all-miss
+//    plan (wip/plan-pre-gated, with each combine CTA resetting its head's match key) was
+//    0.5-8.0 us faster than main where nothing hits at B = 16-64, 32K and 64K (at most
+//    0.45%), and 0.1-0.8 us slower with hits in 20 of 24 cells (LLaMA-8B B = 16 99% 50.4 ->
+//    51.0, all-hit 43.2 -> 43.8), though those steps plan as main does.
 // MacFill reuses Attend (one CTA per static split of (request, position, KV head)) and a
 // fill combine that writes the entries.
 #pragma once
